@@ -1,0 +1,90 @@
+"""The pool of KV-cache page ids: a free stack plus a refcount per page, all in numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class PagePool:
+    """Owns the ids ``0 .. num_pages-1``.
+
+    Invariants:
+      * a page is free  ⇔  its refcount is 0  ⇔  it appears exactly once in
+        ``_free[:_num_free]``;
+      * every operation costs O(pages touched), never O(num_pages).
+    A page with refcount 1 is private to its one holder (writable); refcount > 1 means
+    shared (read-only).
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.refcount = np.zeros(num_pages, dtype=np.int32)
+        # Pop from the end; reversed so that the first allocations get low ids.
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
+        self._num_free = num_pages
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self._num_free
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.page_size)
+
+    def alloc(self, count: int) -> np.ndarray:
+        """Take ``count`` free pages (refcount becomes 1). Raises OutOfPages if short."""
+        if count > self._num_free:
+            raise OutOfPages(f"need {count} pages, {self._num_free} free")
+        start = self._num_free - count
+        pages = self._free[start : self._num_free].copy()
+        self._num_free = start
+        self.refcount[pages] = 1
+        return pages
+
+    def incref(self, pages: np.ndarray) -> None:
+        """Add one holder to each page (the pages must be in use)."""
+        if pages.size == 0:
+            return
+        if np.any(self.refcount[pages] <= 0):
+            raise RuntimeError("incref of a free page")
+        np.add.at(self.refcount, pages, 1)
+
+    def decref(self, pages: np.ndarray) -> None:
+        """Drop one holder from each page; pages that reach 0 go back to the free stack."""
+        if pages.size == 0:
+            return
+        np.subtract.at(self.refcount, pages, 1)
+        counts = self.refcount[pages]
+        if np.any(counts < 0):
+            raise RuntimeError("decref of a free page (double free)")
+        released = np.unique(pages[counts == 0])
+        n = released.size
+        if n:
+            self._free[self._num_free : self._num_free + n] = released
+            self._num_free += n
+
+    def free_page_ids(self) -> np.ndarray:
+        return self._free[: self._num_free].copy()
+
+    def check(self) -> None:
+        """Raise AssertionError if the free stack and refcounts disagree (O(num_pages))."""
+        free = self._free[: self._num_free]
+        assert np.unique(free).size == free.size, "a page is twice in the free list"
+        assert np.all(self.refcount[free] == 0), "a free page has holders"
+        assert int(np.count_nonzero(self.refcount == 0)) == free.size, (
+            "a page with no holder leaked"
+        )
+        assert np.all(self.refcount >= 0), "negative refcount"

@@ -1,0 +1,166 @@
+"""A request and its state machine: NEW → PREFILL → DECODE → FINISHED/ABORTED, PREEMPTED between."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+
+from radixserve.core.sampling_params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    NEW = "new"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+_ALLOWED: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.NEW: frozenset(
+        {RequestState.PREFILL, RequestState.FINISHED, RequestState.ABORTED}
+    ),
+    RequestState.PREFILL: frozenset(
+        {
+            RequestState.DECODE,
+            RequestState.PREEMPTED,
+            RequestState.FINISHED,
+            RequestState.ABORTED,
+        }
+    ),
+    RequestState.DECODE: frozenset(
+        {RequestState.PREEMPTED, RequestState.FINISHED, RequestState.ABORTED}
+    ),
+    RequestState.PREEMPTED: frozenset(
+        {RequestState.PREFILL, RequestState.FINISHED, RequestState.ABORTED}
+    ),
+    RequestState.FINISHED: frozenset(),
+    RequestState.ABORTED: frozenset(),
+}
+
+TERMINAL_STATES = frozenset({RequestState.FINISHED, RequestState.ABORTED})
+
+
+class InvalidTransition(RuntimeError):
+    pass
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class Request:
+    """One sequence being generated.
+
+    Invariants:
+      * ``token_ids[:num_tokens]`` is the prompt followed by the output so far;
+        ``num_prompt_tokens <= num_tokens <= num_prompt_tokens + max_tokens``.
+      * ``num_cached_tokens <= num_computed_tokens <= num_tokens``: KV exists for the first
+        ``num_computed_tokens`` tokens, of which the first ``num_cached_tokens`` came from the
+        prefix cache.
+      * the state only moves along the edges of ``_ALLOWED``; a terminal state is reached
+        at most once (``finish``), and then ``finish_reason`` is set.
+      * ``table_row`` is set exactly while the request owns KV pages (PREFILL or DECODE).
+    """
+
+    __slots__ = (
+        "admit_seq",
+        "arrival_time",
+        "error",
+        "finish_reason",
+        "group_id",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_pages",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "num_tokens",
+        "request_id",
+        "sampling_params",
+        "state",
+        "table_row",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: np.ndarray | list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        group_id: str | None = None,
+    ) -> None:
+        prompt = np.asarray(prompt_token_ids, dtype=np.int32)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
+        self.request_id = request_id
+        self.group_id = group_id if group_id is not None else request_id
+        self.sampling_params = sampling_params
+        self.num_prompt_tokens = int(prompt.size)
+        self.token_ids = np.empty(prompt.size + sampling_params.max_tokens, dtype=np.int32)
+        self.token_ids[: prompt.size] = prompt
+        self.num_tokens = int(prompt.size)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_pages = 0
+        self.num_preemptions = 0
+        self.table_row = -1
+        self.admit_seq = -1
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.state = RequestState.NEW
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+
+    # -- tokens ---------------------------------------------------------------------------
+    @property
+    def prompt_token_ids(self) -> np.ndarray:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> np.ndarray:
+        return self.token_ids[self.num_prompt_tokens : self.num_tokens]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def all_token_ids(self) -> np.ndarray:
+        return self.token_ids[: self.num_tokens]
+
+    def append_token(self, token_id: int) -> None:
+        if self.num_tokens >= self.token_ids.size:
+            raise RuntimeError(f"request {self.request_id} exceeded max_tokens")
+        self.token_ids[self.num_tokens] = token_id
+        self.num_tokens += 1
+
+    # -- state ----------------------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def transition(self, new_state: RequestState) -> None:
+        if new_state not in _ALLOWED[self.state]:
+            raise InvalidTransition(
+                f"request {self.request_id}: {self.state.value} -> {new_state.value} is not allowed"
+            )
+        self.state = new_state
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """Move to the terminal state matching ``reason`` (ABORTED for ABORT, else FINISHED)."""
+        terminal = RequestState.ABORTED if reason is FinishReason.ABORT else RequestState.FINISHED
+        self.transition(terminal)
+        self.finish_reason = reason
+        self.error = error
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.state.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

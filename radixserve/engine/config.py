@@ -1,0 +1,41 @@
+"""Engine settings, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    """Invariant: every field is within range after ``__post_init__`` (else ``ValueError``)."""
+
+    model: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    kv_cache_memory_gb: float = 1.0
+    page_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    long_prefill_threshold: int | None = None
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        """``auto``: the checkpoint's float32, else bfloat16 (float16 is slow on CPU)."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return torch.float32 if checkpoint_dtype == "float32" else torch.bfloat16

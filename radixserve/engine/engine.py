@@ -1,0 +1,286 @@
+"""The engine: add_request / abort / step, shared by the offline API and the server."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixserve.core.page_pool import PagePool
+from radixserve.core.page_table import PageTable
+from radixserve.core.request import FinishReason, Request
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.engine.config import EngineConfig
+from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.engine.model_source import ModelSource, resolve_model
+from radixserve.engine.outputs import SequenceDelta
+from radixserve.engine.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
+from radixserve.executor.kv_cache import KVCache, bytes_per_page
+from radixserve.executor.loader import load_checkpoint
+from radixserve.executor.loader.safetensors_loader import read_json
+from radixserve.executor.model_config import ModelConfig
+from radixserve.executor.model_runner import ModelRunner
+from radixserve.executor.models.registry import model_class
+from radixserve.executor.sampler import Sampler
+from radixserve.scheduler.kv_manager import KVManager
+from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass
+class _Sequence:
+    """Engine-side bookkeeping of one running sample."""
+
+    request_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    stop_token_ids: frozenset[int]
+
+
+class Engine:
+    """Owns the model, the KV cache and the scheduler; turns requests into token streams.
+
+    Invariants:
+      * every sample added ends with exactly one finished ``SequenceDelta``: stop, length,
+        abort, or error (an exception in a step fails that step's requests, not the engine);
+      * after ``step`` returns, every KV page is free or held by a running request
+        (``check_page_accounting``).
+    """
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.source: ModelSource = resolve_model(config.model)
+        checkpoint = load_checkpoint(self.source.kind, self.source.path)
+        self.model_config = ModelConfig.from_hf_dict(checkpoint.hf_config)
+        if self.source.kind == "gguf":
+            self.tokenizer = tokenizer_from_gguf(checkpoint.gguf_metadata or {})
+            generation_config: dict[str, Any] = {}
+        else:
+            self.tokenizer = load_hf_tokenizer(self.source.path)
+            gen_path = self.source.path / "generation_config.json"
+            generation_config = read_json(gen_path) if gen_path.is_file() else {}
+        self.dtype = config.torch_dtype(checkpoint.hf_config.get("torch_dtype"))
+        self.model = model_class(self.model_config.architecture)(
+            self.model_config, checkpoint.weights, self.dtype
+        )
+        del checkpoint
+        mc = self.model_config
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        self.eos_token_ids = self._eos_ids(generation_config)
+        self.default_sampling = {
+            k: generation_config[k] for k in _SAMPLING_DEFAULT_KEYS if k in generation_config
+        }
+        if generation_config.get("do_sample") is False:
+            self.default_sampling["temperature"] = 0.0
+
+        page_bytes = bytes_per_page(
+            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.page_size, self.dtype
+        )
+        num_pages = max(1, int(config.kv_cache_memory_gb * 2**30) // page_bytes)
+        self.pool = PagePool(num_pages, config.page_size)
+        self.page_table = PageTable(config.max_num_seqs, self.pool.pages_for(self.max_model_len))
+        self.kv_manager = KVManager(self.pool, self.page_table)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                long_prefill_threshold=config.long_prefill_threshold,
+            ),
+            self.kv_manager,
+        )
+        kv_cache = KVCache(
+            mc.num_hidden_layers,
+            num_pages,
+            config.page_size,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            self.dtype,
+        )
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, kv_cache, self.page_table, self.sampler)
+        self._backend_tokenizer = self.tokenizer.backend_tokenizer
+        self._sequences: dict[str, _Sequence] = {}
+        self._children: dict[str, list[str]] = {}
+        self._pending: list[SequenceDelta] = []
+        self.num_steps = 0
+
+    def _eos_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_eos = generation_config.get("eos_token_id")
+        ids.update(
+            gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        )
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # -- requests -------------------------------------------------------------------------
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """The model's generation_config defaults, with ``overrides`` on top."""
+        return SamplingParams(**{**self.default_sampling, **overrides})
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def validate_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids of ``prompt``; ``ValueError`` if it is empty, out of vocabulary or too long."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}"
+                )
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        params.check_vocab(self.vocab_size)
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {total} tokens ({len(token_ids)} in the prompt, "
+                f"{params.max_tokens} for the completion)."
+            )
+        return token_ids
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> list[int]:
+        """Queue ``params.n`` samples of ``prompt``; returns the prompt's token ids."""
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.validate_prompt(prompt, params)
+        seq_ids = (
+            [request_id] if params.n == 1 else [f"{request_id}\x1f{i}" for i in range(params.n)]
+        )
+        requests = [Request(sid, token_ids, params, group_id=request_id) for sid in seq_ids]
+        self.scheduler.add_group(requests)
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        )
+        for i, sid in enumerate(seq_ids):
+            self._sequences[sid] = _Sequence(
+                request_id,
+                i,
+                IncrementalDetokenizer(
+                    self._backend_tokenizer,
+                    token_ids,
+                    params.skip_special_tokens,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                ),
+                stop_ids,
+            )
+        self._children[request_id] = seq_ids
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        """Abort every sample of ``request_id`` (any state); pages are freed at once and the
+        final deltas come out of the next ``step``."""
+        for sid in self._children.get(request_id, []):
+            req = self.scheduler.abort(sid)
+            if req is not None:
+                self._pending.append(self._final(req))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.scheduler.num_unfinished
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> list[SequenceDelta]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        outputs.extend(self._final(req) for req in batch.failed)
+        if batch.is_empty:
+            return outputs
+        self.num_steps += 1
+        try:
+            sampled = self.runner.execute(batch)
+        except Exception as exc:  # fail this batch, keep the engine
+            logger.exception("step failed; failing its %d requests", len(batch.requests))
+            message = f"internal error while running the batch: {type(exc).__name__}: {exc}"
+            for req in batch.requests:
+                self.scheduler.finish(req, FinishReason.ERROR, message)
+                outputs.append(self._final(req))
+            return outputs
+        for req in self.scheduler.update_after_step(batch, sampled):
+            outputs.append(self._on_token(req, int(req.token_ids[req.num_tokens - 1])))
+        return outputs
+
+    def _on_token(self, req: Request, token: int) -> SequenceDelta:
+        seq = self._sequences[req.request_id]
+        detok = seq.detokenizer
+        params = req.sampling_params
+        reason: FinishReason | None = None
+        if token in seq.stop_token_ids and req.num_output_tokens > params.min_tokens - 1:
+            reason = FinishReason.STOP
+        else:
+            detok.add_token(token)
+            if detok.stopped_by is not None:
+                reason = FinishReason.STOP
+            elif req.num_output_tokens >= params.max_tokens:
+                reason = FinishReason.LENGTH
+        if reason is None:
+            return SequenceDelta(
+                seq.request_id,
+                seq.index,
+                [token],
+                detok.take_delta(finished=False),
+                num_prompt_tokens=req.num_prompt_tokens,
+            )
+        self.scheduler.finish(req, reason)
+        delta = self._final(req)
+        delta.new_token_ids = [token]
+        return delta
+
+    def _final(self, req: Request) -> SequenceDelta:
+        seq = self._sequences.pop(req.request_id)
+        self.sampler.forget(req.request_id)
+        children = self._children.get(seq.request_id)
+        if children is not None and all(c not in self._sequences for c in children):
+            del self._children[seq.request_id]
+        if req.finish_reason is not FinishReason.ABORT:
+            seq.detokenizer.flush()
+        return SequenceDelta(
+            seq.request_id,
+            seq.index,
+            [],
+            seq.detokenizer.take_delta(finished=True),
+            finished=True,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            error=req.error,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # -- checks ---------------------------------------------------------------------------
+    def check_page_accounting(self) -> None:
+        """Every page is free or held, with a refcount equal to its number of holders."""
+        self.pool.check()
+        held = self.kv_manager.held_page_ids(self.scheduler.running)
+        expected = np.bincount(held, minlength=self.pool.num_pages)
+        assert np.array_equal(expected, self.pool.refcount), "page refcounts != holders"
+        free = self.pool.num_free
+        assert free + int(np.count_nonzero(expected)) == self.pool.num_pages, "pages unaccounted"
+
+    def check_idle(self) -> None:
+        """At idle: no request left and every page back in the free list."""
+        assert not self.scheduler.has_unfinished(), "requests left in the scheduler"
+        self.check_page_accounting()
+        assert self.pool.num_free == self.pool.num_pages, "pages leaked at idle"

@@ -1,0 +1,172 @@
+"""The offline Python API: ``LLM.generate`` / ``LLM.chat`` / ``LLM.stream``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.engine.config import EngineConfig
+from radixserve.engine.engine import Engine
+from radixserve.engine.outputs import CompletionOutput, RequestOutput
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Runs prompts to completion with continuous batching.
+
+    ``LLM(model=None)`` loads the embedded default model; any ``EngineConfig`` field can be
+    passed as a keyword (``dtype``, ``kv_cache_memory_gb``, ``page_size`` ...).
+    Invariant: every call returns one ``RequestOutput`` per prompt, in input order.
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    # -- generate -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_list(sampling_params, len(prompt_list))
+        # Validate everything before anything reaches the engine.
+        token_ids = [
+            self.engine.validate_prompt(p, sp)
+            for p, sp in zip(prompt_list, params_list, strict=True)
+        ]
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, ids, params in zip(prompt_list, token_ids, params_list, strict=True):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, ids, params)
+            results[rid] = RequestOutput(
+                request_id=rid,
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=list(ids),
+                outputs=[CompletionOutput(i, "", [], None) for i in range(params.n)],
+            )
+            order.append(rid)
+        remaining = len(order)
+        bar = tqdm(total=remaining, desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while remaining:
+                for delta in self.engine.step():
+                    out = results[delta.request_id]
+                    completion = out.outputs[delta.index]
+                    completion.text += delta.text
+                    completion.token_ids.extend(delta.new_token_ids)
+                    if delta.finished:
+                        completion.finish_reason = delta.finish_reason
+                        completion.error = delta.error
+                        out.num_cached_tokens = max(out.num_cached_tokens, delta.num_cached_tokens)
+                        if all(o.finish_reason is not None for o in out.outputs):
+                            remaining -= 1
+                            bar.update(1)
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if _is_conversation(messages) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(
+        self, messages: Messages, add_generation_prompt: bool = True
+    ) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template; use generate() with plain text")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # -- streaming ------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: Prompt | Messages,
+        sampling_params: SamplingParams | None = None,
+        chat: bool = False,
+    ) -> Iterator[str]:
+        """Yield text deltas of one completion as they are generated (n must be 1)."""
+        params = sampling_params or self.get_default_sampling_params()
+        if params.n != 1:
+            raise ValueError("stream() draws one sample; use n=1")
+        ids = self.apply_chat_template(prompt) if chat else prompt  # type: ignore[arg-type]
+        ids = self.engine.validate_prompt(ids, params)  # type: ignore[arg-type]
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, ids, params)
+        finished = False
+        try:
+            while not finished:
+                for delta in self.engine.step():
+                    if delta.text:
+                        yield delta.text
+                    if delta.finished:
+                        if delta.finish_reason == "error":
+                            raise RuntimeError(delta.error or "generation failed")
+                        finished = True
+        finally:
+            if not finished:
+                self.engine.abort(rid)
+                while self.engine.has_unfinished():
+                    self.engine.step()
+
+    def _params_list(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+        return params
+
+
+def _is_conversation(messages: Any) -> bool:
+    return isinstance(messages, list) and (not messages or isinstance(messages[0], dict))
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    if all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    for p in prompts:
+        if not isinstance(p, str | list):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p)}")
+    return prompts

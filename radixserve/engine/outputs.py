@@ -1,0 +1,64 @@
+"""What the engine reports to its callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SequenceDelta:
+    """One step's news for one of a request's ``n`` samples.
+
+    Invariant: for each (request_id, index), exactly one delta has ``finished`` set, and it
+    is the last one; the deltas' ``text`` joined equals the sample's final text.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt: ``outputs`` holds its n samples, by index."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

@@ -1,0 +1,94 @@
+"""A scheduled batch flattened into the arrays a forward pass consumes (numpy, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixserve.core.page_table import PageTable
+from radixserve.scheduler.scheduler import ScheduledBatch
+
+
+@dataclass
+class ForwardBatch:
+    """Flat token-major inputs of one step.
+
+    Invariants (B requests, T tokens):
+      * request i owns tokens ``query_start_loc[i] : query_start_loc[i+1]`` of ``input_ids``,
+        ``positions`` and ``slot_mapping``; its positions are
+        ``seq_lens[i] - q_lens[i] .. seq_lens[i] - 1``;
+      * ``page_tables[i, :ceil(seq_lens[i] / page_size)]`` are request i's pages, and
+        ``slot_mapping[t] = page * page_size + position % page_size`` is where token t's KV goes;
+      * ``logits_indices`` are the flat indices of the last token of each sampled request,
+        in batch order.
+    """
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    q_lens: np.ndarray  # [B] int64
+    seq_lens: np.ndarray  # [B] int64: KV length after this step
+    query_start_loc: np.ndarray  # [B+1] int64
+    page_tables: np.ndarray  # [B, max_pages] int64
+    logits_indices: np.ndarray  # [S] int64
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.size)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.q_lens.size)
+
+    @classmethod
+    def build(
+        cls, scheduled: ScheduledBatch, page_table: PageTable, page_size: int
+    ) -> ForwardBatch:
+        reqs = scheduled.requests
+        q_lens = scheduled.num_new_tokens.astype(np.int64)
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
+        rows = np.fromiter((r.table_row for r in reqs), dtype=np.int64, count=len(reqs))
+        seq_lens = starts + q_lens
+        query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+
+        if num_tokens == len(reqs):  # decode-only step: one token each
+            input_ids = np.fromiter(
+                (r.token_ids[c] for r, c in zip(reqs, starts.tolist(), strict=True)),
+                dtype=np.int64,
+                count=len(reqs),
+            )
+            positions = starts
+            token_req = np.arange(len(reqs))
+        else:
+            input_ids = np.concatenate(
+                [
+                    r.token_ids[c : c + n]
+                    for r, c, n in zip(reqs, starts.tolist(), q_lens.tolist(), strict=True)
+                ]
+            ).astype(np.int64)
+            token_req = np.repeat(np.arange(len(reqs)), q_lens)
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
+                starts - query_start_loc[:-1], q_lens
+            )
+
+        max_pages = int(-(-seq_lens.max() // page_size)) if len(reqs) else 0
+        page_tables = page_table.table[rows, :max_pages].astype(np.int64)
+        slot_mapping = (
+            page_tables[token_req, positions // page_size] * page_size + positions % page_size
+        )
+        logits_indices = query_start_loc[1:][scheduled.sample] - 1
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            q_lens=q_lens,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            page_tables=page_tables,
+            logits_indices=logits_indices,
+            page_size=page_size,
+        )

@@ -1,0 +1,49 @@
+"""The KV cache tensors: allocated once, addressed by page id."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_page(
+    num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype
+) -> int:
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class KVCache:
+    """Keys and values of every layer: ``k[layer]`` is [num_pages, page_size, kv_heads, head_dim].
+
+    Invariant: the tensors are allocated once and never reallocated; slot ``s`` is token
+    ``s % page_size`` of page ``s // page_size``.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.num_pages = num_pages
+
+    def write(
+        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k/v [T, kv_heads, head_dim] at ``slot_mapping``; returns the layer's caches."""
+        k_layer, v_layer = self.k[layer], self.v[layer]
+        k_layer.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        v_layer.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+        return k_layer, v_layer
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole pages ``src`` → ``dst`` in every layer (copy-on-write of shared pages)."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]

@@ -1,0 +1,56 @@
+"""Runs one scheduled batch: inputs → model forward over the paged cache → sampled tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from radixserve.core.page_table import PageTable
+from radixserve.executor.attention import TorchNativeAttention
+from radixserve.executor.forward_batch import ForwardBatch
+from radixserve.executor.kv_cache import KVCache
+from radixserve.executor.models.llama import LlamaForCausalLM
+from radixserve.executor.sampler import Sampler
+from radixserve.scheduler.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    """Executes batches; decides nothing about who runs.
+
+    Invariant: ``execute`` returns one entry per scheduled request: the sampled token id
+    where ``batch.sample[i]`` is set, -1 elsewhere. Pending page copies run before the
+    forward, so copied pages are complete before anything reads or extends them.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        page_table: PageTable,
+        sampler: Sampler,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.page_table = page_table
+        self.sampler = sampler
+        c = model.config
+        self.attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> np.ndarray:
+        if batch.page_copies:
+            src = torch.tensor([c.src for c in batch.page_copies])
+            dst = torch.tensor([c.dst for c in batch.page_copies])
+            self.kv_cache.copy_pages(src, dst)
+        fb = ForwardBatch.build(batch, self.page_table, self.kv_cache.page_size)
+        meta = self.attention.prepare(fb)
+        hidden = self.model.forward(
+            torch.from_numpy(fb.input_ids), torch.from_numpy(fb.positions), self.attention, meta
+        )
+        tokens = np.full(len(batch.requests), -1, dtype=np.int64)
+        if fb.logits_indices.size:
+            logits = self.model.compute_logits(hidden[torch.from_numpy(fb.logits_indices)])
+            sampled_reqs = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
+            sampled = self.sampler(logits, self.sampler.prepare(sampled_reqs))
+            tokens[batch.sample] = sampled.numpy()
+        return tokens

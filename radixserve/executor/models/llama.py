@@ -1,0 +1,139 @@
+"""Llama-family decoder (Llama 2/3.x, Mistral, SmolLM, Qwen2, Qwen3) over a paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.executor.attention import AttentionBackend
+from radixserve.executor.model_config import ModelConfig
+from radixserve.executor.rotary import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class DecoderLayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v fused
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up fused
+    down: torch.Tensor
+
+
+class LlamaForCausalLM:
+    """Holds the weights in Hugging Face semantics, fused where that saves kernel launches.
+
+    Invariant: ``forward`` computes the same function as the Hugging Face model of the same
+    config on the same weights; hidden states of all tokens come out, logits only for the
+    rows asked for (``compute_logits``).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.config = config
+        self.dtype = dtype
+        c = config
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                tensor = weights.pop(name)
+            except KeyError:
+                raise ValueError(f"weight {name!r} is missing from the checkpoint") from None
+            return tensor.to(dtype).contiguous()
+
+        def take_optional(name: str) -> torch.Tensor | None:
+            return take(name) if name in weights else None
+
+        self.embed = take("model.embed_tokens.weight")
+        if tuple(self.embed.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(
+                f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
+                f"({c.vocab_size}, {c.hidden_size})"
+            )
+        self.layers: list[DecoderLayerWeights] = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat(
+                [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0
+            )
+            bias = None
+            if c.attention_bias:
+                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
+            self.layers.append(
+                DecoderLayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=qkv,
+                    qkv_bias=bias,
+                    q_norm=take(p + "self_attn.q_norm.weight") if c.qk_norm else None,
+                    k_norm=take(p + "self_attn.k_norm.weight") if c.qk_norm else None,
+                    o=take(p + "self_attn.o_proj.weight"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat(
+                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
+                    ),
+                    down=take(p + "mlp.down_proj.weight"),
+                )
+            )
+            if qkv.shape != (self.q_size + 2 * self.kv_size, c.hidden_size):
+                raise ValueError(f"layer {i}: q/k/v projections do not match the config")
+        self.norm = take("model.norm.weight")
+        lm_head = take_optional("lm_head.weight")
+        self.lm_head = self.embed if (lm_head is None or c.tie_word_embeddings) else lm_head
+        for name in list(weights):
+            if "rotary_emb" in name:
+                weights.pop(name)
+        if weights:
+            raise ValueError(f"unexpected weights in the checkpoint: {sorted(weights)[:5]}")
+        self.rotary = RotaryEmbedding(
+            c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        attn_meta: object,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        c = self.config
+        eps = c.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        norm_shape = (c.hidden_size,)
+        cos, sin = self.rotary.tables(positions)
+        hidden = F.embedding(input_ids, self.embed)
+        for layer_idx, w in enumerate(self.layers):
+            x = F.rms_norm(hidden, norm_shape, w.input_norm, eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
+            if w.q_norm is None:
+                # q and k rotate together as one [T, heads + kv_heads, d] view.
+                qk = qkv[:, : self.q_size + self.kv_size].view(
+                    num_tokens, heads + kv_heads, head_dim
+                )
+                qk = apply_rotary(qk, cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q = qkv[:, : self.q_size].view(num_tokens, heads, head_dim)
+                k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+                    num_tokens, kv_heads, head_dim
+                )
+                q = apply_rotary(F.rms_norm(q, (head_dim,), w.q_norm, eps), cos, sin)
+                k = apply_rotary(F.rms_norm(k, (head_dim,), w.k_norm, eps), cos, sin)
+            attn = attention.forward(layer_idx, q, k.contiguous(), v.contiguous(), attn_meta)
+            hidden = hidden + F.linear(attn, w.o)
+            x = F.rms_norm(hidden, norm_shape, w.post_norm, eps)
+            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, w.down)
+        return F.rms_norm(hidden, norm_shape, self.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [S, vocab] for the given hidden rows."""
+        return F.linear(hidden, self.lm_head).float()

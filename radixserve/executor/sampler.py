@@ -1,0 +1,187 @@
+"""Batched token sampling: penalties, logit bias, temperature, top-k/p, min-p, seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from radixserve.core.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings of the requests sampled this step (row i ↔ requests[i]).
+
+    Invariant: tensors have one row per request; ``generators[i]`` is the request's own
+    generator when it has a seed (so its draws do not depend on the batch), else None.
+    """
+
+    requests: list[Request]
+    temperature: torch.Tensor  # [S] float32; 0 = greedy
+    top_k: torch.Tensor  # [S] int64; vocab size = off
+    top_p: torch.Tensor  # [S] float32
+    min_p: torch.Tensor  # [S] float32
+    all_greedy: bool
+    needs_filter: bool  # some row uses top-k, top-p or min-p
+    needs_penalties: bool
+    needs_bias: bool
+    needs_min_tokens: bool
+    generators: list[torch.Generator | None]
+
+
+class Sampler:
+    """Draws one token per sampled request in a handful of batched tensor ops.
+
+    Invariant: greedy rows take the argmax of the processed logits; a seeded request's draws
+    come only from its own generator, created once from its seed, so the same seed gives the
+    same tokens alone or in any batch. Sampling uses the exponential-race form of the
+    categorical draw (argmax of p / E, E ~ Exp(1)), one draw per row per step.
+    """
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def prepare(self, requests: list[Request]) -> SamplingBatch:
+        params = [r.sampling_params for r in requests]
+        temperature = [p.temperature for p in params]
+        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        generators: list[torch.Generator | None] = []
+        for r, p in zip(requests, params, strict=True):
+            if p.seed is None or p.temperature == 0:
+                generators.append(None)
+                continue
+            g = self._generators.get(r.request_id)
+            if g is None:
+                g = torch.Generator().manual_seed(p.seed)
+                self._generators[r.request_id] = g
+            generators.append(g)
+        return SamplingBatch(
+            requests=requests,
+            temperature=torch.tensor(temperature, dtype=torch.float32),
+            top_k=torch.tensor(top_k, dtype=torch.int64),
+            top_p=torch.tensor(top_p, dtype=torch.float32),
+            min_p=torch.tensor(min_p, dtype=torch.float32),
+            all_greedy=all(t == 0 for t in temperature),
+            needs_filter=any(
+                k < self.vocab_size or tp < 1 or mp > 0
+                for k, tp, mp in zip(top_k, top_p, min_p, strict=True)
+            ),
+            needs_penalties=any(
+                p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+                for p in params
+            ),
+            needs_bias=any(p.logit_bias for p in params),
+            needs_min_tokens=any(
+                r.num_output_tokens < p.min_tokens for r, p in zip(requests, params, strict=True)
+            ),
+            generators=generators,
+        )
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Sample from float32 ``logits`` [S, vocab]; returns token ids [S] int64."""
+        if batch.needs_bias:
+            logits = self._apply_bias(logits, batch.requests)
+        if batch.needs_penalties:
+            logits = self._apply_penalties(logits, batch.requests)
+        if batch.needs_min_tokens:
+            logits = self._block_stop_tokens(logits, batch.requests)
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            return greedy_tokens
+        temperature = batch.temperature.clamp_min(1e-6).unsqueeze(1)
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if batch.needs_filter:
+            probs = self._filter(probs, batch)
+        noise = self._exponential(probs.shape, batch.generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(batch.temperature == 0, greedy_tokens, sampled)
+
+    @staticmethod
+    def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Zero out tokens outside top-k, the top-p nucleus, or below min_p × max prob."""
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(probs.shape[-1]).unsqueeze(0)
+        cumulative = sorted_probs.cumsum(dim=-1)
+        # keep a token if the mass strictly before it is < top_p (the top token always stays)
+        keep = (ranks < batch.top_k.unsqueeze(1)) & (
+            (cumulative - sorted_probs) < batch.top_p.unsqueeze(1)
+        )
+        keep &= sorted_probs >= batch.min_p.unsqueeze(1) * sorted_probs[:, :1]
+        keep[:, 0] = True
+        filtered = torch.zeros_like(probs)
+        filtered.scatter_(1, order, sorted_probs * keep)
+        return filtered
+
+    @staticmethod
+    def _exponential(shape: torch.Size, generators: list[torch.Generator | None]) -> torch.Tensor:
+        noise = torch.empty(shape, dtype=torch.float32)
+        if all(g is None for g in generators):
+            return noise.exponential_()
+        for row, g in enumerate(generators):
+            noise[row].exponential_(generator=g)
+        return noise
+
+    @staticmethod
+    def _apply_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows, cols, values = [], [], []
+        for i, r in enumerate(requests):
+            for token, bias in (r.sampling_params.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+        logits = logits.clone()
+        logits.index_put_(
+            (torch.tensor(rows), torch.tensor(cols)),
+            torch.tensor(values, dtype=logits.dtype),
+            accumulate=True,
+        )
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Repetition penalty over prompt + output (as vLLM / HF); presence and frequency
+        penalties over the output only (as OpenAI)."""
+        num_rows, vocab = logits.shape
+        output_counts = np.zeros((num_rows, vocab), dtype=np.float32)
+        seen = np.zeros((num_rows, vocab), dtype=bool)
+        rep = np.ones(num_rows, dtype=np.float32)
+        presence = np.zeros(num_rows, dtype=np.float32)
+        frequency = np.zeros(num_rows, dtype=np.float32)
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            rep[i], presence[i], frequency[i] = (
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+            )
+            np.add.at(output_counts[i], r.output_token_ids, 1)
+            if p.repetition_penalty != 1:
+                seen[i, r.prompt_token_ids] = True
+        seen |= output_counts > 0
+        counts = torch.from_numpy(output_counts)
+        rep_t = torch.from_numpy(rep).unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / rep_t, logits * rep_t)
+        logits = torch.where(torch.from_numpy(seen), penalised, logits)
+        logits = logits - torch.from_numpy(frequency).unsqueeze(1) * counts
+        return logits - torch.from_numpy(presence).unsqueeze(1) * (counts > 0).float()
+
+    def _block_stop_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Before min_tokens outputs, EOS and stop_token_ids cannot be drawn."""
+        logits = logits.clone()
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                blocked = list(p.stop_token_ids) + (
+                    [] if p.ignore_eos else list(self.eos_token_ids)
+                )
+                if blocked:
+                    logits[i, blocked] = float("-inf")
+        return logits
