@@ -112,7 +112,7 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if a token id named by these parameters is outside the vocabulary."""
-        for token in (self.logit_bias or {}).keys():
+        for token in self.logit_bias or {}:
             _require(0 <= token < vocab_size, "logit_bias key", f"in [0, {vocab_size})", token)
         for token in self.stop_token_ids:
             _require(0 <= token < vocab_size, "stop_token_ids", f"in [0, {vocab_size})", token)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -166,7 +167,10 @@ class Engine:
         seq_ids = (
             [request_id] if params.n == 1 else [f"{request_id}\x1f{i}" for i in range(params.n)]
         )
-        requests = [Request(sid, token_ids, params, group_id=request_id) for sid in seq_ids]
+        requests = [
+            Request(sid, token_ids, _sample_params(params, i), group_id=request_id)
+            for i, sid in enumerate(seq_ids)
+        ]
         self.scheduler.add_group(requests)
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
@@ -284,3 +288,10 @@ class Engine:
         assert not self.scheduler.has_unfinished(), "requests left in the scheduler"
         self.check_page_accounting()
         assert self.pool.num_free == self.pool.num_pages, "pages leaked at idle"
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample ``index`` of n: a seeded request's samples draw from distinct derived seeds."""
+    if params.seed is None or index == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed * 1_000_003 + index) % 2**63)

@@ -29,35 +29,51 @@ class AttentionBackend(Protocol):
 
 
 @dataclass
-class _Group:
-    """Requests attended together as one padded batch.
+class _DecodeGroup:
+    """Requests with one query token each: ``token_index[b]`` is the flat index of request b's
+    token, ``page_tables`` [b, max_pages] its pages, ``bias`` [b, 1, max_kv] 0 where a kv
+    position is < seq_len and -inf beyond (None when every row is full)."""
+
+    token_index: torch.Tensor
+    page_tables: torch.Tensor
+    bias: torch.Tensor | None
+
+
+@dataclass
+class _PrefillGroup:
+    """Prefill chunks that extend cached context, as one padded batch.
 
     ``token_index[b, j]`` is the flat index of request b's j-th query token (padding points at
-    a valid token and is dropped on output); ``page_tables`` [b, max_pages] gathers the KV;
-    ``mask`` [b, 1, max_q, max_kv] allows kv position <= query position < seq_len.
+    a valid token and is dropped on output); ``mask`` [b, 1, max_q, max_kv] allows
+    kv position <= query position.
     """
 
     token_index: torch.Tensor  # [b, max_q]
     valid: torch.Tensor  # [b, max_q] bool
-    out_index: torch.Tensor  # [n_valid] flat token indices, in valid order
+    out_index: torch.Tensor  # [n_valid]
     page_tables: torch.Tensor  # [b, max_pages]
-    mask: torch.Tensor | None  # None: decode of equal-length rows with no padding
+    mask: torch.Tensor
 
 
 @dataclass
 class TorchNativeMetadata:
     slot_mapping: torch.Tensor
-    groups: list[_Group]
     num_tokens: int
+    decode: _DecodeGroup | None
+    fresh_spans: list[tuple[int, int]]  # prompts with no prior KV: [start, end) flat spans
+    prefill: _PrefillGroup | None
 
 
 class TorchNativeAttention:
-    """Gathers each request's KV pages into a padded batch and runs one masked SDPA call per
-    group and layer: one group for decodes (one query token each) and one for prefill chunks,
-    so a decode is never padded to a prefill's length.
+    """Paged attention in plain PyTorch, one batched call per group and layer:
+
+    * decodes: the batch's pages are gathered head-major ([kv_heads, b, kv_len, d], no
+      transpose copy) and attended with two batched matmuls;
+    * prompts with no cached prefix: causal SDPA on the step's own q/k/v (no cache read);
+    * chunks that extend cached KV: pages gathered into a padded batch + masked SDPA.
 
     Invariant: the KV written by a step is visible to that step's own queries (writes happen
-    before the gather), and no query attends past its own position.
+    before any read), and no query attends past its own position.
     """
 
     def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int) -> None:
@@ -66,47 +82,61 @@ class TorchNativeAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
 
+    # -- per step -------------------------------------------------------------------------
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
-        decode = batch.q_lens == 1
-        groups = [
-            self._group(batch, np.flatnonzero(decode), is_decode=True),
-            self._group(batch, np.flatnonzero(~decode), is_decode=False),
-        ]
+        is_decode = batch.q_lens == 1
+        is_fresh = ~is_decode & (batch.seq_lens == batch.q_lens)
+        starts = batch.query_start_loc
+        fresh = np.flatnonzero(is_fresh)
         return TorchNativeMetadata(
             slot_mapping=torch.from_numpy(batch.slot_mapping),
-            groups=[g for g in groups if g is not None],
             num_tokens=batch.num_tokens,
+            decode=self._decode_group(batch, np.flatnonzero(is_decode)),
+            fresh_spans=list(zip(starts[fresh].tolist(), starts[fresh + 1].tolist(), strict=True)),
+            prefill=self._prefill_group(batch, np.flatnonzero(~is_decode & ~is_fresh)),
         )
 
-    def _group(self, batch: ForwardBatch, idx: np.ndarray, is_decode: bool) -> _Group | None:
+    def _decode_group(self, batch: ForwardBatch, idx: np.ndarray) -> _DecodeGroup | None:
         if idx.size == 0:
             return None
-        ps = batch.page_size
+        seq_lens = batch.seq_lens[idx]
+        max_pages = int(-(-seq_lens.max() // batch.page_size))
+        max_kv = max_pages * batch.page_size
+        bias = None
+        if not np.all(seq_lens == max_kv):
+            beyond = np.arange(max_kv)[None, :] >= seq_lens[:, None]
+            bias = torch.zeros(beyond.shape, dtype=self.kv_cache.k.dtype)
+            bias.masked_fill_(torch.from_numpy(beyond), float("-inf"))
+            bias = bias.unsqueeze(1)
+        return _DecodeGroup(
+            token_index=torch.from_numpy(batch.query_start_loc[idx]),
+            page_tables=torch.from_numpy(np.ascontiguousarray(batch.page_tables[idx, :max_pages])),
+            bias=bias,
+        )
+
+    def _prefill_group(self, batch: ForwardBatch, idx: np.ndarray) -> _PrefillGroup | None:
+        if idx.size == 0:
+            return None
         q_lens = batch.q_lens[idx]
         seq_lens = batch.seq_lens[idx]
         max_q = int(q_lens.max())
-        max_pages = int(-(-seq_lens.max() // ps))
-        max_kv = max_pages * ps
+        max_pages = int(-(-seq_lens.max() // batch.page_size))
         j = np.arange(max_q)
         valid = j[None, :] < q_lens[:, None]
         token_index = batch.query_start_loc[idx][:, None] + np.minimum(
             j[None, :], q_lens[:, None] - 1
         )
-        mask = None
-        if not (is_decode and np.all(seq_lens == max_kv)):
-            q_pos = seq_lens[:, None] - q_lens[:, None] + j[None, :]  # [b, max_q]
-            kv_pos = np.arange(max_kv)
-            allowed = kv_pos[None, None, :] <= q_pos[:, :, None]
-            allowed[:, :, 0] = True  # padded query rows attend somewhere (output dropped)
-            mask = torch.from_numpy(allowed[:, None, :, :])
-        return _Group(
+        q_pos = (seq_lens - q_lens)[:, None] + j[None, :]  # [b, max_q]
+        allowed = np.arange(max_pages * batch.page_size)[None, None, :] <= q_pos[:, :, None]
+        return _PrefillGroup(
             token_index=torch.from_numpy(token_index),
             valid=torch.from_numpy(valid),
             out_index=torch.from_numpy(token_index[valid]),
             page_tables=torch.from_numpy(np.ascontiguousarray(batch.page_tables[idx, :max_pages])),
-            mask=mask,
+            mask=torch.from_numpy(allowed[:, None, :, :]),
         )
 
+    # -- per layer ------------------------------------------------------------------------
     def forward(
         self,
         layer: int,
@@ -116,21 +146,56 @@ class TorchNativeAttention:
         meta: TorchNativeMetadata,
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.write(layer, meta.slot_mapping, k, v)
-        if len(meta.groups) == 1 and meta.groups[0].valid.numel() == meta.num_tokens:
-            return self._attend(meta.groups[0], q, k_cache, v_cache).reshape(meta.num_tokens, -1)
         out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
-        for group in meta.groups:
-            out[group.out_index] = self._attend(group, q, k_cache, v_cache)[group.valid]
+        if meta.decode is not None:
+            out[meta.decode.token_index] = self._decode(meta.decode, q, k_cache, v_cache)
+        for start, end in meta.fresh_spans:
+            # 4-D inputs: torch's CPU flash kernel (3-D ones fall back to the math path)
+            out[start:end] = F.scaled_dot_product_attention(
+                q[None, start:end].transpose(1, 2),
+                k[None, start:end].transpose(1, 2),
+                v[None, start:end].transpose(1, 2),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+        if meta.prefill is not None:
+            g = meta.prefill
+            out[g.out_index] = self._prefill(g, q, k_cache, v_cache)[g.valid]
         return out.view(meta.num_tokens, -1)
 
-    def _attend(
-        self, g: _Group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    @staticmethod
+    def _gather(cache: torch.Tensor, page_tables: torch.Tensor) -> torch.Tensor:
+        """[kv_heads, num_pages, page_size, d] → [kv_heads, b, max_kv, d] for these pages."""
+        heads, _, page_size, d = cache.shape
+        b, max_pages = page_tables.shape
+        return cache.index_select(1, page_tables.flatten()).view(heads, b, max_pages * page_size, d)
+
+    def _decode(
+        self, g: _DecodeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        """Attention of group ``g``: returns [b, max_q, heads, head_dim]."""
-        b, max_pages = g.page_tables.shape
-        # [num_pages, page_size, kv_heads, d] -> [b, max_kv, kv_heads, d] -> [b, kv_heads, max_kv, d]
-        keys = k_cache[g.page_tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[g.page_tables].flatten(1, 2).transpose(1, 2)
+        """Returns [b, heads, d]."""
+        kv_heads = k_cache.shape[0]
+        b = g.token_index.shape[0]
+        # [b, heads, d] -> [kv_heads, b, group, d]: head h reads kv head h // group
+        queries = q[g.token_index].view(b, kv_heads, -1, self.head_dim).transpose(0, 1)
+        keys = self._gather(k_cache, g.page_tables)
+        values = self._gather(v_cache, g.page_tables)
+        scores = (
+            torch.matmul(queries, keys.transpose(-1, -2)) * self.scale
+        )  # [kv, b, group, kv_len]
+        if g.bias is not None:
+            scores = scores + g.bias
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)  # [kv, b, group, d]
+        return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self, g: _PrefillGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Returns [b, max_q, heads, d]."""
+        keys = self._gather(k_cache, g.page_tables).transpose(0, 1)  # [b, kv_heads, max_kv, d]
+        values = self._gather(v_cache, g.page_tables).transpose(0, 1)
         queries = q[g.token_index].transpose(1, 2)  # [b, heads, max_q, d]
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=g.mask, scale=self.scale, enable_gqa=True

@@ -1,0 +1,58 @@
+"""The command line, run as a user would."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "radixserve.api.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_generate_streams_a_chat_answer_with_the_default_model():
+    result = _run("generate", "Tell me about Paris", "--max-tokens", "24", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_generate_no_chat_on_a_tiny_model(tiny_llama):
+    result = _run(
+        "generate",
+        "Paris is",
+        "--model",
+        str(tiny_llama),
+        "--no-chat",
+        "--max-tokens",
+        "5",
+        "--dtype",
+        "float32",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() != ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/no/such/model"], "does not exist"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--temperature", "-1"], "temperature"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(args, message):
+    result = _run("generate", "hi", *args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unknown_dtype_is_rejected_by_the_parser():
+    result = _run("generate", "hi", "--dtype", "float16")
+    assert result.returncode == 2 and "invalid choice" in result.stderr

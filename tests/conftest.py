@@ -1,0 +1,135 @@
+"""Shared fixtures: tiny random-weight Hugging Face models built on the fly, SmolLM2 from GGUF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. ",
+    "Paris is the capital of France; Berlin is the capital of Germany. ",
+    "Numbers 0123456789 and symbols !?.,;:-_()[]{} appear in text. ",
+    "Ünïcödé text: café, naïve, 東京, Привет, emoji 🙂 and more. ",
+]
+
+
+def build_tokenizer(folder: Path) -> None:
+    """A small byte-level BPE tokenizer trained on a fixed corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(_CORPUS * 50, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        unk_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(str(folder))
+
+
+def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) -> Path:
+    """Save a random-weight model of ``arch`` (llama, mistral, qwen2, qwen3) with a tokenizer."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[arch]
+    kwargs = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,  # peaky logits: no near-ties in greedy comparisons
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32
+    kwargs.update(overrides)
+    torch.manual_seed(hash(arch) % 1000)
+    model = model_cls(config_cls(**kwargs)).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), max_shard_size="100KB" if shard else "2GB")
+    # generation_config.json would carry sampling defaults: keep tests explicit.
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": build_tiny_model(
+            root / "llama",
+            "llama",
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        ),
+        "mistral": build_tiny_model(root / "mistral", "mistral", shard=True),
+        "qwen2": build_tiny_model(root / "qwen2", "qwen2", tie_word_embeddings=True),
+        "qwen3": build_tiny_model(root / "qwen3", "qwen3"),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from radixserve.engine.model_source import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path):
+    from radixserve import LLM
+
+    return LLM(str(smollm2_path), dtype="float32")

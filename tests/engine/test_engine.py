@@ -1,0 +1,205 @@
+"""The engine end to end on tiny random models (float32) and SmolLM2."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve import LLM, SamplingParams
+from tests.helpers import generate_ids, greedy
+
+
+def _mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 120))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", page_size=4, kv_cache_memory_gb=0.02)
+
+
+def test_batch_invariance_and_preemption(tiny_llama, llm):
+    prompts = _mixed_prompts(16)
+    params = greedy(24)
+    alone = [generate_ids(llm, [p], params)[0] for p in prompts]
+    assert generate_ids(llm, prompts, params) == alone
+    # A pool too small for all 16 at once: preemption must happen and change nothing.
+    small = LLM(str(tiny_llama), dtype="float32", page_size=4, kv_cache_memory_gb=0.0004)
+    assert small.engine.pool.num_pages < 16 * 36
+    assert generate_ids(small, prompts, params) == alone
+    assert small.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_seeded_sampling_is_batch_independent(llm):
+    prompts = _mixed_prompts(6, seed=1)
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=100 + i, ignore_eos=True)
+        for i in range(6)
+    ]
+    alone = [generate_ids(llm, [p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
+    together = generate_ids(llm, prompts, params)
+    assert together == alone
+    other_seed = SamplingParams(
+        temperature=1.0, top_p=0.9, max_tokens=16, seed=999, ignore_eos=True
+    )
+    assert generate_ids(llm, [prompts[0]], other_seed)[0] != alone[0]
+
+
+def test_n_samples_share_prefill_and_differ(llm):
+    prompt = _mixed_prompts(1, seed=2)[0]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    llm.engine.check_idle()
+    assert len(out.outputs) == 4
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    # greedy n=2: both samples equal the n=1 result (sharing the prefill changes nothing)
+    g = greedy(10)
+    single = generate_ids(llm, [prompt], g)[0]
+    both = llm.generate(
+        [prompt], SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert [o.token_ids for o in both.outputs] == [single, single]
+
+
+def test_sampling_filters_and_penalties_run(llm):
+    prompt = _mixed_prompts(1, seed=3)[0]
+    params = SamplingParams(
+        temperature=0.8,
+        top_k=5,
+        top_p=0.8,
+        min_p=0.05,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={7: 100.0},
+        max_tokens=8,
+        seed=1,
+        ignore_eos=True,
+    )
+    out = generate_ids(llm, [prompt], params)[0]
+    assert out == [7] * 8  # a +100 bias dominates every filter and penalty
+    top1 = generate_ids(
+        llm,
+        [prompt],
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=8, seed=3, ignore_eos=True),
+    )[0]
+    assert top1 == generate_ids(llm, [prompt], greedy(8))[0]
+
+
+def test_min_tokens_and_stop_token_ids(llm):
+    prompt = _mixed_prompts(1, seed=4)[0]
+    free = generate_ids(llm, [prompt], greedy(12))[0]
+    stop_at = free[3]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0]
+    first = free.index(stop_at)
+    assert out.token_ids == free[: first + 1] and out.finish_reason == "stop"
+    blocked = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=12, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0]
+    assert len(blocked.token_ids) == 12 and stop_at not in blocked.token_ids
+
+
+def test_stop_strings_across_tokens_never_leak(llm):
+    prompt = _mixed_prompts(1, seed=5)[0]
+    full = llm.generate([prompt], greedy(40), use_tqdm=False)[0]
+    text = full.text
+    assert len(text) > 12
+    # a stop string spanning a token boundary: take characters around the middle token's start
+    tokens_text = [
+        llm.tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))
+    ]
+    boundary = next(len(t) for t in tokens_text if len(t) > 6)
+    stop = text[boundary - 2 : boundary + 2]
+    cut = text.index(stop)
+    out = llm.generate([prompt], greedy(40, stop=[stop]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == text[:cut]
+    streamed = "".join(llm.stream(prompt, greedy(40, stop=[stop])))
+    assert streamed == text[:cut]
+    kept = llm.generate(
+        [prompt], greedy(40, stop=[stop], include_stop_str_in_output=True), use_tqdm=False
+    )[0]
+    assert kept.text == text[: cut + len(stop)]
+    llm.engine.check_idle()
+
+
+def test_abort_mid_run_frees_everything(llm):
+    engine = llm.engine
+    prompts = _mixed_prompts(4, seed=6)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"a{i}", p, greedy(30))
+    finals = {}
+    for _ in range(3):
+        for d in engine.step():
+            if d.finished:
+                finals[d.request_id] = d.finish_reason
+    engine.abort("a1")
+    engine.abort("a3")
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.finished:
+                assert d.request_id not in finals
+                finals[d.request_id] = d.finish_reason
+    assert finals == {"a0": "length", "a1": "abort", "a2": "length", "a3": "abort"}
+    engine.check_idle()
+
+
+def test_error_in_a_batch_fails_that_batch_only(llm, monkeypatch):
+    engine = llm.engine
+    engine.add_request("boom", [5, 6, 7], greedy(4))
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fell over")
+        return real(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    deltas = engine.step()
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("boom", "error")]
+    assert "device fell over" in deltas[0].error
+    engine.check_idle()
+    assert generate_ids(llm, [[5, 6, 7]], greedy(4))  # the engine still works
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ("", SamplingParams(), "empty"),
+        ([], SamplingParams(), "empty"),
+        ([1, 99999], SamplingParams(), "token ids"),
+        ([1, 2], SamplingParams(max_tokens=5000), "maximum context length"),
+        ([1, 2], SamplingParams(logit_bias={99999: 1.0}), "logit_bias"),
+    ],
+)
+def test_bad_input_is_a_value_error(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompt] if prompt != [] else [[]], params, use_tqdm=False)
+    llm.engine.check_idle()
+
+
+def test_chat_applies_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], greedy(4), use_tqdm=False)[0]
+    expected = llm.tokenizer("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    assert out.prompt_token_ids == expected
+    assert out.num_completion_tokens == 4
+
+
+def test_utf8_streaming_deltas_join_to_full_text(smollm2_llm):
+    prompt = "Write the word café, then 東京 and an emoji 🙂, in French:"
+    params = greedy(40)
+    full = smollm2_llm.generate([prompt], params, use_tqdm=False)[0]
+    deltas = list(smollm2_llm.stream(prompt, params))
+    assert "".join(deltas) == full.text
+    assert all("\ufffd" not in d for d in deltas)
+    assert full.text == smollm2_llm.tokenizer.decode(full.token_ids, skip_special_tokens=True)
