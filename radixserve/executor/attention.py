@@ -31,8 +31,8 @@ class AttentionBackend(Protocol):
 @dataclass
 class _DecodeGroup:
     """Requests with one query token each: ``token_index[b]`` is the flat index of request b's
-    token, ``page_tables`` [b, max_pages] its pages, ``bias`` [b, 1, max_kv] 0 where a kv
-    position is < seq_len and -inf beyond (None when every row is full)."""
+    token, ``page_tables`` [b, max_pages] its pages, ``bias`` [b, max_pages, 1, 1, page_size]
+    0 where a kv position is < seq_len and -inf beyond (None when every row is full)."""
 
     token_index: torch.Tensor
     page_tables: torch.Tensor
@@ -57,7 +57,8 @@ class _PrefillGroup:
 
 @dataclass
 class TorchNativeMetadata:
-    slot_mapping: torch.Tensor
+    slot_pages: torch.Tensor  # [T] page of each new token's KV
+    slot_offsets: torch.Tensor  # [T] its slot within the page
     num_tokens: int
     decode: _DecodeGroup | None
     fresh_spans: list[tuple[int, int]]  # prompts with no prior KV: [start, end) flat spans
@@ -67,8 +68,8 @@ class TorchNativeMetadata:
 class TorchNativeAttention:
     """Paged attention in plain PyTorch, one batched call per group and layer:
 
-    * decodes: the batch's pages are gathered head-major ([kv_heads, b, kv_len, d], no
-      transpose copy) and attended with two batched matmuls;
+    * decodes: the batch's pages are gathered whole (one contiguous copy per page) and
+      attended page by page with two batched matmuls and a softmax across pages;
     * prompts with no cached prefix: causal SDPA on the step's own q/k/v (no cache read);
     * chunks that extend cached KV: pages gathered into a padded batch + masked SDPA.
 
@@ -89,7 +90,8 @@ class TorchNativeAttention:
         starts = batch.query_start_loc
         fresh = np.flatnonzero(is_fresh)
         return TorchNativeMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping),
+            slot_pages=torch.from_numpy(batch.slot_mapping // batch.page_size),
+            slot_offsets=torch.from_numpy(batch.slot_mapping % batch.page_size),
             num_tokens=batch.num_tokens,
             decode=self._decode_group(batch, np.flatnonzero(is_decode)),
             fresh_spans=list(zip(starts[fresh].tolist(), starts[fresh + 1].tolist(), strict=True)),
@@ -105,9 +107,9 @@ class TorchNativeAttention:
         bias = None
         if not np.all(seq_lens == max_kv):
             beyond = np.arange(max_kv)[None, :] >= seq_lens[:, None]
-            bias = torch.zeros(beyond.shape, dtype=self.kv_cache.k.dtype)
+            bias = torch.zeros(beyond.shape, dtype=torch.float32)
             bias.masked_fill_(torch.from_numpy(beyond), float("-inf"))
-            bias = bias.unsqueeze(1)
+            bias = bias.view(len(idx), max_pages, 1, 1, batch.page_size)
         return _DecodeGroup(
             token_index=torch.from_numpy(batch.query_start_loc[idx]),
             page_tables=torch.from_numpy(np.ascontiguousarray(batch.page_tables[idx, :max_pages])),
@@ -145,7 +147,7 @@ class TorchNativeAttention:
         v: torch.Tensor,
         meta: TorchNativeMetadata,
     ) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache.write(layer, meta.slot_mapping, k, v)
+        k_cache, v_cache = self.kv_cache.write(layer, meta.slot_pages, meta.slot_offsets, k, v)
         out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
         if meta.decode is not None:
             out[meta.decode.token_index] = self._decode(meta.decode, q, k_cache, v_cache)
@@ -166,38 +168,49 @@ class TorchNativeAttention:
 
     @staticmethod
     def _gather(cache: torch.Tensor, page_tables: torch.Tensor) -> torch.Tensor:
-        """[kv_heads, num_pages, page_size, d] → [kv_heads, b, max_kv, d] for these pages."""
-        heads, _, page_size, d = cache.shape
+        """[num_pages, kv_heads, page_size, d] → [b, max_pages, kv_heads, page_size, d]."""
         b, max_pages = page_tables.shape
-        return cache.index_select(1, page_tables.flatten()).view(heads, b, max_pages * page_size, d)
+        return cache.index_select(0, page_tables.flatten()).view(b, max_pages, *cache.shape[1:])
 
     def _decode(
         self, g: _DecodeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
-        """Returns [b, heads, d]."""
-        kv_heads = k_cache.shape[0]
+        """Returns [b, heads, d]. Works page by page: batched matmuls over (b, page, kv head)
+        blocks of [group, d] x [d, page_size], then a softmax across all of a row's pages."""
         b = g.token_index.shape[0]
-        # [b, heads, d] -> [kv_heads, b, group, d]: head h reads kv head h // group
-        queries = q[g.token_index].view(b, kv_heads, -1, self.head_dim).transpose(0, 1)
-        keys = self._gather(k_cache, g.page_tables)
-        values = self._gather(v_cache, g.page_tables)
-        scores = (
-            torch.matmul(queries, keys.transpose(-1, -2)) * self.scale
-        )  # [kv, b, group, kv_len]
+        kv_heads = k_cache.shape[1]
+        # head h reads kv head h // group: [b, 1, kv_heads, group, d]
+        queries = q[g.token_index].view(b, 1, kv_heads, -1, self.head_dim)
+        keys = self._gather(k_cache, g.page_tables)  # [b, P, kv, ps, d]
+        scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [b, P, kv, group, ps]
+        scores = scores * self.scale
         if g.bias is not None:
             scores = scores + g.bias
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)  # [kv, b, group, d]
-        return out.transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
+        b, num_pages, _, group, page_size = scores.shape
+        # softmax over all of a row's kv positions: make them one contiguous last dim
+        flat = scores.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group, num_pages * page_size)
+        weights = torch.softmax(flat, dim=-1).to(v_cache.dtype)
+        weights = weights.view(b, kv_heads, group, num_pages, page_size).permute(0, 3, 1, 2, 4)
+        values = self._gather(v_cache, g.page_tables)
+        out = torch.matmul(weights, values).sum(dim=1)  # [b, kv, group, d]
+        return out.view(b, self.num_heads, self.head_dim)
 
     def _prefill(
         self, g: _PrefillGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
         """Returns [b, max_q, heads, d]."""
-        keys = self._gather(k_cache, g.page_tables).transpose(0, 1)  # [b, kv_heads, max_kv, d]
-        values = self._gather(v_cache, g.page_tables).transpose(0, 1)
+
+        def contiguous_kv(cache: torch.Tensor) -> torch.Tensor:  # -> [b, kv_heads, max_kv, d]
+            pages = self._gather(cache, g.page_tables).transpose(1, 2)
+            return pages.reshape(pages.shape[0], pages.shape[1], -1, self.head_dim)
+
         queries = q[g.token_index].transpose(1, 2)  # [b, heads, max_q, d]
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=g.mask, scale=self.scale, enable_gqa=True
+            queries,
+            contiguous_kv(k_cache),
+            contiguous_kv(v_cache),
+            attn_mask=g.mask,
+            scale=self.scale,
+            enable_gqa=True,
         )
         return out.transpose(1, 2)

@@ -12,11 +12,11 @@ def bytes_per_page(
 
 
 class KVCache:
-    """Keys and values of every layer: ``k[layer]`` is [kv_heads, num_pages, page_size, head_dim].
+    """Keys and values of every layer: ``k[layer]`` is [num_pages, kv_heads, page_size, head_dim].
 
-    Head-major, so gathering a batch's pages (``index_select`` on dim 1) gives each head's
-    keys as one contiguous [batch, kv_len, head_dim] block, ready for batched matmuls.
-    Invariant: the tensors are allocated once and never reallocated; slot ``s`` is token
+    Page-major, so gathering a batch's pages is one ``index_select`` on dim 0 copying whole
+    contiguous pages, and each (page, head) block is a [page_size, head_dim] matrix ready
+    for batched matmuls. Invariant: the tensors are allocated once and never reallocated; slot ``s`` is token
     ``s % page_size`` of page ``s // page_size``.
     """
 
@@ -30,23 +30,28 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.num_pages = num_pages
 
     def write(
-        self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        pages: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k/v [T, kv_heads, head_dim] at ``slot_mapping``; returns the layer's caches."""
+        """Store token t's k/v [T, kv_heads, head_dim] at slot ``offsets[t]`` of page
+        ``pages[t]``; returns the layer's caches."""
         k_layer, v_layer = self.k[layer], self.v[layer]
-        heads, _, _, head_dim = k_layer.shape
-        k_layer.view(heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
-        v_layer.view(heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
+        k_layer[pages, :, offsets] = k
+        v_layer[pages, :, offsets] = v
         return k_layer, v_layer
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole pages ``src`` → ``dst`` in every layer (copy-on-write of shared pages)."""
-        self.k[:, :, dst] = self.k[:, :, src]
-        self.v[:, :, dst] = self.v[:, :, src]
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]

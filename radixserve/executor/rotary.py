@@ -36,8 +36,7 @@ def inverse_frequencies(
 class RotaryEmbedding:
     """Precomputed cos/sin tables for positions ``0 .. max_positions-1``.
 
-    Invariant: ``cos[p]`` / ``sin[p]`` hold the half-dimension angles of position p, in the
-    model's compute dtype.
+    Invariant: row p of ``cos`` / ``sin_signed`` rotates position p, in the model's dtype.
     """
 
     def __init__(
@@ -51,16 +50,17 @@ class RotaryEmbedding:
         inv_freq = inverse_frequencies(head_dim, theta, scaling).to(torch.float32)
         positions = torch.arange(max_positions, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)
-        self.cos = angles.cos().to(dtype)
-        self.sin = angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        # Full-width tables so rotation is x * cos + roll(x, d/2) * sin_signed, where
+        # sin_signed = [-sin, sin] reproduces rotate_half(x) * sin exactly.
+        self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
+        self.sin_signed = torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for ``positions`` shaped [T, 1, head_dim/2] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and signed sin for ``positions``, [T, 1, head_dim], to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, heads, head_dim] by the angles in cos/sin [T, 1, head_dim/2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, head_dim] (Hugging Face's rotate-half convention)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)

@@ -127,7 +127,7 @@ class LlamaForCausalLM:
                 )
                 q = apply_rotary(F.rms_norm(q, (head_dim,), w.q_norm, eps), cos, sin)
                 k = apply_rotary(F.rms_norm(k, (head_dim,), w.k_norm, eps), cos, sin)
-            attn = attention.forward(layer_idx, q, k.contiguous(), v.contiguous(), attn_meta)
+            attn = attention.forward(layer_idx, q, k, v, attn_meta)
             hidden = hidden + F.linear(attn, w.o)
             x = F.rms_norm(hidden, norm_shape, w.post_norm, eps)
             gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
