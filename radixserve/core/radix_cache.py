@@ -178,8 +178,6 @@ class RadixCache:
             pos += m
             node = child
         self._touch(node)
-        self.queried_tokens += n
-        self.hit_tokens += pos + partial_tokens
         pages = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else _EMPTY_PAGES)
         return MatchResult(pages, pos, node, partial_page, partial_tokens)
 
@@ -321,6 +319,15 @@ class RadixCache:
             self._num_pending_free = 0
 
     # -- introspection --------------------------------------------------------------------
+    def record(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Count one admitted lookup in the hit-rate statistics."""
+        self.queried_tokens += queried_tokens
+        self.hit_tokens += hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
     @property
     def num_pending_free(self) -> int:
         return self._num_pending_free

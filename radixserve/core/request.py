@@ -72,6 +72,8 @@ class Request:
     __slots__ = (
         "admit_seq",
         "arrival_time",
+        "cache_node",
+        "cache_salt",
         "error",
         "finish_reason",
         "group_id",
@@ -95,6 +97,7 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         group_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
@@ -111,6 +114,8 @@ class Request:
         self.num_pages = 0
         self.num_preemptions = 0
         self.table_row = -1
+        self.cache_salt = cache_salt  # prefix-cache namespace: tenants never share KV
+        self.cache_node: object | None = None  # radix node locked while using cached pages
         self.admit_seq = -1
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.state = RequestState.NEW

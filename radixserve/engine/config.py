@@ -22,6 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None
     long_prefill_threshold: int | None = None
     num_threads: int | None = None
+    disable_radix_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):

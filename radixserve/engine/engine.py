@@ -12,6 +12,7 @@ import torch
 
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
+from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import FinishReason, Request
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
@@ -89,7 +90,8 @@ class Engine:
         num_pages = max(1, int(config.kv_cache_memory_gb * 2**30) // page_bytes)
         self.pool = PagePool(num_pages, config.page_size)
         self.page_table = PageTable(config.max_num_seqs, self.pool.pages_for(self.max_model_len))
-        self.kv_manager = KVManager(self.pool, self.page_table)
+        self.prefix_cache = None if config.disable_radix_cache else RadixCache(self.pool)
+        self.kv_manager = KVManager(self.pool, self.page_table, self.prefix_cache)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -158,9 +160,14 @@ class Engine:
         return token_ids
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> list[int]:
-        """Queue ``params.n`` samples of ``prompt``; returns the prompt's token ids."""
+        """Queue ``params.n`` samples of ``prompt``; returns the prompt's token ids.
+        Requests with different ``cache_salt`` never share cached KV."""
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.validate_prompt(prompt, params)
@@ -168,7 +175,13 @@ class Engine:
             [request_id] if params.n == 1 else [f"{request_id}\x1f{i}" for i in range(params.n)]
         )
         requests = [
-            Request(sid, token_ids, _sample_params(params, i), group_id=request_id)
+            Request(
+                sid,
+                token_ids,
+                _sample_params(params, i),
+                group_id=request_id,
+                cache_salt=cache_salt,
+            )
             for i, sid in enumerate(seq_ids)
         ]
         self.scheduler.add_group(requests)
@@ -275,7 +288,8 @@ class Engine:
 
     # -- checks ---------------------------------------------------------------------------
     def check_page_accounting(self) -> None:
-        """Every page is free or held, with a refcount equal to its number of holders."""
+        """Every page is free or held (by requests and/or the radix tree), with a refcount
+        equal to its number of holders: free + private + tree-held = total."""
         self.pool.check()
         held = self.kv_manager.held_page_ids(self.scheduler.running)
         expected = np.bincount(held, minlength=self.pool.num_pages)
@@ -284,10 +298,26 @@ class Engine:
         assert free + int(np.count_nonzero(expected)) == self.pool.num_pages, "pages unaccounted"
 
     def check_idle(self) -> None:
-        """At idle: no request left and every page back in the free list."""
+        """At idle: no request left, accounting holds, and once the radix tree lets go of
+        what it caches, every page is back in the free list."""
         assert not self.scheduler.has_unfinished(), "requests left in the scheduler"
         self.check_page_accounting()
+        if self.prefix_cache is not None:
+            assert self.prefix_cache.protected_pages == 0, "radix nodes still locked at idle"
+            self.prefix_cache.reset()
         assert self.pool.num_free == self.pool.num_pages, "pages leaked at idle"
+
+    def cache_stats(self) -> dict[str, float]:
+        """Prefix-cache statistics (zeros when the cache is disabled)."""
+        c = self.prefix_cache
+        return {
+            "hit_tokens": c.hit_tokens if c else 0,
+            "queried_tokens": c.queried_tokens if c else 0,
+            "hit_rate": c.hit_rate if c else 0.0,
+            "evictable_pages": c.evictable_pages if c else 0,
+            "protected_pages": c.protected_pages if c else 0,
+            "free_pages": self.pool.num_free,
+        }
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -1,4 +1,4 @@
-"""Gives requests KV pages: growth, release, and prefix sharing between requests."""
+"""Gives requests KV pages: prefix reuse (radix cache or a sibling), growth, release."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.core.page_pool import PagePool
+from radixserve.core.page_pool import OutOfPages, PagePool
 from radixserve.core.page_table import PageTable
+from radixserve.core.radix_cache import MatchResult, RadixCache
 from radixserve.core.request import Request
 
 
@@ -20,21 +21,35 @@ class PageCopy:
 
 
 class KVManager:
-    """Maps requests to pages of one ``PagePool`` through one ``PageTable``.
+    """Maps requests to pages of one ``PagePool`` through one ``PageTable``, with an optional
+    ``RadixCache`` holding the KV of finished and preempted requests.
 
     Invariants:
       * a request with ``table_row >= 0`` holds one reference to each of
-        ``page_table.pages(row, num_pages)`` and to nothing else;
-      * a page written by a request is private to it (refcount 1): pages shared through
-        ``share_prefix`` are only ever read, and a partially filled shared page is copied
-        into a private one first (``pending_copies``).
+        ``page_table.pages(row, num_pages)`` and to nothing else; the tree holds one
+        reference to each page it stores; refcount = number of holders;
+      * shared KV is immutable: a request writes only to pages past its
+        ``num_computed_tokens``, which are private to it; a partially filled shared page is
+        copied into a private page first (``pending_copies``), never written in place;
+      * a request using cached pages locks the deepest tree node they come from
+        (``request.cache_node``) until it releases them.
     """
 
-    def __init__(self, pool: PagePool, page_table: PageTable) -> None:
+    def __init__(
+        self, pool: PagePool, page_table: PageTable, cache: RadixCache | None = None
+    ) -> None:
         self.pool = pool
         self.page_table = page_table
+        self.cache = cache
         self.page_size = pool.page_size
         self.pending_copies: list[PageCopy] = []
+
+    # -- capacity -------------------------------------------------------------------------
+    def available_pages(self) -> int:
+        """Free pages plus those the cache could give back by evicting."""
+        if self.cache is None:
+            return self.pool.num_free
+        return self.pool.num_free + self.cache.evictable_pages + self.cache.num_pending_free
 
     def pages_needed(self, request: Request, num_tokens: int) -> int:
         """Extra pages ``request`` needs so that its pages cover ``num_tokens`` tokens."""
@@ -44,58 +59,135 @@ class KVManager:
         """Whether a request of ``num_tokens`` tokens could ever fit in the pool alone."""
         return self.pool.pages_for(num_tokens) <= self.pool.num_pages
 
-    def attach(self, request: Request) -> None:
-        """Give ``request`` a page-table row (it holds no pages yet)."""
+    def _alloc(self, count: int) -> np.ndarray:
+        """Take ``count`` pages, evicting cached KV first if the free list is short."""
+        if count > self.pool.num_free and self.cache is not None:
+            self.cache.flush()
+            if count > self.pool.num_free:
+                self.cache.evict(count - self.pool.num_free)
+                self.cache.flush()
+        return self.pool.alloc(count)
+
+    # -- attach: a row and the reusable prefix --------------------------------------------
+    def match(self, request: Request) -> MatchResult | None:
+        """The cached prefix of ``request``'s tokens but the last (always computed)."""
+        if self.cache is None or request.num_tokens < 2:
+            return None
+        tokens = request.token_ids[: request.num_tokens - 1]
+        hit = self.cache.match_prefix(tokens, request.cache_salt)
+        return hit if hit.num_tokens else None
+
+    def attach(self, request: Request, source: Request | None, hit: MatchResult | None) -> int:
+        """Give ``request`` a row and reuse a prefix: the first ``num_prompt_tokens - 1``
+        tokens of ``source`` (a running sibling of the same prompt), else the cache ``hit``.
+        Returns the number of tokens whose KV is reused."""
         assert request.table_row < 0, f"{request.request_id} already has a row"
         request.table_row = self.page_table.acquire_row()
         request.num_pages = 0
+        if source is not None and source.table_row >= 0:
+            shared = min(
+                source.num_computed_tokens, request.num_prompt_tokens, request.num_tokens - 1
+            )
+            src_pages = self.page_table.pages(source.table_row, source.num_pages)
+            num_full, remainder = divmod(shared, self.page_size)
+            partial = int(src_pages[num_full]) if remainder else -1
+            copied = self._take_prefix(request, src_pages[:num_full].copy(), partial)
+            return shared if copied else num_full * self.page_size
+        if hit is None:
+            return 0
+        if hit.num_full_tokens:
+            assert self.cache is not None
+            self.cache.lock(hit.node)  # before any allocation below can evict it
+            request.cache_node = hit.node
+        copied = self._take_prefix(request, hit.page_ids, hit.partial_page)
+        return hit.num_tokens if copied else hit.num_full_tokens
 
+    def _take_prefix(self, request: Request, full_pages: np.ndarray, partial_page: int) -> bool:
+        """Share ``full_pages``; copy ``partial_page`` into a private page if one can be had
+        (returns whether it was)."""
+        self.pool.incref(full_pages)
+        self.page_table.set_pages(request.table_row, 0, full_pages)
+        request.num_pages = full_pages.size
+        if partial_page < 0:
+            return False
+        try:
+            dst = self._alloc(1)
+        except OutOfPages:
+            return False  # recompute those few tokens instead
+        self.pending_copies.append(PageCopy(partial_page, int(dst[0])))
+        self.page_table.set_pages(request.table_row, request.num_pages, dst)
+        request.num_pages += 1
+        return True
+
+    # -- growth ---------------------------------------------------------------------------
     def grow(self, request: Request, num_tokens: int) -> bool:
-        """Ensure pages cover ``num_tokens`` tokens; False (nothing changed) if the pool is short."""
+        """Ensure pages cover ``num_tokens`` tokens; False (nothing changed) if short."""
         need = self.pages_needed(request, num_tokens)
         if need == 0:
             return True
-        if need > self.pool.num_free:
+        if need > self.available_pages():
             return False
         if self.pool.pages_for(num_tokens) > self.page_table.max_pages_per_row:
             raise ValueError(
                 f"request {request.request_id} needs {num_tokens} tokens of KV, more than "
-                f"the model's context allows"
+                "the model's context allows"
             )
-        pages = self.pool.alloc(need)
+        try:
+            pages = self._alloc(need)
+        except OutOfPages:  # evictable pages were locked meanwhile
+            return False
         self.page_table.set_pages(request.table_row, request.num_pages, pages)
         request.num_pages += need
         return True
 
-    def share_prefix(self, dst: Request, src: Request, num_tokens: int) -> bool:
-        """Let ``dst`` (attached, no pages) reuse the KV of ``src``'s first ``num_tokens`` tokens.
+    # -- caching --------------------------------------------------------------------------
+    def cache_full_pages(self, request: Request) -> None:
+        """Insert ``request``'s computed full pages while it runs (chunked prefill), adopt the
+        tree's pages where it already had them, and move the lock down to the new node."""
+        if self.cache is None:
+            return
+        num_tokens = request.num_computed_tokens // self.page_size * self.page_size
+        if num_tokens == 0:
+            return
+        num_pages = num_tokens // self.page_size
+        row = self.page_table.table[request.table_row]
+        own = row[:num_pages].copy()
+        _, tree_pages, node = self.cache.insert(
+            request.token_ids[:num_tokens], own, request.cache_salt
+        )
+        differs = own != tree_pages
+        if differs.any():  # someone cached the same tokens first: share theirs, free ours
+            self.pool.incref(tree_pages[differs])
+            self.pool.decref(own[differs])
+            row[:num_pages] = tree_pages
+        self.cache.lock(node)
+        if request.cache_node is not None:
+            self.cache.unlock(request.cache_node)
+        request.cache_node = node
 
-        Full pages are shared by refcount; a partially filled last page is copied into a
-        fresh private page. Returns False (nothing changed) if that page cannot be had.
-        """
-        assert dst.num_pages == 0
-        num_full, remainder = divmod(num_tokens, self.page_size)
-        src_pages = self.page_table.pages(src.table_row, src.num_pages)
-        copy_dst = None
-        if remainder:
-            if self.pool.num_free < 1:
-                return False
-            copy_dst = self.pool.alloc(1)
-        shared = src_pages[:num_full].copy()
-        self.pool.incref(shared)
-        self.page_table.set_pages(dst.table_row, 0, shared)
-        dst.num_pages = num_full
-        if copy_dst is not None:
-            self.pending_copies.append(PageCopy(int(src_pages[num_full]), int(copy_dst[0])))
-            self.page_table.set_pages(dst.table_row, num_full, copy_dst)
-            dst.num_pages += 1
-        return True
-
-    def release(self, request: Request) -> None:
-        """Drop ``request``'s pages and row (no-op if it holds none)."""
+    # -- release --------------------------------------------------------------------------
+    def release(self, request: Request, keep_kv: bool = True) -> None:
+        """Drop ``request``'s pages and row (no-op if it holds none). With ``keep_kv`` and a
+        cache, its computed KV goes into the tree first, so a later request (or this one,
+        resumed after preemption) reuses it."""
         if request.table_row < 0:
             return
         pages = self.page_table.pages(request.table_row, request.num_pages).copy()
+        if self.cache is not None:
+            computed = request.num_computed_tokens
+            if keep_kv and computed:
+                self.cache.insert(
+                    request.token_ids[:computed],
+                    pages[: self.pool.pages_for(computed)],
+                    request.cache_salt,
+                )
+            if request.cache_node is not None:
+                self.cache.unlock(request.cache_node)
+                request.cache_node = None
+        if not keep_kv and self.pending_copies:
+            self.pending_copies = [
+                c for c in self.pending_copies if c.dst not in set(pages.tolist())
+            ]
         self.pool.decref(pages)
         self.page_table.release_row(request.table_row)
         request.table_row = -1
@@ -106,8 +198,10 @@ class KVManager:
         return copies
 
     def held_page_ids(self, requests: list[Request]) -> np.ndarray:
-        """All page references held by ``requests`` (with repeats), for accounting checks."""
+        """All page references held by ``requests`` and the tree (with repeats)."""
         parts = [
             self.page_table.pages(r.table_row, r.num_pages) for r in requests if r.table_row >= 0
         ]
+        if self.cache is not None:
+            parts.append(self.cache.held_page_ids())
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)

@@ -183,24 +183,22 @@ class Scheduler:
         return True
 
     def _admit(self, req: Request, budget: int, cap: int) -> int:
-        """Give ``req`` a row and the pages of its first chunk; returns the chunk (0: not now).
-
-        Keeps one free page per running request in reserve for their next decode.
-        """
-        shared = 0
+        """Give ``req`` a row, its reusable prefix and the pages of its first chunk; returns
+        the chunk (0: not now). Keeps one page per running request in reserve for its next
+        decode."""
         source = self._fork_source.get(req.request_id)
-        if source is not None and source.table_row >= 0:
-            shared = min(source.num_computed_tokens, req.num_prompt_tokens, req.num_tokens - 1)
-        n = min(req.num_tokens - shared, budget, cap)
-        pool = self.kv.pool
-        need = pool.pages_for(shared + n) - shared // pool.page_size
-        if pool.num_free - need < len(self.running):
+        hit = None if source is not None else self.kv.match(req)
+        cached = self.kv.attach(req, source, hit)
+        n = min(req.num_tokens - cached, budget, cap)
+        need = self.kv.pages_needed(req, cached + n)
+        if self.kv.available_pages() - need < len(self.running) or not self.kv.grow(
+            req, cached + n
+        ):
+            self.kv.release(req, keep_kv=False)
             return 0
-        self.kv.attach(req)
-        if shared:
-            self.kv.share_prefix(req, source, shared)
-        self.kv.grow(req, shared + n)
-        req.num_computed_tokens = req.num_cached_tokens = shared
+        if self.kv.cache is not None and source is None:
+            self.kv.cache.record(req.num_tokens, cached)
+        req.num_computed_tokens = req.num_cached_tokens = cached
         self._fork_source.pop(req.request_id, None)
         req.transition(RequestState.PREFILL)
         req.admit_seq = self._admit_counter
@@ -238,6 +236,8 @@ class Scheduler:
             if req.is_finished:
                 continue
             req.num_computed_tokens += n
+            if n > 1:  # a prefill chunk: its full pages become reusable now
+                self.kv.cache_full_pages(req)
             if not do_sample:
                 continue
             if req.state is RequestState.PREFILL:

@@ -130,7 +130,6 @@ def test_partial_page_match_and_namespaces(page_size):
         assert r.partial_page == pages[1] and r.partial_tokens == 2
     assert cache.match_prefix(query, namespace="tenant-b").num_tokens == 0
     pool.decref(pages)
-    assert cache.hit_tokens == 6 and cache.queried_tokens == 14
 
 
 def test_lru_evicts_oldest_leaf_first_and_never_locked():
