@@ -49,28 +49,36 @@ class PagePool:
         if count > self._num_free:
             raise OutOfPages(f"need {count} pages, {self._num_free} free")
         start = self._num_free - count
-        pages = self._free[start : self._num_free].copy()
+        # The stack top holds the lowest ids of a fresh pool: reversed, an allocation is an
+        # ascending run where the pool allows it.
+        pages = self._free[start : self._num_free][::-1].copy()
         self._num_free = start
         self.refcount[pages] = 1
         return pages
 
     def incref(self, pages: np.ndarray) -> None:
-        """Add one holder to each page (the pages must be in use)."""
+        """Add one holder to each page. ``pages`` must be distinct and in use."""
         if pages.size == 0:
             return
-        if np.any(self.refcount[pages] <= 0):
+        # Pages taken in one allocation are usually one run of ids: a slice is much cheaper
+        # than fancy indexing into a large array.
+        index = _as_slice(pages)
+        if np.any(self.refcount[index] <= 0):
             raise RuntimeError("incref of a free page")
-        np.add.at(self.refcount, pages, 1)
+        self.refcount[index] += 1
 
     def decref(self, pages: np.ndarray) -> None:
-        """Drop one holder from each page; pages that reach 0 go back to the free stack."""
+        """Drop one holder from each page (``pages`` distinct); pages that reach 0 go back to
+        the free stack."""
         if pages.size == 0:
             return
-        np.subtract.at(self.refcount, pages, 1)
-        counts = self.refcount[pages]
+        index = _as_slice(pages)
+        self.refcount[index] -= 1
+        counts = self.refcount[index]
         if np.any(counts < 0):
+            self.refcount[index] += 1
             raise RuntimeError("decref of a free page (double free)")
-        released = np.unique(pages[counts == 0])
+        released = pages[counts == 0]
         n = released.size
         if n:
             self._free[self._num_free : self._num_free + n] = released
@@ -88,3 +96,11 @@ class PagePool:
             "a page with no holder leaked"
         )
         assert np.all(self.refcount >= 0), "negative refcount"
+
+
+def _as_slice(pages: np.ndarray) -> slice | np.ndarray:
+    """``pages`` (distinct ids) as a slice when they are one ascending run, else as is."""
+    first, last = int(pages[0]), int(pages[-1])
+    if last - first == pages.size - 1 and pages.min() == first and pages.max() == last:
+        return slice(first, last + 1)
+    return pages

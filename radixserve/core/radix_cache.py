@@ -23,13 +23,16 @@ class RadixNode:
     the running requests that use this node or a descendant.
     """
 
-    __slots__ = ("children", "key", "last_access", "lock_count", "pages", "parent")
+    __slots__ = ("children", "first_tokens", "key", "last_access", "lock_count", "pages", "parent")
 
     def __init__(self, key: np.ndarray, pages: np.ndarray, parent: RadixNode | None) -> None:
         self.key = key
         self.pages = pages
         self.parent = parent
         self.children: dict[Hashable, RadixNode] = {}
+        # first token -> number of children starting with it (page_size > 1): lets a
+        # partial-page lookup skip nodes where no child can share even one token
+        self.first_tokens: dict[int, int] = {}
         self.lock_count = 0
         self.last_access = 0
 
@@ -87,7 +90,7 @@ class RadixCache:
         O(k log n), never a rebuild over all leaves.
     """
 
-    def __init__(self, pool: PagePool, free_batch_pages: int = 64) -> None:
+    def __init__(self, pool: PagePool, free_batch_pages: int = 256) -> None:
         self.pool = pool
         self.page_size = pool.page_size
         self._roots: dict[Hashable, RadixNode] = {}
@@ -184,6 +187,8 @@ class RadixCache:
     def _best_partial(self, node: RadixNode, rest: np.ndarray) -> tuple[int, int]:
         """A child sharing the most tokens with ``rest`` within its first page (< page_size)."""
         best_page, best = -1, 0
+        if int(rest[0]) not in node.first_tokens:
+            return best_page, best
         window = rest[: self.page_size]
         for child in node.children.values():
             m = common_prefix_length(child.key[: self.page_size], window)
@@ -217,11 +222,10 @@ class RadixCache:
             child = node.children.get(key)
             if child is None:
                 child = RadixNode(tokens[pos:], pages[pos // ps :], node)
-                node.children[key] = child
+                self._add_child(node, key, child)
                 self.pool.incref(child.pages)
                 self.num_nodes += 1
-                self.evictable_pages += child.pages.size
-                self._push(child)
+                self.evictable_pages += child.pages.size  # pushed on the heap by _touch below
                 parts.append(child.pages)
                 already = pos
                 node = child
@@ -245,6 +249,12 @@ class RadixCache:
         tree_pages = np.concatenate(parts) if parts else _EMPTY_PAGES
         return min(already, n), tree_pages, node
 
+    def _add_child(self, parent: RadixNode, key: Hashable, child: RadixNode) -> None:
+        parent.children[key] = child
+        if self.page_size > 1:
+            first = int(child.key[0])
+            parent.first_tokens[first] = parent.first_tokens.get(first, 0) + 1
+
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut ``child`` at token ``at`` (a page boundary); returns the new upper node."""
         ps = self.page_size
@@ -257,7 +267,7 @@ class RadixCache:
         child.key = child.key[at:]
         child.pages = child.pages[at // ps :]
         child.parent = upper
-        upper.children[self._child_key(child.key, 0)] = child
+        self._add_child(upper, self._child_key(child.key, 0), child)
         self.num_nodes += 1
         return upper
 
@@ -300,6 +310,12 @@ class RadixCache:
         parent = node.parent
         assert parent is not None
         del parent.children[self._child_key(node.key, 0)]
+        if self.page_size > 1:
+            first = int(node.key[0])
+            if parent.first_tokens[first] == 1:
+                del parent.first_tokens[first]
+            else:
+                parent.first_tokens[first] -= 1
         node.parent = None
         self.num_nodes -= 1
         self.evictable_pages -= node.pages.size
