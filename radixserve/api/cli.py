@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from radixserve.engine.config import DTYPES
+from radixserve.scheduler.policy import POLICIES
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +26,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--long-prefill-threshold", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None)
+    add_scheduler_args(parser)
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scheduler")
+    g.add_argument("--schedule-policy", default="fcfs", choices=list(POLICIES))
+    g.add_argument("--disable-radix-cache", action="store_true", help="no prefix caching")
+    g.add_argument("--max-waiting-requests", type=int, default=None, help="refuse beyond this")
+    g.add_argument("--max-queue-time", type=float, default=None, help="seconds a request may wait")
+    g.add_argument("--batch-wait-ms", type=float, default=0.0, help="wait for more arrivals")
+    g.add_argument(
+        "--schedule-conservativeness", type=float, default=1.0, help="decode reserve, 0..1"
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -36,6 +52,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "long_prefill_threshold": args.long_prefill_threshold,
         "num_threads": args.num_threads,
+        "disable_radix_cache": args.disable_radix_cache,
+        "schedule_policy": args.schedule_policy,
+        "max_waiting_requests": args.max_waiting_requests,
+        "max_queue_time_s": args.max_queue_time,
+        "batch_wait_ms": args.batch_wait_ms,
+        "schedule_conservativeness": args.schedule_conservativeness,
     }
 
 
@@ -55,6 +77,29 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(gen)
+
+    sim = sub.add_parser(
+        "simulate", help="run a request trace through the scheduler on a simulated device"
+    )
+    src = sim.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workload", type=Path, help="JSONL trace (see engine/simulator.py)")
+    src.add_argument(
+        "--synthetic",
+        choices=["shared-prefix"],
+        help="64 prefix groups x 16 requests, 1024-token prefixes, 128-token questions",
+    )
+    sim.add_argument("--policy", default="fcfs", choices=list(POLICIES))
+    sim.add_argument("--request-rate", type=float, default=8.0, help="synthetic: requests/s")
+    sim.add_argument("--output-tokens", type=int, default=256, help="synthetic: per request")
+    sim.add_argument("--num-pages", type=int, default=16384)
+    sim.add_argument("--page-size", type=int, default=16)
+    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sim.add_argument("--max-num-seqs", type=int, default=256)
+    sim.add_argument("--long-prefill-threshold", type=int, default=None)
+    sim.add_argument("--disable-radix-cache", action="store_true")
+    sim.add_argument(
+        "--cost", default="0.02,0.0008,2e-6", help="a,b,c: s/step, s/token, s/kv token"
+    )
     return parser
 
 
@@ -86,12 +131,49 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_simulate(args: argparse.Namespace) -> int:
+    from radixserve.engine.simulator import Simulator, load_trace, shared_prefix_trace
+    from radixserve.executor.simulated import CostModel
+    from radixserve.scheduler.scheduler import SchedulerConfig
+
+    try:
+        a, b, c = (float(x) for x in args.cost.split(","))
+    except ValueError:
+        raise ValueError(f"--cost must be three numbers a,b,c; got {args.cost!r}") from None
+    if args.workload is not None:
+        trace = load_trace(args.workload)
+    else:
+        trace = shared_prefix_trace(
+            request_rate=args.request_rate, output_tokens=args.output_tokens
+        )
+    config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        long_prefill_threshold=args.long_prefill_threshold,
+        policy=args.policy,
+    )
+    sim = Simulator(
+        config,
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        cost=CostModel(a, b, c),
+        enable_cache=not args.disable_radix_cache,
+    )
+    summary = sim.run(trace).summary()
+    for key, value in summary.items():
+        print(f"{key:>14}  {value}")
+    print(json.dumps({"policy": args.policy, **summary}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "simulate":
+            return run_simulate(args)
     except ValueError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2

@@ -151,9 +151,11 @@ class RadixCache:
             self._push(leaf)
 
     # -- match ----------------------------------------------------------------------------
-    def match_prefix(self, tokens: np.ndarray, namespace: Hashable = None) -> MatchResult:
+    def match_prefix(
+        self, tokens: np.ndarray, namespace: Hashable = None, touch: bool = True
+    ) -> MatchResult:
         """Longest cached prefix of ``tokens``. Changes nothing other requests can see
-        (only recency, for LRU)."""
+        (only recency, for LRU, and not even that with ``touch=False``)."""
         tokens = np.asarray(tokens, dtype=np.int32)
         ps = self.page_size
         node = self._root(namespace)
@@ -180,7 +182,8 @@ class RadixCache:
             parts.append(child.pages)
             pos += m
             node = child
-        self._touch(node)
+        if touch:
+            self._touch(node)
         pages = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else _EMPTY_PAGES)
         return MatchResult(pages, pos, node, partial_page, partial_tokens)
 

@@ -74,6 +74,7 @@ class Request:
         "arrival_time",
         "cache_node",
         "cache_salt",
+        "deadline",
         "error",
         "finish_reason",
         "group_id",
@@ -83,6 +84,11 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "num_tokens",
+        "priority",
+        "probe_len",
+        "probe_node",
+        "probe_stamp",
+        "queue_key",
         "request_id",
         "sampling_params",
         "state",
@@ -98,6 +104,8 @@ class Request:
         arrival_time: float | None = None,
         group_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
     ) -> None:
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
@@ -117,6 +125,13 @@ class Request:
         self.cache_salt = cache_salt  # prefix-cache namespace: tenants never share KV
         self.cache_node: object | None = None  # radix node locked while using cached pages
         self.admit_seq = -1
+        self.priority = priority  # lower runs first (policy "priority")
+        self.deadline = deadline  # monotonic time after which it fails, in any state
+        self.queue_key: tuple[int, int] = (0, 0)  # position in the waiting queue
+        # cached-prefix estimate kept by prefix-aware policies while waiting
+        self.probe_len = 0
+        self.probe_node: object | None = None
+        self.probe_stamp = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.state = RequestState.NEW
         self.finish_reason: FinishReason | None = None

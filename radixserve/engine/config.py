@@ -23,6 +23,13 @@ class EngineConfig:
     long_prefill_threshold: int | None = None
     num_threads: int | None = None
     disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | priority
+    max_waiting_requests: int | None = None
+    max_queue_time_s: float | None = None
+    batch_wait_ms: float = 0.0
+    # Scales the decode reserve kept at admission: 0 admits as much as fits now (more
+    # preemptions later), 1 is the default, smaller values trade safety for batch size.
+    schedule_conservativeness: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -32,6 +39,10 @@ class EngineConfig:
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.schedule_conservativeness <= 1:
+            raise ValueError(
+                f"schedule_conservativeness must be in [0, 1], got {self.schedule_conservativeness}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

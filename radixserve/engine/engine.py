@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
+_IDLE_POLL_S = 0.002  # longest doze of an idle step while a batch wait is pending
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -97,6 +99,12 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 long_prefill_threshold=config.long_prefill_threshold,
+                policy=config.schedule_policy,
+                max_waiting_requests=config.max_waiting_requests,
+                max_queue_time_s=config.max_queue_time_s,
+                batch_wait_s=config.batch_wait_ms / 1000,
+                reserve_ratio_init=0.7 * config.schedule_conservativeness,
+                reserve_ratio_min=0.1 * config.schedule_conservativeness,
             ),
             self.kv_manager,
         )
@@ -165,9 +173,15 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> list[int]:
         """Queue ``params.n`` samples of ``prompt``; returns the prompt's token ids.
-        Requests with different ``cache_salt`` never share cached KV."""
+
+        Requests with different ``cache_salt`` never share cached KV; lower ``priority``
+        values run first under the ``priority`` policy; a request still unfinished
+        ``timeout_s`` seconds from now fails with an error. Raises ``EngineOverloaded`` when
+        the waiting queue is full."""
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.validate_prompt(prompt, params)
@@ -181,6 +195,8 @@ class Engine:
                 _sample_params(params, i),
                 group_id=request_id,
                 cache_salt=cache_salt,
+                priority=priority,
+                deadline=None if timeout_s is None else time.monotonic() + timeout_s,
             )
             for i, sid in enumerate(seq_ids)
         ]
@@ -225,6 +241,9 @@ class Engine:
         batch = self.scheduler.schedule()
         outputs.extend(self._final(req) for req in batch.failed)
         if batch.is_empty:
+            wake = self.scheduler.next_wakeup()
+            if wake is not None and not outputs:  # batch wait: doze instead of spinning
+                time.sleep(min(max(0.0, wake - time.monotonic()), _IDLE_POLL_S))
             return outputs
         self.num_steps += 1
         try:

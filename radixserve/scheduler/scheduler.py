@@ -2,20 +2,47 @@
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from radixserve.core.request import FinishReason, Request, RequestState
 from radixserve.scheduler.kv_manager import KVManager, PageCopy
+from radixserve.scheduler.policy import POLICIES, WaitingQueue, make_policy
+
+# In-batch prefix sharing: a waiting request whose next this many uncached tokens equal
+# those a running request is prefilling right now waits for that KV instead of
+# recomputing it.
+_SHARED_PREFIX_PROBE = 32
+_MAX_DEFERRALS_PER_STEP = 64
+
+
+class EngineOverloaded(RuntimeError):
+    """Raised by ``add_request`` when the waiting queue is full (``max_waiting_requests``)."""
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """Invariant: every limit is positive (``ValueError`` otherwise)."""
+
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
-    long_prefill_threshold: int | None = None  # per-request tokens per step; None = no cap
+    long_prefill_threshold: int | None = None  # per-request prefill tokens per step
+    policy: str = "fcfs"
+    priority_preemption: bool = True  # policy "priority": preempt lower-priority runners
+    max_waiting_requests: int | None = None
+    max_queue_time_s: float | None = None
+    batch_wait_s: float = 0.0
+    # Decode reserve per running request: min(remaining max_tokens, clip) x ratio tokens.
+    reserve_clip_tokens: int = 4096
+    reserve_ratio_init: float = 0.7
+    reserve_ratio_min: float = 0.1
+    reserve_ratio_decay_steps: int = 600
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -24,6 +51,16 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.long_prefill_threshold is not None and self.long_prefill_threshold < 1:
             raise ValueError("long_prefill_threshold must be >= 1")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError("max_waiting_requests must be >= 1")
+        if self.max_queue_time_s is not None and not self.max_queue_time_s > 0:
+            raise ValueError("max_queue_time must be > 0")
+        if self.batch_wait_s < 0:
+            raise ValueError("batch_wait must be >= 0")
+        if not 0 <= self.reserve_ratio_min <= self.reserve_ratio_init <= 1:
+            raise ValueError("need 0 <= reserve_ratio_min <= reserve_ratio_init <= 1")
 
 
 @dataclass
@@ -36,7 +73,7 @@ class ScheduledBatch:
     num_new_tokens: np.ndarray
     sample: np.ndarray
     page_copies: list[PageCopy] = field(default_factory=list)
-    # Requests that ended while scheduling (e.g. cannot fit in the pool), with no forward.
+    # Requests that ended while scheduling (cannot fit, timed out), with no forward.
     failed: list[Request] = field(default_factory=list)
 
     @property
@@ -50,50 +87,86 @@ class ScheduledBatch:
 
 @dataclass
 class SchedulerStats:
+    """Counters for metrics; only ever increase."""
+
+    num_admitted: int = 0
     num_preemptions: int = 0
     num_aborted: int = 0
     num_failed: int = 0
+    num_timed_out: int = 0
+    num_rejected: int = 0
+    num_deferred_for_sharing: int = 0
 
 
 class Scheduler:
-    """FCFS continuous batching under one token budget, with chunked prefill and preemption.
+    """Continuous batching under one token budget: decodes first, then prefill chunks of
+    running requests, then admissions in policy order while memory allows.
 
     Invariants:
       * every request added is in exactly one of ``waiting``, ``running``, ``_held`` (n>1
-        siblings waiting for their leader's prefill) until it ends, and ends exactly once;
+        siblings waiting for their leader's prefill) until it ends, and ends exactly once
+        (``finish`` / ``abort`` / a failure listed in a batch's ``failed``);
       * running requests hold pages (``table_row >= 0``); waiting ones hold none;
-      * decodes and prefill chunks of running requests are scheduled before new admissions,
-        in admission order; preemption takes the most recently admitted request first.
+      * a running request is scheduled every step while the budget lasts (decodes first),
+        so no prefill, however long, delays a decode by more than one chunk;
+      * admission keeps free + evictable pages >= the uncached prompt pages of every running
+        request + a decode reserve that adapts (``reserve_ratio``) to observed preemptions.
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.clock = clock
+        self.policy = make_policy(config.policy, kv.cache)
+        self.waiting = WaitingQueue(use_priority=config.policy == "priority")
         self.running: list[Request] = []
         self._held: dict[str, list[Request]] = {}  # group leader id -> siblings
         self._fork_source: dict[str, Request] = {}  # sibling id -> leader to share from
         self._requests: dict[str, Request] = {}
+        self._timeouts: list[tuple[float, int, Request]] = []  # (when, seq, request)
+        self._timeout_seq = itertools.count()
         self._admit_counter = 0
+        self.reserve_ratio = config.reserve_ratio_init
         self.stats = SchedulerStats()
 
     # -- intake ---------------------------------------------------------------------------
+    def _check_capacity(self, extra: int) -> None:
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) + extra > limit:
+            self.stats.num_rejected += extra
+            raise EngineOverloaded(
+                f"server overloaded: {len(self.waiting)} requests already waiting "
+                f"(max_waiting_requests={limit}); retry later"
+            )
+
     def add_request(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self._requests[request.request_id] = request
-        self.waiting.append(request)
+        self.add_group([request])
 
     def add_group(self, requests: list[Request]) -> None:
         """Add the n samples of one prompt: the first prefills it, the rest then share its KV."""
+        self._check_capacity(len(requests))
+        for req in requests:
+            if req.request_id in self._requests:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
         leader, *siblings = requests
-        self.add_request(leader)
-        for sibling in siblings:
-            if sibling.request_id in self._requests:
-                raise ValueError(f"request id {sibling.request_id!r} is already in use")
-            self._requests[sibling.request_id] = sibling
+        for req in requests:
+            self._requests[req.request_id] = req
+            self._watch_timeouts(req)
+        self.waiting.push(leader)
         if siblings:
             self._held[leader.request_id] = siblings
+
+    def _watch_timeouts(self, req: Request) -> None:
+        if self.config.max_queue_time_s is not None:
+            when = req.arrival_time + self.config.max_queue_time_s
+            heapq.heappush(self._timeouts, (when, next(self._timeout_seq), req))
+        if req.deadline is not None:
+            heapq.heappush(self._timeouts, (req.deadline, next(self._timeout_seq), req))
 
     def get(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -107,11 +180,12 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        failed: list[Request] = []
+        self._expire(failed)
         budget = self.config.max_num_batched_tokens
         cap = self.config.long_prefill_threshold or budget
         scheduled: list[Request] = []
         counts: list[int] = []
-        failed: list[Request] = []
         preemptions_before = self.stats.num_preemptions
 
         i = 0
@@ -125,32 +199,20 @@ class Scheduler:
             budget -= n
             i += 1
 
-        while (
-            self.stats.num_preemptions == preemptions_before  # no admission after a preemption
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-            and self.kv.page_table.num_free_rows > 0
-        ):
-            req = self.waiting[0]
-            if not self.kv.can_fit(req.num_tokens + 1):
-                self.waiting.popleft()
-                self._fail(req, "the prompt needs more KV pages than the whole cache holds", failed)
-                continue
-            n = self._admit(req, budget, cap)
-            if n == 0:
-                break
-            self.waiting.popleft()
-            scheduled.append(req)
-            counts.append(n)
-            budget -= n
+        if self.stats.num_preemptions != preemptions_before:
+            self.reserve_ratio = self.config.reserve_ratio_init  # memory was short: be careful
+        else:
+            span = self.config.reserve_ratio_init - self.config.reserve_ratio_min
+            self.reserve_ratio = max(
+                self.config.reserve_ratio_min,
+                self.reserve_ratio - span / self.config.reserve_ratio_decay_steps,
+            )
+            if budget > 0 and self.waiting and not self._batch_wait_pending():
+                self._admit_waiting(budget, cap, scheduled, counts, failed)
 
         num_new = np.asarray(counts, dtype=np.int32)
-        ends = (
-            np.fromiter(
-                (r.num_computed_tokens for r in scheduled), dtype=np.int64, count=len(scheduled)
-            )
-            + num_new
+        starts = np.fromiter(
+            (r.num_computed_tokens for r in scheduled), dtype=np.int64, count=len(scheduled)
         )
         totals = np.fromiter(
             (r.num_tokens for r in scheduled), dtype=np.int64, count=len(scheduled)
@@ -158,16 +220,161 @@ class Scheduler:
         return ScheduledBatch(
             requests=scheduled,
             num_new_tokens=num_new,
-            sample=ends == totals,
+            sample=starts + num_new == totals,
             page_copies=self.kv.take_pending_copies(),
             failed=failed,
         )
 
+    def _batch_wait_pending(self) -> bool:
+        """Hold admissions while the batch is small and the oldest waiting request arrived
+        less than ``batch_wait`` ago (more may come to batch with it)."""
+        wait = self.config.batch_wait_s
+        if wait <= 0 or len(self.running) >= max(1, self.config.max_num_seqs // 8):
+            return False
+        oldest = min(r.arrival_time for r in self.waiting)
+        return self.clock() - oldest < wait
+
+    def next_wakeup(self) -> float | None:
+        """When a held-back admission (batch wait) becomes due, or None."""
+        if self.config.batch_wait_s <= 0 or not self.waiting:
+            return None
+        return min(r.arrival_time for r in self.waiting) + self.config.batch_wait_s
+
+    def _admit_waiting(
+        self,
+        budget: int,
+        cap: int,
+        scheduled: list[Request],
+        counts: list[int],
+        failed: list[Request],
+    ) -> None:
+        committed = self._committed_pages()
+        prefilling = self._prefilling_keys()
+        deferrals_left = _MAX_DEFERRALS_PER_STEP
+        for req in self.policy.order(self.waiting):
+            if (
+                budget <= 0
+                or len(self.running) >= self.config.max_num_seqs
+                or self.kv.page_table.num_free_rows == 0
+            ):
+                break
+            if not self.kv.can_fit(req.num_tokens + 1):
+                self.waiting.remove(req)
+                self._fail(req, "the prompt needs more KV pages than the whole cache holds", failed)
+                continue
+            if prefilling and self._shares_running_prefill(req, prefilling):
+                self.stats.num_deferred_for_sharing += 1
+                deferrals_left -= 1
+                if deferrals_left == 0:
+                    break  # bounded work per step; the rest would most likely wait too
+                continue
+            n, pages = self._admit(req, budget, cap, committed)
+            if n == 0:
+                if self.config.policy == "priority" and self._preempt_lower_priority(req):
+                    committed = self._committed_pages()
+                    n, pages = self._admit(req, budget, cap, committed)
+                if n == 0:
+                    break  # head-of-line: later requests wait too (no starvation of this one)
+            self.waiting.remove(req)
+            committed += pages
+            scheduled.append(req)
+            counts.append(n)
+            budget -= n
+            if self.kv.cache is not None:  # its KV reaches the tree only after this step
+                prefilling.add(self._prefix_key(req, req.num_computed_tokens))
+
+    def _reserve_tokens(self, req: Request) -> float:
+        remaining = req.sampling_params.max_tokens - req.num_output_tokens
+        return min(remaining, self.config.reserve_clip_tokens) * self.reserve_ratio
+
+    def _committed_pages(self) -> int:
+        """Pages running requests will still take: the rest of their prompts (chunked
+        prefill) plus the adaptive decode reserve."""
+        pool = self.kv.pool
+        total = 0
+        for r in self.running:
+            total += max(0, pool.pages_for(r.num_tokens) - r.num_pages)
+            total += math.ceil(self._reserve_tokens(r) / pool.page_size)
+        return total
+
+    def _admit(self, req: Request, budget: int, cap: int, committed: int) -> tuple[int, int]:
+        """Give ``req`` a row, its reusable prefix and the pages of its first chunk, if its
+        whole prompt plus its own reserve fit next to what running requests still need.
+        Returns (chunk tokens, pages it commits); (0, 0) means not now."""
+        source = self._fork_source.get(req.request_id)
+        hit = None if source is not None else self.kv.match(req)
+        cached = self.kv.attach(req, source, hit)
+        n = min(req.num_tokens - cached, budget, cap)
+        pool = self.kv.pool
+        prompt_pages = self.kv.pages_needed(req, req.num_tokens)
+        own = prompt_pages
+        if self.running:  # alone, a request only needs its prompt to fit (it may grow later)
+            own += math.ceil(self._reserve_tokens(req) / pool.page_size)
+        if self.kv.available_pages() - own < committed or not self.kv.grow(req, cached + n):
+            self.kv.release(req, keep_kv=False)
+            return 0, 0
+        if self.kv.cache is not None and source is None:
+            self.kv.cache.record(req.num_tokens, cached)
+        req.num_computed_tokens = req.num_cached_tokens = cached
+        self._fork_source.pop(req.request_id, None)
+        req.transition(RequestState.PREFILL)
+        req.admit_seq = self._admit_counter
+        self._admit_counter += 1
+        self.stats.num_admitted += 1
+        self.running.append(req)
+        still_needed = self.kv.pages_needed(req, req.num_tokens)
+        return n, still_needed + math.ceil(self._reserve_tokens(req) / pool.page_size)
+
+    # -- in-batch prefix sharing ----------------------------------------------------------
+    def _prefix_key(self, req: Request, computed: int) -> tuple[int, ...] | None:
+        """Identifies the tokens right after ``computed`` (rounded down to a page)."""
+        start = computed // self.kv.page_size * self.kv.page_size
+        end = start + _SHARED_PREFIX_PROBE
+        if end > req.num_tokens - 1:
+            return None
+        return (start, *req.token_ids[start:end].tolist())
+
+    def _prefilling_keys(self) -> set:
+        """The next uncached tokens of every request prefilling now (radix cache only)."""
+        if self.kv.cache is None:
+            return set()
+        keys = {
+            self._prefix_key(r, r.num_computed_tokens)
+            for r in self.running
+            if r.state is RequestState.PREFILL
+        }
+        keys.discard(None)
+        return keys
+
+    def _shares_running_prefill(self, req: Request, prefilling: set) -> bool:
+        """Whether ``req``'s first uncached tokens are being computed by a running request:
+        then it waits and reuses them from the cache instead of computing them twice."""
+        if req.num_preemptions or self.kv.cache is None:
+            return False
+        if req.probe_stamp:  # a prefix-aware policy keeps this estimate fresh
+            hit_len = req.probe_len
+        else:
+            tokens = req.token_ids[: req.num_tokens - 1]
+            hit_len = self.kv.cache.match_prefix(tokens, req.cache_salt, touch=False).num_tokens
+        return self._prefix_key(req, hit_len) in prefilling
+
+    # -- preemption -----------------------------------------------------------------------
+    def _victim(self) -> Request:
+        """Lowest priority first, then least progress, then the most recently admitted."""
+        return max(
+            self.running,
+            key=lambda r: (
+                r.priority if self.config.policy == "priority" else 0,
+                -r.num_output_tokens,
+                r.admit_seq,
+            ),
+        )
+
     def _grow_or_preempt(self, req: Request, num_tokens: int, failed: list[Request]) -> bool:
-        """Make ``req``'s pages cover ``num_tokens``, preempting later-admitted requests."""
+        """Make ``req``'s pages cover ``num_tokens``, preempting other requests by policy."""
         while not self.kv.grow(req, num_tokens):
-            victim = self.running[-1]
-            if victim is req:
+            victim = self._victim()
+            if victim is req or len(self.running) == 1:
                 if len(self.running) == 1:
                     self.running.pop()
                     self._fail(
@@ -182,39 +389,47 @@ class Scheduler:
             self._preempt(victim)
         return True
 
-    def _admit(self, req: Request, budget: int, cap: int) -> int:
-        """Give ``req`` a row, its reusable prefix and the pages of its first chunk; returns
-        the chunk (0: not now). Keeps one page per running request in reserve for its next
-        decode."""
-        source = self._fork_source.get(req.request_id)
-        hit = None if source is not None else self.kv.match(req)
-        cached = self.kv.attach(req, source, hit)
-        n = min(req.num_tokens - cached, budget, cap)
-        need = self.kv.pages_needed(req, cached + n)
-        if self.kv.available_pages() - need < len(self.running) or not self.kv.grow(
-            req, cached + n
-        ):
-            self.kv.release(req, keep_kv=False)
-            return 0
-        if self.kv.cache is not None and source is None:
-            self.kv.cache.record(req.num_tokens, cached)
-        req.num_computed_tokens = req.num_cached_tokens = cached
-        self._fork_source.pop(req.request_id, None)
-        req.transition(RequestState.PREFILL)
-        req.admit_seq = self._admit_counter
-        self._admit_counter += 1
-        self.running.append(req)
-        return n
+    def _preempt_lower_priority(self, req: Request) -> bool:
+        """Policy ``priority``: make room for ``req`` by preempting running requests of a
+        strictly lower priority (higher value). Returns whether any was preempted."""
+        if not self.config.priority_preemption:
+            return False
+        lower = [r for r in self.running if r.priority > req.priority]
+        if not lower:
+            return False
+        victim = max(lower, key=lambda r: (r.priority, -r.num_output_tokens, r.admit_seq))
+        self._preempt(victim)
+        return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.release(req)
+        self.kv.release(req)  # its computed KV goes into the tree: it resumes with a hit
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
         req.num_preemptions += 1
         req.transition(RequestState.PREEMPTED)
-        self.waiting.appendleft(req)
+        self.waiting.push(req, front=True)
         self.stats.num_preemptions += 1
+
+    # -- timeouts -------------------------------------------------------------------------
+    def _expire(self, failed: list[Request]) -> None:
+        now = self.clock()
+        while self._timeouts and self._timeouts[0][0] <= now:
+            _, _, req = heapq.heappop(self._timeouts)
+            if req.is_finished or self._requests.get(req.request_id) is not req:
+                continue
+            if req.deadline is not None and req.deadline <= now:
+                message = "the request's deadline passed before it finished"
+            elif req in self.waiting and req.state is RequestState.NEW:
+                message = (
+                    f"the request waited longer than max_queue_time "
+                    f"({self.config.max_queue_time_s} s) without starting"
+                )
+            else:
+                continue  # queue-time limit, but it is running already
+            self._remove_anywhere(req)
+            self.stats.num_timed_out += 1
+            self._fail(req, message, failed)
 
     def _fail(self, req: Request, message: str, failed: list[Request]) -> None:
         self._end(req, FinishReason.ERROR, message)
@@ -253,12 +468,12 @@ class Scheduler:
         if not siblings:
             return
         if leader.state is RequestState.DECODE:
-            for sibling in siblings:
+            for sibling in reversed(siblings):
                 self._fork_source[sibling.request_id] = leader
-            self.waiting.extendleft(reversed(siblings))
+                self.waiting.push(sibling, front=True)
         else:  # the leader ends before its prompt is computed: the next sibling leads
             new_leader, *rest = siblings
-            self.waiting.append(new_leader)
+            self.waiting.push(new_leader, front=True)
             if rest:
                 self._held[new_leader.request_id] = rest
 
@@ -273,6 +488,12 @@ class Scheduler:
         req = self._requests.get(request_id)
         if req is None:
             return None
+        self._remove_anywhere(req)
+        self._end(req, FinishReason.ABORT)
+        self.stats.num_aborted += 1
+        return req
+
+    def _remove_anywhere(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -284,9 +505,6 @@ class Scheduler:
                     if not siblings:
                         del self._held[leader_id]
                     break
-        self._end(req, FinishReason.ABORT)
-        self.stats.num_aborted += 1
-        return req
 
     def _end(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         self._release_held(req)

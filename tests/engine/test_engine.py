@@ -26,7 +26,13 @@ def test_batch_invariance_and_preemption(tiny_llama, llm):
     alone = [generate_ids(llm, [p], params)[0] for p in prompts]
     assert generate_ids(llm, prompts, params) == alone
     # A pool too small for all 16 at once: preemption must happen and change nothing.
-    small = LLM(str(tiny_llama), dtype="float32", page_size=4, kv_cache_memory_gb=0.0004)
+    small = LLM(
+        str(tiny_llama),
+        dtype="float32",
+        page_size=4,
+        kv_cache_memory_gb=0.0004,
+        schedule_conservativeness=0.0,
+    )
     assert small.engine.pool.num_pages < 16 * 36
     assert generate_ids(small, prompts, params) == alone
     assert small.engine.scheduler.stats.num_preemptions > 0

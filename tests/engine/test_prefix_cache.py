@@ -75,7 +75,12 @@ def test_greedy_same_with_cache_on_and_off(tiny_llama, page_size):
     assert on.engine.prefix_cache.hit_rate > 0.3
     # A pool of about three requests' KV: the tree evicts and requests get preempted.
     pool_tokens = 3 * (len(max(prompts, key=len)) + 16)
-    tiny = _llm(tiny_llama, page_size=page_size, kv_cache_memory_gb=pool_tokens * 512 / 2**30)
+    tiny = _llm(
+        tiny_llama,
+        page_size=page_size,
+        kv_cache_memory_gb=pool_tokens * 512 / 2**30,
+        schedule_conservativeness=0.0,  # admit greedily: preemption must happen
+    )
     assert _run(tiny, prompts + prompts, params) == expected + expected
     assert tiny.engine.scheduler.stats.num_preemptions > 0
     tiny.engine.check_idle()

@@ -8,15 +8,34 @@ import pytest
 from radixserve import SamplingParams
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
+from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import FinishReason, Request, RequestState
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
-def make(num_pages=64, page_size=4, budget=64, max_seqs=16, threshold=None):
+def make(
+    num_pages=64,
+    page_size=4,
+    budget=64,
+    max_seqs=16,
+    threshold=None,
+    reserve=0.0,
+    cache=False,
+    **config,
+):
+    """A scheduler over a small pool; ``reserve`` 0 admits greedily (preemption-prone)."""
     pool = PagePool(num_pages, page_size)
-    kv = KVManager(pool, PageTable(max_seqs, 64))
-    return Scheduler(SchedulerConfig(budget, max_seqs, threshold), kv)
+    kv = KVManager(pool, PageTable(max_seqs, 256), RadixCache(pool) if cache else None)
+    cfg = SchedulerConfig(
+        budget,
+        max_seqs,
+        threshold,
+        reserve_ratio_init=reserve,
+        reserve_ratio_min=reserve,
+        **config,
+    )
+    return Scheduler(cfg, kv)
 
 
 def fake_token(req: Request) -> int:
