@@ -188,11 +188,13 @@ class Scheduler:
         counts: list[int] = []
         preemptions_before = self.stats.num_preemptions
 
+        if self.config.policy == "priority":  # higher priority gets budget and pages first
+            self.running.sort(key=lambda r: (r.priority, r.admit_seq))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
-            if not self._grow_or_preempt(req, req.num_computed_tokens + n, failed):
+            if not self._grow_or_preempt(i, req.num_computed_tokens + n, failed):
                 continue  # req itself was preempted or failed; running[i] is now the next one
             scheduled.append(req)
             counts.append(n)
@@ -269,19 +271,31 @@ class Scheduler:
                     break  # bounded work per step; the rest would most likely wait too
                 continue
             n, pages = self._admit(req, budget, cap, committed)
+            preempted_for_it = False
+            while n == 0 and self.config.policy == "priority":
+                victim = self._lower_priority_victim(req)
+                if victim is None:
+                    break
+                if victim in scheduled:  # already in this step's batch: take it out again
+                    j = scheduled.index(victim)
+                    budget += counts.pop(j)
+                    del scheduled[j]
+                self._preempt(victim)
+                preempted_for_it = True
+                committed = self._committed_pages()
+                n, pages = self._admit(req, budget, cap, committed)
             if n == 0:
-                if self.config.policy == "priority" and self._preempt_lower_priority(req):
-                    committed = self._committed_pages()
-                    n, pages = self._admit(req, budget, cap, committed)
-                if n == 0:
-                    break  # head-of-line: later requests wait too (no starvation of this one)
+                break  # head-of-line: later requests wait too (no starvation of this one)
             self.waiting.remove(req)
             committed += pages
             scheduled.append(req)
             counts.append(n)
             budget -= n
-            if self.kv.cache is not None:  # its KV reaches the tree only after this step
-                prefilling.add(self._prefix_key(req, req.num_computed_tokens))
+            key = self._prefix_key(req, req.num_computed_tokens) if self.kv.cache else None
+            if key is not None:  # its KV reaches the tree only after this step
+                prefilling.add(key)
+            if preempted_for_it:
+                break  # the room was made for this request, not for those behind it
 
     def _reserve_tokens(self, req: Request) -> float:
         remaining = req.sampling_params.max_tokens - req.num_output_tokens
@@ -356,13 +370,14 @@ class Scheduler:
         else:
             tokens = req.token_ids[: req.num_tokens - 1]
             hit_len = self.kv.cache.match_prefix(tokens, req.cache_salt, touch=False).num_tokens
-        return self._prefix_key(req, hit_len) in prefilling
+        key = self._prefix_key(req, hit_len)
+        return key is not None and key in prefilling
 
     # -- preemption -----------------------------------------------------------------------
-    def _victim(self) -> Request:
+    def _victim(self, candidates: list[Request]) -> Request:
         """Lowest priority first, then least progress, then the most recently admitted."""
         return max(
-            self.running,
+            candidates,
             key=lambda r: (
                 r.priority if self.config.policy == "priority" else 0,
                 -r.num_output_tokens,
@@ -370,36 +385,35 @@ class Scheduler:
             ),
         )
 
-    def _grow_or_preempt(self, req: Request, num_tokens: int, failed: list[Request]) -> bool:
-        """Make ``req``'s pages cover ``num_tokens``, preempting other requests by policy."""
+    def _grow_or_preempt(self, index: int, num_tokens: int, failed: list[Request]) -> bool:
+        """Make the pages of ``running[index]`` cover ``num_tokens``, preempting requests not
+        yet scheduled this step (those after it) by policy, and finally itself."""
+        req = self.running[index]
         while not self.kv.grow(req, num_tokens):
-            victim = self._victim()
-            if victim is req or len(self.running) == 1:
-                if len(self.running) == 1:
-                    self.running.pop()
-                    self._fail(
-                        req,
-                        f"the request needs {self.kv.pool.pages_for(num_tokens)} KV pages, "
-                        f"more than the {self.kv.pool.num_pages} the cache holds",
-                        failed,
-                    )
-                else:
-                    self._preempt(req)
-                return False
-            self._preempt(victim)
+            later = self.running[index + 1 :]
+            if later:
+                self._preempt(self._victim(later))
+                continue
+            if len(self.running) == 1:
+                self.running.pop()
+                self._fail(
+                    req,
+                    f"the request needs {self.kv.pool.pages_for(num_tokens)} KV pages, "
+                    f"more than the {self.kv.pool.num_pages} the cache holds",
+                    failed,
+                )
+            else:
+                self._preempt(req)
+            return False
         return True
 
-    def _preempt_lower_priority(self, req: Request) -> bool:
-        """Policy ``priority``: make room for ``req`` by preempting running requests of a
-        strictly lower priority (higher value). Returns whether any was preempted."""
+    def _lower_priority_victim(self, req: Request) -> Request | None:
+        """Policy ``priority``: the running request to preempt to make room for ``req`` (one
+        of strictly lower priority, i.e. a higher value), or None."""
         if not self.config.priority_preemption:
-            return False
+            return None
         lower = [r for r in self.running if r.priority > req.priority]
-        if not lower:
-            return False
-        victim = max(lower, key=lambda r: (r.priority, -r.num_output_tokens, r.admit_seq))
-        self._preempt(victim)
-        return True
+        return self._victim(lower) if lower else None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -26,7 +26,7 @@ def make(
 ):
     """A scheduler over a small pool; ``reserve`` 0 admits greedily (preemption-prone)."""
     pool = PagePool(num_pages, page_size)
-    kv = KVManager(pool, PageTable(max_seqs, 256), RadixCache(pool) if cache else None)
+    kv = KVManager(pool, PageTable(max_seqs, 1024), RadixCache(pool) if cache else None)
     cfg = SchedulerConfig(
         budget,
         max_seqs,
@@ -51,10 +51,15 @@ def check_accounting(s: Scheduler) -> None:
 
 
 def step(s: Scheduler, ended: list[Request]) -> None:
-    batch = s.schedule()
+    apply(s, s.schedule(), ended)
+
+
+def apply(s: Scheduler, batch, ended: list[Request]) -> None:
+    """What the engine does with a scheduled batch: run it (fake tokens), finish at length."""
     ended.extend(batch.failed)
     sampled = np.array(
-        [fake_token(r) if do else -1 for r, do in zip(batch.requests, batch.sample, strict=True)]
+        [fake_token(r) if do else -1 for r, do in zip(batch.requests, batch.sample, strict=True)],
+        dtype=np.int64,
     )
     for req in s.update_after_step(batch, sampled):
         req.token_ids[req.num_tokens - 1] = fake_token_at(req, req.num_tokens - 1)
