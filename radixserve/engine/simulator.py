@@ -30,10 +30,13 @@ def load_trace(path: Path, vocab_size: int = 32000) -> list[TraceRequest]:
     """JSONL, one request a line: ``arrival`` (s), ``output_tokens``, and either
     ``prompt_ids`` or ``prompt_tokens`` (random ids) with optional ``prefix_group`` and
     ``prefix_tokens`` (requests of a group share their first ``prefix_tokens`` ids)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"trace file {path} does not exist")
     rng = np.random.default_rng(0)
     prefixes: dict[object, np.ndarray] = {}
     trace = []
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for line_no, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:

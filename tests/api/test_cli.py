@@ -56,3 +56,28 @@ def test_bad_arguments_are_one_line_errors(args, message):
 def test_unknown_dtype_is_rejected_by_the_parser():
     result = _run("generate", "hi", "--dtype", "float16")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_simulate_runs_a_trace_and_reports(tmp_path):
+    import json
+
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {
+            "arrival": i * 0.05,
+            "prompt_tokens": 300,
+            "prefix_group": i % 3,
+            "prefix_tokens": 256,
+            "output_tokens": 20,
+        }
+        for i in range(30)
+    ]
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    result = _run("simulate", "--workload", str(trace), "--policy", "lpm", "--num-pages", "512")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["finished"] == 30 and summary["failed"] == 0
+    assert summary["hit_rate"] > 0.5  # 256 of 300 tokens shared within each group
+    assert summary["ttft_p50_s"] > 0 and summary["itl_p50_ms"] > 0
+    bad = _run("simulate", "--workload", str(tmp_path / "missing.jsonl"))
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
