@@ -78,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(gen)
 
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", action="append", default=[], help="repeatable")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--max-n", type=int, default=16)
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
+    add_engine_args(srv)
+
     sim = sub.add_parser(
         "simulate", help="run a request trace through the scheduler on a simulated device"
     )
@@ -166,6 +175,25 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from radixserve.api.serve import serve
+    from radixserve.api.server import ServerConfig
+    from radixserve.engine.config import EngineConfig
+
+    serve(
+        EngineConfig(**engine_kwargs(args)),
+        ServerConfig(
+            served_model_name=args.served_model_name,
+            api_keys=tuple(args.api_key),
+            max_n=args.max_n,
+        ),
+        host=args.host,
+        port=args.port,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -174,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "simulate":
             return run_simulate(args)
+        if args.command == "serve":
+            return run_serve(args)
     except ValueError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2

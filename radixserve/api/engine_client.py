@@ -1,0 +1,200 @@
+"""The frontend's handle on the engine process: spawn it, send requests, route outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixserve.api import protocol as p
+from radixserve.engine.config import EngineConfig
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class RequestRejected(ValueError):
+    def __init__(self, message: str, overloaded: bool = False) -> None:
+        super().__init__(message)
+        self.overloaded = overloaded
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    remaining: int = 1  # samples not finished yet
+
+
+class EngineClient:
+    """Owns the engine process and its two ZMQ ``ipc://`` sockets in a private directory.
+
+    Invariants: every request sent gets exactly one terminal item on its queue — its
+    samples' finished deltas, a ``Rejected``, or ``EngineDead`` if the process dies; the
+    engine is "alive" while the process runs and its heartbeats are recent.
+    """
+
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0) -> None:
+        self.config = config
+        self.startup_timeout_s = startup_timeout_s
+        self._dir = tempfile.mkdtemp(prefix="radixserve-")
+        os.chmod(self._dir, 0o700)
+        self._inbox = f"ipc://{self._dir}/to-engine"
+        self._outbox = f"ipc://{self._dir}/from-engine"
+        self._ctx = zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.bind(self._inbox)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self._outbox)
+        self._pending: dict[str, _Pending] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.process: subprocess.Popen | None = None
+        self.ready: p.Ready | None = None
+        self.stats: p.EngineStats | None = None
+        self.last_heard = 0.0
+        self.dead = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn ``python -m radixserve.api.engine_process`` (config as JSON: no pickle) and
+        wait until it has loaded the model."""
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "radixserve.api.engine_process",
+                json.dumps(dataclasses.asdict(self.config)),
+                self._inbox,
+                self._outbox,
+            ],
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while self.ready is None:
+            if self.process.poll() is not None:
+                raise EngineDead(
+                    f"the engine process exited during startup (code {self.process.returncode})"
+                )
+            if time.monotonic() > deadline:
+                raise EngineDead("the engine did not start in time")
+            if await self._pull.poll(200):
+                self._dispatch(p.from_engine_decoder.decode(await self._pull.recv()))
+        self._tasks = [
+            asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._watch_process()),
+        ]
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                await asyncio.to_thread(self.process.wait, timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                await asyncio.to_thread(self.process.wait, 5)
+        self._fail_all()
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._dir):
+                os.unlink(os.path.join(self._dir, name))
+            os.rmdir(self._dir)
+
+    @property
+    def alive(self) -> bool:
+        return (
+            not self.dead
+            and self.process is not None
+            and self.process.poll() is None
+            and time.monotonic() - self.last_heard < 5.0
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pending)
+
+    # -- requests -------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        n: int,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[p.Delta]:
+        """Yield the deltas of ``n`` samples until all have finished. Cancelling (client
+        gone) aborts the request in the engine."""
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        pending = _Pending(remaining=n)
+        self._pending[request_id] = pending
+        msg = p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority)
+        await self._push.send(p.encoder.encode(msg))
+        finished = False
+        try:
+            while True:
+                item = await pending.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    pending.remaining -= 1
+                    if pending.remaining == 0:
+                        finished = True
+                        return
+        finally:
+            self._pending.pop(request_id, None)
+            if not finished and self.alive:
+                await self._push.send(p.encoder.encode(p.AbortRequest(request_id)))
+
+    # -- background tasks -----------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            raw = await self._pull.recv()
+            self._dispatch(p.from_engine_decoder.decode(raw))
+
+    def _dispatch(self, msg: p.FromEngine) -> None:
+        self.last_heard = time.monotonic()
+        if isinstance(msg, p.Outputs):
+            self.stats = msg.stats or self.stats
+            for delta in msg.deltas:
+                pending = self._pending.get(delta.request_id)
+                if pending is not None:
+                    pending.queue.put_nowait(delta)
+        elif isinstance(msg, p.Heartbeat):
+            self.stats = msg.stats
+        elif isinstance(msg, p.Rejected):
+            pending = self._pending.get(msg.request_id)
+            if pending is not None:
+                pending.queue.put_nowait(RequestRejected(msg.message, msg.overloaded))
+        elif isinstance(msg, p.Ready):
+            self.ready = msg
+
+    async def _watch_process(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            if self.process is None or self.process.poll() is not None:
+                self.dead = True
+                self._fail_all()
+                return
+
+    def _fail_all(self) -> None:
+        for pending in self._pending.values():
+            pending.queue.put_nowait(EngineDead("the engine process died"))

@@ -1,0 +1,130 @@
+"""The engine process: a plain busy loop — receive, schedule + forward (one step), send."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import zmq
+
+from radixserve.api import protocol as p
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.engine.config import EngineConfig
+from radixserve.engine.engine import Engine
+from radixserve.scheduler.scheduler import EngineOverloaded
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.25
+IDLE_POLL_MS = 50
+
+
+def _stats(engine: Engine) -> p.EngineStats:
+    s = engine.scheduler
+    cache = engine.prefix_cache
+    return p.EngineStats(
+        running=len(s.running),
+        waiting=len(s.waiting),
+        kv_pages_total=engine.pool.num_pages,
+        kv_pages_free=engine.pool.num_free,
+        cache_hit_tokens=cache.hit_tokens if cache else 0,
+        cache_queried_tokens=cache.queried_tokens if cache else 0,
+        preemptions=s.stats.num_preemptions,
+        steps=engine.num_steps,
+    )
+
+
+def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
+    """Entry point of the engine process: load the model, then loop until SIGTERM."""
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when to stop
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(inbox)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(outbox)
+    engine = Engine(config)
+    push.send(
+        p.encoder.encode(p.Ready(engine.source.name, engine.vocab_size, engine.max_model_len))
+    )
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    last_beat = 0.0
+    while not stopping:
+        timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
+        if poller.poll(timeout):
+            while True:
+                try:
+                    raw = pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                _handle(engine, p.to_engine_decoder.decode(raw), push)
+        deltas = engine.step() if engine.has_unfinished() else []
+        now = time.monotonic()
+        if deltas:
+            msg = p.Outputs([_delta(d) for d in deltas], _stats(engine))
+            push.send(p.encoder.encode(msg))
+            last_beat = now
+        elif now - last_beat >= HEARTBEAT_S:
+            push.send(p.encoder.encode(p.Heartbeat(_stats(engine))))
+            last_beat = now
+    push.close(linger=1000)
+    pull.close(linger=0)
+    ctx.term()
+
+
+def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
+    if isinstance(msg, p.AbortRequest):
+        engine.abort(msg.request_id)
+        return
+    try:
+        params = SamplingParams(**msg.params)
+        engine.add_request(
+            msg.request_id,
+            msg.prompt_token_ids,
+            params,
+            cache_salt=msg.cache_salt,
+            priority=msg.priority,
+        )
+    except EngineOverloaded as exc:
+        push.send(p.encoder.encode(p.Rejected(msg.request_id, str(exc), overloaded=True)))
+    except (ValueError, TypeError) as exc:
+        push.send(p.encoder.encode(p.Rejected(msg.request_id, str(exc))))
+
+
+def _delta(d) -> p.Delta:
+    return p.Delta(
+        d.request_id,
+        d.index,
+        d.new_token_ids,
+        d.text,
+        d.finished,
+        d.finish_reason,
+        d.error,
+        d.num_prompt_tokens,
+        d.num_cached_tokens,
+    )
+
+
+def main() -> None:
+    """``python -m radixserve.api.engine_process CONFIG_JSON INBOX OUTBOX`` (JSON, not pickle)."""
+    import dataclasses
+    import json
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    raw, inbox, outbox = sys.argv[1:4]
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    config = EngineConfig(**{k: v for k, v in json.loads(raw).items() if k in fields})
+    run_engine_process(config, inbox, outbox)
+
+
+if __name__ == "__main__":
+    main()

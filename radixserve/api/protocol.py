@@ -1,0 +1,77 @@
+"""Messages between the HTTP frontend and the engine process (msgpack via msgspec; no pickle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class GenerateRequest(msgspec.Struct, tag="generate"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # SamplingParams fields
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class Delta(msgspec.Struct, array_like=True):
+    """One step's news for one sample (see ``engine.outputs.SequenceDelta``)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class EngineStats(msgspec.Struct):
+    running: int
+    waiting: int
+    kv_pages_total: int
+    kv_pages_free: int
+    cache_hit_tokens: int
+    cache_queried_tokens: int
+    preemptions: int
+    steps: int
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    """Everything one engine step produced, in one message."""
+
+    deltas: list[Delta]
+    stats: EngineStats | None = None
+
+
+class Rejected(msgspec.Struct, tag="rejected"):
+    """The engine refused a request before it started (bad input, overloaded)."""
+
+    request_id: str
+    message: str
+    overloaded: bool = False
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    stats: EngineStats
+
+
+ToEngine = GenerateRequest | AbortRequest
+FromEngine = Outputs | Rejected | Ready | Heartbeat
+
+encoder = msgspec.msgpack.Encoder()
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)

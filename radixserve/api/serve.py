@@ -1,0 +1,41 @@
+"""Run the HTTP server: uvicorn, with a drain on SIGTERM that exits 0."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import uvicorn
+
+from radixserve.api.server import ServerConfig, create_app
+from radixserve.engine.config import EngineConfig
+
+
+class DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: stop accepting, let in-flight requests finish (up to the graceful
+    shutdown timeout), stop the engine process, exit 0. A drain is a normal exit, so the
+    signal is not re-raised afterwards as uvicorn does by default."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def serve(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout_s: float = 30.0,
+) -> None:
+    app = create_app(engine_config, server_config)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=shutdown_timeout_s,
+    )
+    DrainingServer(config).run()

@@ -1,0 +1,297 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api.server_helpers import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_completion_stream_equals_non_stream_and_usage_is_exact(client, server):
+    model = _model(client)
+    kwargs = dict(
+        model=model,
+        prompt="Paris is the capital",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kwargs)
+    assert full.id.startswith("cmpl-") and full.object == "text_completion"
+    assert full.choices[0].finish_reason == "length"
+    prompt_ids = httpx.post(
+        server.url + "/tokenize", json={"prompt": "Paris is the capital"}
+    ).json()
+    assert full.usage.prompt_tokens == prompt_ids["count"]
+    assert full.usage.completion_tokens == 12
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices].count("length") == 1
+
+
+def test_chat_streams_role_first_and_n_samples(client):
+    model = _model(client)
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=3,
+        n=3,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    texts = {0: "", 1: "", 2: ""}
+    finishes: dict[int, int] = {0: 0, 1: 0, 2: 0}
+    roles = set()
+    for chunk in stream:
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles.add(ch.index)
+                assert texts[ch.index] == ""  # the role comes before any content
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finishes[ch.index] += 1
+    assert roles == {0, 1, 2} and finishes == {0: 1, 1: 1, 2: 1}
+    assert len(set(texts.values())) > 1
+    once = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=3,
+        n=3,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.message.content for c in once.choices] == [texts[i] for i in range(3)]  # seeded
+
+
+def test_stop_seed_and_cached_tokens(client):
+    model = _model(client)
+    base = dict(
+        model=model,
+        prompt="Numbers 0123456789 and symbols",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = client.completions.create(**base).choices[0].text
+    stop = text[3:6]
+    stopped = client.completions.create(stop=[stop], **base).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == text[: text.index(stop)]
+    sampled = dict(base, temperature=1.0, seed=11)
+    a = client.completions.create(**sampled).choices[0].text
+    b = client.completions.create(**sampled).choices[0].text
+    assert a == b
+    again = client.completions.create(**base)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [1, 99999]}, "prompt"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "temperature": 2.5}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "n": 0}, "n"),
+        ({"prompt": "hi", "n": 1000}, "n"),
+        ({"prompt": "hi", "logprobs": 5}, "logprobs"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+        ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_completion_input_is_a_400_and_the_server_keeps_serving(server, body, param):
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_bad_requests_of_other_kinds(server):
+    url = server.url
+    assert (
+        httpx.post(
+            url + "/v1/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+        ).status_code
+        == 400
+    )
+    assert (
+        httpx.post(
+            url + "/v1/completions",
+            content=b"\xff\xfe",
+            headers={"content-type": "application/json"},
+        ).status_code
+        == 400
+    )
+    assert (
+        httpx.post(
+            url + "/v1/completions",
+            content=b'{"prompt": "x"}',
+            headers={"content-type": "text/plain"},
+        ).status_code
+        == 400
+    )
+    assert httpx.post(url + "/v1/chat/completions", json={"model": "x"}).status_code == 400
+    bad_part = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    assert httpx.post(url + "/v1/chat/completions", json=bad_part).status_code == 400
+    unknown = httpx.post(url + "/v1/completions", json={"prompt": "x", "model": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(url + "/no/such/route").status_code == 404
+    assert httpx.get(url + "/v1/completions").status_code == 405
+    assert (
+        httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code
+        == 200
+    )
+
+
+def test_metrics_parse_and_move(server, client):
+    def scrape() -> dict[str, float]:
+        text = httpx.get(server.url + "/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[sample.name + str(sorted(sample.labels.items()))] = sample.value
+        return out
+
+    before = scrape()
+    client.completions.create(
+        model=_model(client),
+        prompt="hi",
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = scrape()
+    key = "radixserve_generation_tokens_total[]"
+    assert after[key] - before.get(key, 0) == 3
+    assert any(k.startswith("radixserve_num_requests_running") for k in after)
+    assert any(k.startswith("radixserve_time_to_first_token_seconds_count") for k in after)
+
+
+def test_native_generate_and_detokenize(server):
+    r = httpx.post(
+        server.url + "/generate",
+        json={
+            "text": "Paris",
+            "sampling_params": {"max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        },
+    )
+    assert r.status_code == 200
+    body = r.json()
+    assert len(body["output_ids"]) == 4 and body["meta_info"]["finish_reason"] == "length"
+    d = httpx.post(server.url + "/detokenize", json={"tokens": body["output_ids"]}).json()
+    assert d["prompt"] == body["text"]
+
+
+def test_clients_that_time_out_are_aborted(tiny_llama):
+    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32", "--disable-radix-cache")
+    try:
+
+        async def one(client: httpx.AsyncClient) -> None:
+            body = {"prompt": "count", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+            try:
+                async with client.stream(
+                    "POST", srv.url + "/v1/completions", json=body, timeout=0.5
+                ) as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+            except httpx.TimeoutException:
+                pass
+
+        async def many() -> None:
+            limits = httpx.Limits(max_connections=250)
+            async with httpx.AsyncClient(limits=limits) as client:
+                await asyncio.gather(*(one(client) for _ in range(200)))
+
+        asyncio.run(many())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            text = httpx.get(srv.url + "/metrics").text
+            stats = {
+                s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            }
+            if (
+                stats.get("radixserve_num_requests_running") == 0
+                and stats.get("radixserve_kv_cache_usage_ratio") == 0
+                and stats.get("radixserve_num_requests_waiting") == 0
+            ):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"requests or pages left: {stats}")
+        ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_engine_death_is_a_503_and_sigterm_drains(tiny_llama):
+    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32")
+    try:
+        os.kill(srv.engine_pid(), signal.SIGKILL)
+        deadline = time.monotonic() + 1.0
+        while httpx.get(srv.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health did not turn 503 within a second"
+            time.sleep(0.05)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
+
+    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32")
+    engine = srv.engine_pid()
+
+    async def in_flight() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as c:
+            task = asyncio.create_task(
+                c.post(
+                    srv.url + "/v1/completions",
+                    json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True},
+                )
+            )
+            await asyncio.sleep(0.3)
+            srv.proc.send_signal(signal.SIGTERM)
+            return await task
+
+    try:
+        response = asyncio.run(in_flight())
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 200
+        assert srv.proc.wait(30) == 0
+        assert not os.path.exists(f"/proc/{engine}")  # the engine process was reaped
+    finally:
+        srv.stop()
