@@ -22,7 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV cache size in GiB")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument(
+        "--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=256
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--long-prefill-threshold", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None)
