@@ -28,6 +28,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--long-prefill-threshold", type=int, default=None)
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument(
+        "--simulated-device",
+        action="store_true",
+        help="no weights: instant synthetic tokens (benchmarks of everything but the model)",
+    )
     add_scheduler_args(parser)
 
 
@@ -54,6 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_model_len": args.max_model_len,
         "long_prefill_threshold": args.long_prefill_threshold,
         "num_threads": args.num_threads,
+        "simulated_device": args.simulated_device,
         "disable_radix_cache": args.disable_radix_cache,
         "schedule_policy": args.schedule_policy,
         "max_waiting_requests": args.max_waiting_requests,

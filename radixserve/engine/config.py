@@ -30,6 +30,9 @@ class EngineConfig:
     # Scales the decode reserve kept at admission: 0 admits as much as fits now (more
     # preemptions later), 1 is the default, smaller values trade safety for batch size.
     schedule_conservativeness: float = 1.0
+    # No weights: instant synthetic tokens from a simulated device (for measuring the
+    # scheduler, the API and the server around the model).
+    simulated_device: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):

@@ -23,16 +23,20 @@ from radixserve.engine.outputs import SequenceDelta
 from radixserve.engine.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
 from radixserve.executor.kv_cache import KVCache, bytes_per_page
 from radixserve.executor.loader import load_checkpoint
+from radixserve.executor.loader.gguf_loader import read_metadata
 from radixserve.executor.loader.safetensors_loader import read_json
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.models.registry import model_class
 from radixserve.executor.sampler import Sampler
+from radixserve.executor.simulated import CostModel, SimulatedRunner
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
+_SIMULATED_KV_PAGES = 1 << 16
+_SIMULATED_MAX_MODEL_LEN = 8192
 _IDLE_POLL_S = 0.002  # longest doze of an idle step while a batch wait is pending
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -62,34 +66,17 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.source: ModelSource = resolve_model(config.model)
-        checkpoint = load_checkpoint(self.source.kind, self.source.path)
-        self.model_config = ModelConfig.from_hf_dict(checkpoint.hf_config)
-        if self.source.kind == "gguf":
-            self.tokenizer = tokenizer_from_gguf(checkpoint.gguf_metadata or {})
-            generation_config: dict[str, Any] = {}
+        if config.simulated_device:
+            num_pages, generation_config, model_eos = self._init_simulated(config)
         else:
-            self.tokenizer = load_hf_tokenizer(self.source.path)
-            gen_path = self.source.path / "generation_config.json"
-            generation_config = read_json(gen_path) if gen_path.is_file() else {}
-        self.dtype = config.torch_dtype(checkpoint.hf_config.get("torch_dtype"))
-        self.model = model_class(self.model_config.architecture)(
-            self.model_config, checkpoint.weights, self.dtype
-        )
-        del checkpoint
-        mc = self.model_config
-        self.vocab_size = mc.vocab_size
-        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
-        self.eos_token_ids = self._eos_ids(generation_config)
+            num_pages, generation_config, model_eos = self._load_model(config)
+        self.eos_token_ids = self._eos_ids(model_eos, generation_config)
         self.default_sampling = {
             k: generation_config[k] for k in _SAMPLING_DEFAULT_KEYS if k in generation_config
         }
         if generation_config.get("do_sample") is False:
             self.default_sampling["temperature"] = 0.0
 
-        page_bytes = bytes_per_page(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.page_size, self.dtype
-        )
-        num_pages = max(1, int(config.kv_cache_memory_gb * 2**30) // page_bytes)
         self.pool = PagePool(num_pages, config.page_size)
         self.page_table = PageTable(config.max_num_seqs, self.pool.pages_for(self.max_model_len))
         self.prefix_cache = None if config.disable_radix_cache else RadixCache(self.pool)
@@ -108,24 +95,64 @@ class Engine:
             ),
             self.kv_manager,
         )
-        kv_cache = KVCache(
-            mc.num_hidden_layers,
-            num_pages,
-            config.page_size,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            self.dtype,
-        )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, kv_cache, self.page_table, self.sampler)
+        if config.simulated_device:
+            self.runner = SimulatedRunner(CostModel(0.0, 0.0, 0.0), self.vocab_size)
+        else:
+            mc = self.model_config
+            kv_cache = KVCache(
+                mc.num_hidden_layers,
+                num_pages,
+                config.page_size,
+                mc.num_key_value_heads,
+                mc.head_dim,
+                self.dtype,
+            )
+            self.runner = ModelRunner(self.model, kv_cache, self.page_table, self.sampler)
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
         self._pending: list[SequenceDelta] = []
         self.num_steps = 0
 
-    def _eos_ids(self, generation_config: dict[str, Any]) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
+    def _load_model(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
+        """Weights, tokenizer and KV sizing of a real model; returns (KV pages, the
+        generation config, the model's EOS ids)."""
+        checkpoint = load_checkpoint(self.source.kind, self.source.path)
+        self.model_config = mc = ModelConfig.from_hf_dict(checkpoint.hf_config)
+        self.tokenizer, generation_config = self._load_tokenizer(checkpoint.gguf_metadata)
+        self.dtype = config.torch_dtype(checkpoint.hf_config.get("torch_dtype"))
+        self.model = model_class(mc.architecture)(mc, checkpoint.weights, self.dtype)
+        del checkpoint
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+        page_bytes = bytes_per_page(
+            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.page_size, self.dtype
+        )
+        num_pages = max(1, int(config.kv_cache_memory_gb * 2**30) // page_bytes)
+        return num_pages, generation_config, mc.eos_token_ids
+
+    def _init_simulated(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
+        """The model's tokenizer but no weights: a simulated device (instant synthetic
+        tokens) for measuring everything around the model."""
+        meta = read_metadata(self.source.path) if self.source.kind == "gguf" else None
+        self.tokenizer, generation_config = self._load_tokenizer(meta)
+        self.model_config = None
+        self.vocab_size = len(self.tokenizer)
+        self.max_model_len = config.max_model_len or _SIMULATED_MAX_MODEL_LEN
+        return _SIMULATED_KV_PAGES, generation_config, ()
+
+    def _load_tokenizer(self, gguf_metadata: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+        if self.source.kind == "gguf":
+            return tokenizer_from_gguf(gguf_metadata or {}), {}
+        gen_path = self.source.path / "generation_config.json"
+        generation_config = read_json(gen_path) if gen_path.is_file() else {}
+        return load_hf_tokenizer(self.source.path), generation_config
+
+    def _eos_ids(
+        self, model_eos: tuple[int, ...], generation_config: dict[str, Any]
+    ) -> tuple[int, ...]:
+        ids = set(model_eos)
         gen_eos = generation_config.get("eos_token_id")
         ids.update(
             gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []

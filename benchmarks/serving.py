@@ -1,0 +1,372 @@
+"""Serving benchmark: an asyncio streaming client for any OpenAI-compatible server.
+
+    # radixserve serving SmolLM2 (launched here), W3 at concurrency 16:
+    python benchmarks/serving.py --launch --workload trace --trace ../shared/workloads/w3_online.jsonl --max-concurrency 16
+    # a sweep over concurrency levels (random lengths), with a PNG plot if matplotlib exists:
+    python benchmarks/serving.py --launch --workload random --sweep 1,4,16,64 --num-requests 64
+    # the frontend's own cost: radixserve on a simulated device with instant tokens
+    python benchmarks/serving.py --stub
+    # any other server:
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --model NAME --workload random
+
+Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+W3 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w3_online.jsonl"
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "his",
+    "her",
+    "it",
+    "an",
+    "were",
+    "are",
+]
+
+
+@dataclass
+class Job:
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def make_jobs(args) -> list[Job]:
+    rng = random.Random(0)
+    if args.workload == "trace":
+        lines = [json.loads(x) for x in Path(args.trace).read_text().splitlines() if x.strip()]
+        return [Job(x["prompt"], int(x["max_tokens"])) for x in lines][: args.num_requests or None]
+    n = args.num_requests or 64
+    if args.workload == "shared-prefix":
+        prefixes = [" ".join(rng.choices(_WORDS, k=args.prefix_words)) for _ in range(args.groups)]
+        return [
+            Job(rng.choice(prefixes) + " " + " ".join(rng.choices(_WORDS, k=32)), args.output_len)
+            for _ in range(n)
+        ]
+    return [
+        Job(
+            " ".join(rng.choices(_WORDS, k=rng.randint(16, 2 * args.input_words))),
+            rng.randint(max(1, args.output_len // 2), args.output_len),
+        )
+        for _ in range(n)
+    ]
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, job: Job, stream: bool
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": job.prompt,
+        "max_tokens": job.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    start = time.perf_counter()
+    res = Result(ok=False)
+    try:
+        if not stream:
+            r = await client.post(url, json=body)
+            if r.status_code != 200:
+                res.error = r.text[:200]
+                return res
+            usage = r.json()["usage"]
+            res.prompt_tokens, res.output_tokens = (
+                usage["prompt_tokens"],
+                usage["completion_tokens"],
+            )
+            res.e2e = res.ttft = time.perf_counter() - start
+            res.ok = True
+            return res
+        last = None
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = (await r.aread()).decode()[:200]
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if last is None:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+        res.e2e = time.perf_counter() - start
+        res.ok = True
+    except httpx.HTTPError as exc:
+        res.error = repr(exc)
+    return res
+
+
+async def run_load(
+    args, url: str, model: str, jobs: list[Job], concurrency: int, rate: float, stream: bool = True
+) -> tuple[list[Result], float]:
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(
+        max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8
+    )
+    rng = np.random.default_rng(1)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def guarded(job: Job) -> Result:
+            async with sem:
+                return await one_request(client, url, model, job, stream)
+
+        start = time.perf_counter()
+        tasks = []
+        for job in jobs:
+            tasks.append(asyncio.create_task(guarded(job)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[Result], wall: float) -> dict[str, float]:
+    ok = [r for r in results if r.ok]
+    out: dict[str, float] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "wall_s": wall,
+        "request_throughput": len(ok) / wall,
+        "input_tok_s": sum(r.prompt_tokens for r in ok) / wall,
+        "output_tok_s": sum(r.output_tokens for r in ok) / wall,
+    }
+    series = {
+        "ttft_ms": [1e3 * r.ttft for r in ok],
+        "tpot_ms": [
+            1e3 * (r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1
+        ],
+        "itl_ms": [1e3 * x for r in ok for x in r.itl],
+        "e2e_ms": [1e3 * r.e2e for r in ok],
+    }
+    for name, values in series.items():
+        if values:
+            out[f"mean_{name}"] = statistics.fmean(values)
+            out[f"median_{name}"] = float(np.median(values))
+            out[f"p90_{name}"] = float(np.percentile(values, 90))
+            out[f"p99_{name}"] = float(np.percentile(values, 99))
+    return out
+
+
+def print_table(rows: list[tuple[int, dict]]) -> None:
+    print(
+        f"{'conc':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT med/p99 ms':>18} {'TPOT med ms':>12}"
+        f" {'ITL p99 ms':>11} {'E2E med ms':>11} {'failed':>7}"
+    )
+    for c, s in rows:
+        print(
+            f"{c:>5} {s['request_throughput']:>7.2f} {s['output_tok_s']:>10.1f} "
+            f"{s.get('median_ttft_ms', 0):>8.0f} / {s.get('p99_ttft_ms', 0):<7.0f} "
+            f"{s.get('median_tpot_ms', 0):>12.1f} {s.get('p99_itl_ms', 0):>11.1f} "
+            f"{s.get('median_e2e_ms', 0):>11.0f} {s['failed']:>7}"
+        )
+
+
+class Launched:
+    def __init__(self, extra: list[str], port: int = 8765) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "radixserve.api.cli", "serve", "--port", str(port), *extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError("the server exited during startup")
+            time.sleep(0.5)
+        raise RuntimeError("the server did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+async def health_under_load(url: str, model: str, jobs: list[Job], concurrency: int, stream: bool):
+    samples: list[float] = []
+
+    async def probe(stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient() as c:
+            while not stop.is_set():
+                t = time.perf_counter()
+                await c.get(url + "/health")
+                samples.append(time.perf_counter() - t)
+                await asyncio.sleep(0.01)
+
+    stop = asyncio.Event()
+    prober = asyncio.create_task(probe(stop))
+    results, wall = await run_load(
+        None, url + "/v1/completions", model, jobs, concurrency, float("inf"), stream
+    )
+    stop.set()
+    await prober
+    return results, wall, 1e3 * float(np.median(samples)) if samples else 0.0
+
+
+def run_stub(args) -> dict[str, float]:
+    """radixserve on a simulated device (instant tokens): what the frontend can sustain."""
+    server = Launched(
+        ["--simulated-device", "--max-num-seqs", "512", "--max-num-batched-tokens", "8192"]
+    )
+    try:
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        jobs = [Job("hello " * 16, 16) for _ in range(args.stub_requests)]
+        summary = {}
+        for stream in (True, False):
+            asyncio.run(
+                run_load(
+                    None, server.url + "/v1/completions", model, jobs[:64], 32, float("inf"), stream
+                )
+            )
+            results, wall, health_ms = asyncio.run(
+                health_under_load(server.url, model, jobs, args.stub_concurrency, stream)
+            )
+            s = summarize(results, wall)
+            label = "streamed" if stream else "nonstreamed"
+            summary[f"stub_{label}_req_s"] = s["request_throughput"]
+            summary[f"stub_{label}_failed"] = s["failed"]
+            if stream:
+                summary["health_median_ms_under_load"] = health_ms
+                summary["stub_sse_events_s"] = s["request_throughput"] * 16
+            print(
+                f"stub {label:>11}: {s['request_throughput']:.0f} req/s ({s['failed']} failed), "
+                f"/health median {health_ms:.2f} ms under load"
+            )
+        return summary
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default=None)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--launch", action="store_true", help="start radixserve (SmolLM2) here")
+    parser.add_argument("--launch-args", default="", help="extra args for radixserve serve")
+    parser.add_argument(
+        "--workload", choices=["random", "shared-prefix", "trace"], default="random"
+    )
+    parser.add_argument("--trace", default=str(W3))
+    parser.add_argument("--num-requests", type=int, default=0)
+    parser.add_argument("--input-words", type=int, default=200)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--prefix-words", type=int, default=600)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument("--sweep", default=None, help="comma-separated concurrency levels")
+    parser.add_argument("--plot", default="serving_latency.png")
+    parser.add_argument(
+        "--stub", action="store_true", help="measure the frontend on a simulated device"
+    )
+    parser.add_argument("--stub-requests", type=int, default=2000)
+    parser.add_argument("--stub-concurrency", type=int, default=64)
+    args = parser.parse_args()
+
+    if args.stub:
+        print(json.dumps({k: round(v, 2) for k, v in run_stub(args).items()}))
+        return
+    server = Launched(args.launch_args.split()) if args.launch else None
+    url = server.url if server else args.base_url
+    if url is None:
+        parser.error("give --base-url or --launch")
+    try:
+        model = args.model or httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        jobs = make_jobs(args)
+        levels = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.max_concurrency]
+        rows = []
+        for c in levels:
+            results, wall = asyncio.run(
+                run_load(args, url + "/v1/completions", model, jobs, c, args.request_rate)
+            )
+            rows.append((c, summarize(results, wall)))
+        print(f"\n{args.workload} workload, {len(jobs)} requests, {url}")
+        print_table(rows)
+        if len(rows) > 1:
+            try:
+                import matplotlib
+
+                matplotlib.use("Agg")
+                import matplotlib.pyplot as plt
+
+                fig, ax = plt.subplots(figsize=(6, 4))
+                for key in ("median_ttft_ms", "p99_ttft_ms", "median_e2e_ms", "p99_e2e_ms"):
+                    ax.plot(levels, [s.get(key, 0) for _, s in rows], marker="o", label=key)
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("concurrency")
+                ax.set_ylabel("ms")
+                ax.legend()
+                fig.savefig(args.plot, dpi=100, bbox_inches="tight")
+                print(f"plot: {args.plot}")
+            except ImportError:
+                print("(matplotlib not installed: no plot)")
+        print(
+            json.dumps(
+                {
+                    "workload": args.workload,
+                    "levels": {str(c): {k: round(v, 2) for k, v in s.items()} for c, s in rows},
+                }
+            )
+        )
+    finally:
+        if server:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
