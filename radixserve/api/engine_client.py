@@ -54,7 +54,10 @@ class EngineClient:
         self._inbox = f"ipc://{self._dir}/to-engine"
         self._outbox = f"ipc://{self._dir}/from-engine"
         self._ctx = zmq.asyncio.Context()
-        self._push = self._ctx.socket(zmq.PUSH)
+        # Sending is a plain (synchronous) socket: a PUSH to an ipc peer queues and returns
+        # at once, without the asyncio wrapper's per-call future bookkeeping.
+        self._sync_ctx = zmq.Context()
+        self._push = self._sync_ctx.socket(zmq.PUSH)
         self._push.bind(self._inbox)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self._outbox)
@@ -108,6 +111,7 @@ class EngineClient:
                 await asyncio.to_thread(self.process.wait, 5)
         self._fail_all()
         self._push.close(linger=0)
+        self._sync_ctx.term()
         self._pull.close(linger=0)
         self._ctx.term()
         with contextlib.suppress(OSError):
@@ -145,7 +149,7 @@ class EngineClient:
         pending = _Pending(remaining=n)
         self._pending[request_id] = pending
         msg = p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority)
-        await self._push.send(p.encoder.encode(msg))
+        self._push.send(p.encoder.encode(msg))
         finished = False
         try:
             while True:
@@ -162,7 +166,7 @@ class EngineClient:
         finally:
             self._pending.pop(request_id, None)
             if not finished and self.alive:
-                await self._push.send(p.encoder.encode(p.AbortRequest(request_id)))
+                self._push.send(p.encoder.encode(p.AbortRequest(request_id)))
 
     # -- background tasks -----------------------------------------------------------------
     async def _receive_loop(self) -> None:
