@@ -104,10 +104,10 @@ class _PrefixProbe:
             req.probe_stamp = now
 
 
-class LongestPrefixPolicy:
-    """``lpm``: the request with the longest cached prefix first (ties: queue order)."""
+class _CacheAwarePolicy:
+    """Base of the prefix-aware policies: refreshes estimates, then ``rank``s."""
 
-    name = "lpm"
+    name = ""
 
     def __init__(self, cache: RadixCache, probe_budget: int = 64) -> None:
         self._probe = _PrefixProbe(cache, probe_budget)
@@ -115,22 +115,29 @@ class LongestPrefixPolicy:
     def order(self, waiting: WaitingQueue) -> list[Request]:
         reqs = list(waiting)
         self._probe.refresh(reqs)
+        return self.rank(reqs)
+
+    def rank(self, reqs: list[Request]) -> list[Request]:
+        raise NotImplementedError
+
+
+class LongestPrefixPolicy(_CacheAwarePolicy):
+    """``lpm``: the request with the longest cached prefix first (ties: queue order)."""
+
+    name = "lpm"
+
+    def rank(self, reqs: list[Request]) -> list[Request]:
         return sorted(reqs, key=lambda r: (-r.probe_len, r.queue_key))
 
 
-class DFSWeightPolicy:
+class DFSWeightPolicy(_CacheAwarePolicy):
     """``dfs-weight``: walk the radix tree depth first, heaviest subtree (most waiting
     requests under it) first, emitting each node's requests as it is reached; requests
     under the same prefix therefore run together."""
 
     name = "dfs-weight"
 
-    def __init__(self, cache: RadixCache, probe_budget: int = 64) -> None:
-        self._probe = _PrefixProbe(cache, probe_budget)
-
-    def order(self, waiting: WaitingQueue) -> list[Request]:
-        reqs = list(waiting)
-        self._probe.refresh(reqs)
+    def rank(self, reqs: list[Request]) -> list[Request]:
         at_node: dict[int, list[Request]] = {}
         weight: dict[int, int] = {}
         children: dict[int, list[RadixNode]] = {}
