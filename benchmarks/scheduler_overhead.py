@@ -57,7 +57,7 @@ def step_overhead(num_running: int, num_waiting: int, steps: int, policy: str) -
         sched.add_request(Request(f"run-{i}", prompt(i), SamplingParams(max_tokens=steps + 8)))
     while sched.waiting:  # prefill everyone (untimed)
         batch = sched.schedule()
-        sched.update_after_step(batch, runner.execute(batch))
+        sched.update_after_step(batch, runner.execute(batch).tokens)
     for i in range(num_waiting):
         sched.add_request(Request(f"wait-{i}", prompt(i), SamplingParams(max_tokens=16)))
     times = []
@@ -66,7 +66,7 @@ def step_overhead(num_running: int, num_waiting: int, steps: int, policy: str) -
         batch = sched.schedule()
         ForwardBatch.build(batch, table, page_size)
         times.append(time.perf_counter() - t)
-        sched.update_after_step(batch, runner.execute(batch))
+        sched.update_after_step(batch, runner.execute(batch).tokens)
         assert len(batch.requests) == num_running
     return np.asarray(times)
 

@@ -110,6 +110,7 @@ def _delta(d) -> p.Delta:
         d.error,
         d.num_prompt_tokens,
         d.num_cached_tokens,
+        [(lp.token_id, lp.logprob, lp.top) for lp in d.logprobs] if d.logprobs else None,
     )
 
 

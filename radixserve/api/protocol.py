@@ -31,6 +31,8 @@ class Delta(msgspec.Struct, array_like=True):
     error: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # per new token: (token id, logprob, [(top id, top logprob), ...]) when asked for
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class EngineStats(msgspec.Struct):

@@ -99,6 +99,7 @@ class OpenAIServer:
         source_name, self.tokenizer = load_frontend_tokenizer(engine_config)
         self.model_name = config.served_model_name or source_name
         self.metrics = Metrics(lambda: self.client.stats)
+        self._token_texts: dict[int, str] = {}
         self.created = int(time.time())
 
     # -- request parsing ------------------------------------------------------------------
@@ -140,8 +141,7 @@ class OpenAIServer:
             )
         if not 1 <= body.n <= self.config.max_n:
             raise APIError(400, f"n must be in [1, {self.config.max_n}], got {body.n}", param="n")
-        if body.logprobs not in (None, False) or getattr(body, "top_logprobs", None):
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        num_logprobs = self.num_logprobs(body)
         if body.temperature is not None and body.temperature > 2:
             raise APIError(400, "temperature must be in [0, 2]", param="temperature")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -164,6 +164,7 @@ class OpenAIServer:
             "min_tokens": body.min_tokens,
             "skip_special_tokens": body.skip_special_tokens,
             "include_stop_str_in_output": body.include_stop_str_in_output,
+            "logprobs": num_logprobs,
         }
         if body.logit_bias:
             try:
@@ -179,6 +180,65 @@ class OpenAIServer:
             m = _FIELD_RE.match(str(exc))
             raise APIError(400, str(exc), param=m.group(1) if m else None) from None
         return fields, body.n
+
+    def num_logprobs(self, body: Any) -> int | None:
+        """How many top logprobs to return per token (None: no logprobs), as OpenAI's
+        completions (``logprobs: int``) and chat (``logprobs: bool`` + ``top_logprobs``)
+        ask for them."""
+        limit = self.config.max_logprobs
+        if isinstance(body, ChatCompletionRequest):
+            if body.logprobs not in (None, False, True):
+                raise APIError(400, "logprobs must be a boolean", param="logprobs")
+            if body.top_logprobs is not None:
+                if not body.logprobs:
+                    raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+                if not 0 <= body.top_logprobs <= limit:
+                    raise APIError(
+                        400, f"top_logprobs must be in [0, {limit}]", param="top_logprobs"
+                    )
+            return (body.top_logprobs or 0) if body.logprobs else None
+        if body.logprobs is None:
+            return None
+        if isinstance(body.logprobs, bool) or not isinstance(body.logprobs, int):
+            raise APIError(400, "logprobs must be an integer", param="logprobs")
+        if not 0 <= body.logprobs <= limit:
+            raise APIError(400, f"logprobs must be in [0, {limit}]", param="logprobs")
+        return body.logprobs
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def completion_logprobs(self, lps: list, offset: int) -> dict:
+        """OpenAI's completions shape; ``text_offset`` counts from ``offset``."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, logprob, top_pairs in lps:
+            text = self.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            top.append({self.token_text(t): lp for t, lp in top_pairs})
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, lps: list) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {**entry(t, lp), "top_logprobs": [entry(tt, tlp) for tt, tlp in top]}
+                for t, lp, top in lps
+            ]
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -568,9 +628,12 @@ async def _complete(server, request, rid, texts, prompts, fields, n, body, chat:
     first = None
     for i, d in items:
         idx = i * n + d.index
-        o = outs.setdefault(idx, {"text": "", "tokens": 0, "reason": None, "error": None})
+        o = outs.setdefault(
+            idx, {"text": "", "tokens": 0, "reason": None, "error": None, "logprobs": []}
+        )
         o["text"] += d.text
         o["tokens"] += len(d.token_ids)
+        o["logprobs"].extend(d.logprobs or ())
         if d.token_ids and first is None:
             first = time.monotonic()
         if d.finished:
@@ -590,12 +653,13 @@ async def _complete(server, request, rid, texts, prompts, fields, n, body, chat:
     choices = []
     for idx in sorted(outs):
         o = outs[idx]
+        wants = fields.get("logprobs") is not None
         if chat:
             choices.append(
                 {
                     "index": idx,
                     "message": {"role": "assistant", "content": o["text"]},
-                    "logprobs": None,
+                    "logprobs": server.chat_logprobs(o["logprobs"]) if wants else None,
                     "finish_reason": o["reason"],
                 }
             )
@@ -605,7 +669,9 @@ async def _complete(server, request, rid, texts, prompts, fields, n, body, chat:
                 {
                     "index": idx,
                     "text": prefix + o["text"],
-                    "logprobs": None,
+                    "logprobs": server.completion_logprobs(o["logprobs"], len(prefix))
+                    if wants
+                    else None,
                     "finish_reason": o["reason"],
                 }
             )
@@ -644,8 +710,8 @@ async def _stream_events(
                     server.metrics.itl.observe(now - last_time[idx])
                 last_time[idx] = now
             total += len(d.token_ids)
-            if d.text:
-                yield on_delta(idx, d.text)
+            if d.text or d.logprobs:
+                yield on_delta(idx, d)
             if d.finished:
                 cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
                 server.metrics.request_success.labels(d.finish_reason or "unknown").inc()
@@ -688,13 +754,15 @@ def _stream_completion(server, request, rid, texts, prompts, fields, n, body):
                         }
                     )
 
-    def on_delta(idx, text):
-        return _sse(
-            {
-                **base,
-                "choices": [{"index": idx, "text": text, "logprobs": None, "finish_reason": None}],
-            }
-        )
+    offsets: dict[int, int] = {}
+
+    def on_delta(idx, d):
+        logprobs = None
+        if d.logprobs:
+            logprobs = server.completion_logprobs(d.logprobs, offsets.get(idx, 0))
+            offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in logprobs["tokens"])
+        choice = {"index": idx, "text": d.text, "logprobs": logprobs, "finish_reason": None}
+        return _sse({**base, "choices": [choice]})
 
     def on_finish(idx, reason):
         return _sse(
@@ -734,20 +802,15 @@ def _stream_chat(server, request, rid, ids, fields, n, body):
                 }
             )
 
-    def on_delta(idx, text):
-        return _sse(
-            {
-                **base,
-                "choices": [
-                    {
-                        "index": idx,
-                        "delta": {"content": text},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            }
-        )
+    def on_delta(idx, d):
+        logprobs = server.chat_logprobs(d.logprobs) if d.logprobs else None
+        choice = {
+            "index": idx,
+            "delta": {"content": d.text},
+            "logprobs": logprobs,
+            "finish_reason": None,
+        }
+        return _sse({**base, "choices": [choice]})
 
     def on_finish(idx, reason):
         return _sse(

@@ -37,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # return the chosen token's logprob and this many top ones
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +104,12 @@ class SamplingParams:
                     bias,
                 )
         _require(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
+        _require(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            "an integer in [0, 20] or None",
+            self.logprobs,
+        )
         for s in self.stop:
             _require(isinstance(s, str) and s != "", "stop", "a list of non-empty strings", s)
 

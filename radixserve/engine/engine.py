@@ -28,7 +28,7 @@ from radixserve.executor.loader.safetensors_loader import read_json
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.models.registry import model_class
-from radixserve.executor.sampler import Sampler
+from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.executor.simulated import CostModel, SimulatedRunner
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -274,7 +274,7 @@ class Engine:
             return outputs
         self.num_steps += 1
         try:
-            sampled = self.runner.execute(batch)
+            result = self.runner.execute(batch)
         except Exception as exc:  # fail this batch, keep the engine
             logger.exception("step failed; failing its %d requests", len(batch.requests))
             message = f"internal error while running the batch: {type(exc).__name__}: {exc}"
@@ -282,11 +282,14 @@ class Engine:
                 self.scheduler.finish(req, FinishReason.ERROR, message)
                 outputs.append(self._final(req))
             return outputs
-        for req in self.scheduler.update_after_step(batch, sampled):
-            outputs.append(self._on_token(req, int(req.token_ids[req.num_tokens - 1])))
+        for req in self.scheduler.update_after_step(batch, result.tokens):
+            token = int(req.token_ids[req.num_tokens - 1])
+            outputs.append(self._on_token(req, token, result.logprobs.get(req.request_id)))
         return outputs
 
-    def _on_token(self, req: Request, token: int) -> SequenceDelta:
+    def _on_token(
+        self, req: Request, token: int, logprobs: TokenLogprobs | None = None
+    ) -> SequenceDelta:
         seq = self._sequences[req.request_id]
         detok = seq.detokenizer
         params = req.sampling_params
@@ -299,6 +302,7 @@ class Engine:
                 reason = FinishReason.STOP
             elif req.num_output_tokens >= params.max_tokens:
                 reason = FinishReason.LENGTH
+        lps = [logprobs] if logprobs is not None else []
         if reason is None:
             return SequenceDelta(
                 seq.request_id,
@@ -306,10 +310,12 @@ class Engine:
                 [token],
                 detok.take_delta(finished=False),
                 num_prompt_tokens=req.num_prompt_tokens,
+                logprobs=lps,
             )
         self.scheduler.finish(req, reason)
         delta = self._final(req)
         delta.new_token_ids = [token]
+        delta.logprobs = lps
         return delta
 
     def _final(self, req: Request) -> SequenceDelta:

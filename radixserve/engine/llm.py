@@ -68,6 +68,7 @@ class LLM:
                     completion = out.outputs[delta.index]
                     completion.text += delta.text
                     completion.token_ids.extend(delta.new_token_ids)
+                    completion.logprobs.extend(delta.logprobs)
                     if delta.finished:
                         completion.finish_reason = delta.finish_reason
                         completion.error = delta.error

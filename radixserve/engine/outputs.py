@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,6 +23,7 @@ class SequenceDelta:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs per new token, if asked
 
 
 @dataclass
@@ -31,6 +33,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     error: str | None = None
+    logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs per token, if asked
 
 
 @dataclass

@@ -188,7 +188,7 @@ class Simulator:
                     self.clock.advance_to(min(candidates))
                 continue
             result.steps += 1
-            tokens = self.runner.execute(batch)
+            tokens = self.runner.execute(batch).tokens
             now = self.clock.now
             for req in self.scheduler.update_after_step(batch, tokens):
                 rid = req.request_id

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -10,14 +12,23 @@ from radixserve.executor.attention import TorchNativeAttention
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.models.llama import LlamaForCausalLM
-from radixserve.executor.sampler import Sampler
+from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.scheduler.scheduler import ScheduledBatch
+
+
+@dataclass
+class StepResult:
+    """``tokens[i]``: the token sampled for ``batch.requests[i]`` (-1 if none this step);
+    ``logprobs``: by request id, for sampled requests that asked for logprobs."""
+
+    tokens: np.ndarray
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
     """Executes batches; decides nothing about who runs.
 
-    Invariant: ``execute`` returns one entry per scheduled request: the sampled token id
+    Invariant: ``execute`` returns one token per scheduled request: the sampled token id
     where ``batch.sample[i]`` is set, -1 elsewhere. Pending page copies run before the
     forward, so copied pages are complete before anything reads or extends them.
     """
@@ -37,7 +48,7 @@ class ModelRunner:
         self.attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> np.ndarray:
+    def execute(self, batch: ScheduledBatch) -> StepResult:
         if batch.page_copies:
             src = torch.tensor([c.src for c in batch.page_copies])
             dst = torch.tensor([c.dst for c in batch.page_copies])
@@ -48,9 +59,16 @@ class ModelRunner:
             torch.from_numpy(fb.input_ids), torch.from_numpy(fb.positions), self.attention, meta
         )
         tokens = np.full(len(batch.requests), -1, dtype=np.int64)
+        logprobs: dict[str, TokenLogprobs] = {}
         if fb.logits_indices.size:
             logits = self.model.compute_logits(hidden[torch.from_numpy(fb.logits_indices)])
             sampled_reqs = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
-            sampled = self.sampler(logits, self.sampler.prepare(sampled_reqs))
+            sampling = self.sampler.prepare(sampled_reqs)
+            sampled = self.sampler(logits, sampling)
             tokens[batch.sample] = sampled.numpy()
-        return tokens
+            for req, lp in zip(
+                sampled_reqs, self.sampler.logprobs_of(sampled, sampling), strict=True
+            ):
+                if lp is not None:
+                    logprobs[req.request_id] = lp
+        return StepResult(tokens, logprobs)

@@ -10,6 +10,16 @@ import torch
 from radixserve.core.request import Request
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """log p of the chosen token and of the ``top`` most likely ones, under the model's
+    distribution (raw logits, before penalties and temperature, as vLLM reports them)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling settings of the requests sampled this step (row i ↔ requests[i]).
@@ -29,6 +39,7 @@ class SamplingBatch:
     needs_bias: bool
     needs_min_tokens: bool
     generators: list[torch.Generator | None]
+    num_logprobs: list[int | None]  # per row: None = not asked
 
 
 class Sampler:
@@ -44,6 +55,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._generators: dict[str, torch.Generator] = {}
+        self.raw_logits: torch.Tensor | None = None
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -84,10 +96,12 @@ class Sampler:
                 r.num_output_tokens < p.min_tokens for r, p in zip(requests, params, strict=True)
             ),
             generators=generators,
+            num_logprobs=[p.logprobs for p in params],
         )
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Sample from float32 ``logits`` [S, vocab]; returns token ids [S] int64."""
+        self.raw_logits = logits if any(n is not None for n in batch.num_logprobs) else None
         if batch.needs_bias:
             logits = self._apply_bias(logits, batch.requests)
         if batch.needs_penalties:
@@ -104,6 +118,26 @@ class Sampler:
         noise = self._exponential(probs.shape, batch.generators)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(batch.temperature == 0, greedy_tokens, sampled)
+
+    def logprobs_of(self, tokens: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
+        """Per row, the logprobs asked for by its request (after ``__call__`` on that batch)."""
+        if self.raw_logits is None:
+            return [None] * len(batch.requests)
+        rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
+        logp = torch.log_softmax(self.raw_logits[rows], dim=-1)
+        k = max(batch.num_logprobs[i] or 0 for i in rows)
+        top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
+        chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
+        out: list[TokenLogprobs | None] = [None] * len(batch.requests)
+        for j, i in enumerate(rows):
+            n = batch.num_logprobs[i] or 0
+            top = (
+                list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
+                if n
+                else []
+            )
+            out[i] = TokenLogprobs(int(tokens[i]), chosen[j], top)
+        return out
 
     @staticmethod
     def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixserve.executor.model_runner import StepResult
 from radixserve.scheduler.scheduler import ScheduledBatch
 
 
@@ -61,7 +62,7 @@ class SimulatedRunner:
         self.num_steps = 0
         self.busy_s = 0.0
 
-    def execute(self, batch: ScheduledBatch) -> np.ndarray:
+    def execute(self, batch: ScheduledBatch) -> StepResult:
         reqs = batch.requests
         seq_lens = (
             np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
@@ -74,7 +75,7 @@ class SimulatedRunner:
             self.clock.advance(seconds)
         elif seconds > 0:
             time.sleep(seconds)
-        return np.where(batch.sample, self.tokens_at(reqs, seq_lens), -1)
+        return StepResult(np.where(batch.sample, self.tokens_at(reqs, seq_lens), -1))
 
     def tokens_at(self, reqs: list, positions: np.ndarray) -> np.ndarray:
         salts = np.fromiter(

@@ -123,7 +123,7 @@ def test_stop_seed_and_cached_tokens(client):
         ({"prompt": "hi", "top_p": 0}, "top_p"),
         ({"prompt": "hi", "n": 0}, "n"),
         ({"prompt": "hi", "n": 1000}, "n"),
-        ({"prompt": "hi", "logprobs": 5}, "logprobs"),
+        ({"prompt": "hi", "logprobs": 50}, "logprobs"),
         ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
         ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
@@ -158,6 +158,41 @@ def test_bad_requests_of_other_kinds(server):
     assert (
         httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code
         == 200
+    )
+
+
+def test_logprobs_are_consistent_with_the_chosen_tokens(client):
+    model = _model(client)
+    out = client.completions.create(
+        model=model,
+        prompt="Paris is",
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert chosen <= 0 and 1 <= len(top) <= 3
+        assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy takes the top one
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    entries = [e for c in chat for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert len(entries) == 4
+    assert all(
+        len(e.top_logprobs) == 2 and e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-5)
+        for e in entries
     )
 
 

@@ -95,6 +95,27 @@ def test_sampling_filters_and_penalties_run(llm):
     assert top1 == generate_ids(llm, [prompt], greedy(8))[0]
 
 
+def test_logprobs_offline(llm):
+    import math
+
+    prompt = _mixed_prompts(1, seed=8)[0]
+    out = llm.generate([prompt], greedy(5, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    for lp in out.logprobs:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy: the top token
+        assert lp.logprob == pytest.approx(lp.top[0][1]) and lp.logprob <= 0
+        assert sum(math.exp(v) for _, v in lp.top) <= 1 + 1e-5
+    sampled = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=5, temperature=1.0, seed=1, logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert [lp.top for lp in sampled.logprobs] == [[]] * 5
+    plain = llm.generate([prompt], greedy(5), use_tqdm=False)[0].outputs[0]
+    assert plain.logprobs == []
+    llm.engine.check_idle()
+
+
 def test_min_tokens_and_stop_token_ids(llm):
     prompt = _mixed_prompts(1, seed=4)[0]
     free = generate_ids(llm, [prompt], greedy(12))[0]

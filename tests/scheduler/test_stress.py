@@ -77,7 +77,7 @@ def test_five_thousand_requests_end_exactly_once(policy):
         if batch.is_empty:
             clock.advance(0.01)
             continue
-        tokens = runner.execute(batch)
+        tokens = runner.execute(batch).tokens
         for req in sched.update_after_step(batch, tokens):
             expected = runner.tokens_at([req], np.array([req.num_tokens - 1]))[0]
             assert req.token_ids[req.num_tokens - 1] == expected  # unchanged by preemption
