@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.executor.attention import AttentionBackend
+from radixserve.executor.linear import Linear
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.rotary import RotaryEmbedding, apply_rotary
 
@@ -15,14 +16,13 @@ from radixserve.executor.rotary import RotaryEmbedding, apply_rotary
 @dataclass
 class DecoderLayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v fused
-    qkv_bias: torch.Tensor | None
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden]: q, k, v fused (+ bias)
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up fused
-    down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]: gate, up fused
+    down: Linear
 
 
 class LlamaForCausalLM:
@@ -68,23 +68,25 @@ class LlamaForCausalLM:
             self.layers.append(
                 DecoderLayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=qkv,
-                    qkv_bias=bias,
+                    qkv=Linear(qkv, bias),
                     q_norm=take(p + "self_attn.q_norm.weight") if c.qk_norm else None,
                     k_norm=take(p + "self_attn.k_norm.weight") if c.qk_norm else None,
-                    o=take(p + "self_attn.o_proj.weight"),
+                    o=Linear(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat(
-                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0
+                    gate_up=Linear(
+                        torch.cat(
+                            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")],
+                            dim=0,
+                        )
                     ),
-                    down=take(p + "mlp.down_proj.weight"),
+                    down=Linear(take(p + "mlp.down_proj.weight")),
                 )
             )
             if qkv.shape != (self.q_size + 2 * self.kv_size, c.hidden_size):
                 raise ValueError(f"layer {i}: q/k/v projections do not match the config")
         self.norm = take("model.norm.weight")
         lm_head = take_optional("lm_head.weight")
-        self.lm_head = self.embed if (lm_head is None or c.tie_word_embeddings) else lm_head
+        self.lm_head = Linear(self.embed if (lm_head is None or c.tie_word_embeddings) else lm_head)
         for name in list(weights):
             if "rotary_emb" in name:
                 weights.pop(name)
@@ -111,7 +113,7 @@ class LlamaForCausalLM:
         hidden = F.embedding(input_ids, self.embed)
         for layer_idx, w in enumerate(self.layers):
             x = F.rms_norm(hidden, norm_shape, w.input_norm, eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = w.qkv(x)
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
             if w.q_norm is None:
                 # q and k rotate together as one [T, heads + kv_heads, d] view.
@@ -128,12 +130,12 @@ class LlamaForCausalLM:
                 q = apply_rotary(F.rms_norm(q, (head_dim,), w.q_norm, eps), cos, sin)
                 k = apply_rotary(F.rms_norm(k, (head_dim,), w.k_norm, eps), cos, sin)
             attn = attention.forward(layer_idx, q, k, v, attn_meta)
-            hidden = hidden + F.linear(attn, w.o)
+            hidden = hidden + w.o(attn)
             x = F.rms_norm(hidden, norm_shape, w.post_norm, eps)
-            gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, w.down)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + w.down(F.silu(gate) * up)
         return F.rms_norm(hidden, norm_shape, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [S, vocab] for the given hidden rows."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
