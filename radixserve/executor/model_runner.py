@@ -61,9 +61,12 @@ class ModelRunner:
         tokens = np.full(len(batch.requests), -1, dtype=np.int64)
         logprobs: dict[str, TokenLogprobs] = {}
         if fb.logits_indices.size:
-            logits = self.model.compute_logits(hidden[torch.from_numpy(fb.logits_indices)])
             sampled_reqs = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
             sampling = self.sampler.prepare(sampled_reqs)
+            # Plain greedy needs only an argmax: skip widening the logits to float32.
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(fb.logits_indices)], upcast=not sampling.argmax_only
+            )
             sampled = self.sampler(logits, sampling)
             tokens[batch.sample] = sampled.numpy()
             for req, lp in zip(

@@ -41,6 +41,15 @@ class SamplingBatch:
     generators: list[torch.Generator | None]
     num_logprobs: list[int | None]  # per row: None = not asked
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row is plain greedy: the token is the argmax of the raw logits."""
+        return (
+            self.all_greedy
+            and not (self.needs_bias or self.needs_penalties or self.needs_min_tokens)
+            and all(n is None for n in self.num_logprobs)
+        )
+
 
 class Sampler:
     """Draws one token per sampled request in a handful of batched tensor ops.

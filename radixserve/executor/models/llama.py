@@ -136,6 +136,7 @@ class LlamaForCausalLM:
             hidden = hidden + w.down(F.silu(gate) * up)
         return F.rms_norm(hidden, norm_shape, self.norm, eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [S, vocab] for the given hidden rows."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits [S, vocab] for the given hidden rows, in float32 if ``upcast``."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
