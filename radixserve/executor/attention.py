@@ -65,12 +65,16 @@ class TorchNativeMetadata:
     prefill: _PrefillGroup | None
 
 
+_SMALL_CAUSAL = 1024  # longest prompt attended with explicit scores (L x L per head group)
+
+
 class TorchNativeAttention:
     """Paged attention in plain PyTorch, one batched call per group and layer:
 
     * decodes: the batch's pages are gathered whole (one contiguous copy per page) and
       attended page by page with two batched matmuls and a softmax across pages;
-    * prompts with no cached prefix: causal SDPA on the step's own q/k/v (no cache read);
+    * prompts with no cached prefix: causal attention on the step's own q/k/v (no cache
+      read), batched matmuls for short prompts, torch's flash kernel for long ones;
     * chunks that extend cached KV: pages gathered into a padded batch + masked SDPA.
 
     Invariant: the KV written by a step is visible to that step's own queries (writes happen
@@ -82,6 +86,7 @@ class TorchNativeAttention:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self._masks: dict[torch.dtype, torch.Tensor] = {}
 
     # -- per step -------------------------------------------------------------------------
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
@@ -152,19 +157,49 @@ class TorchNativeAttention:
         if meta.decode is not None:
             out[meta.decode.token_index] = self._decode(meta.decode, q, k_cache, v_cache)
         for start, end in meta.fresh_spans:
-            # 4-D inputs: torch's CPU flash kernel (3-D ones fall back to the math path)
-            out[start:end] = F.scaled_dot_product_attention(
-                q[None, start:end].transpose(1, 2),
-                k[None, start:end].transpose(1, 2),
-                v[None, start:end].transpose(1, 2),
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=True,
-            )[0].transpose(0, 1)
+            out[start:end] = self._causal(q[start:end], k[start:end], v[start:end])
         if meta.prefill is not None:
             g = meta.prefill
             out[g.out_index] = self._prefill(g, q, k_cache, v_cache)[g.valid]
         return out.view(meta.num_tokens, -1)
+
+    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention of one prompt with no cached prefix: q [L, heads, d] and
+        k/v [L, kv_heads, d] → [L, heads, d].
+
+        Up to ``_SMALL_CAUSAL`` tokens: two batched matmuls per kv head group (the query
+        heads sharing a kv head stacked as rows) and a masked softmax — about 1.7x faster
+        here than torch's CPU flash kernel at 256 tokens; longer prompts use that kernel
+        (it never materialises the L x L scores)."""
+        length, heads, d = q.shape
+        kv_heads = k.shape[1]
+        if length > _SMALL_CAUSAL:
+            # 4-D inputs: torch's CPU flash kernel (3-D ones fall back to the math path)
+            return F.scaled_dot_product_attention(
+                q[None].transpose(1, 2),
+                k[None].transpose(1, 2),
+                v[None].transpose(1, 2),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+        group = heads // kv_heads
+        # [L, heads, d] -> [kv_heads, group * L, d]: rows of one kv head's query heads
+        queries = q.transpose(0, 1).reshape(kv_heads, group * length, d)
+        mask = self._causal_mask(length, q.dtype).repeat(group, 1)
+        scores = torch.baddbmm(mask, queries, k.transpose(0, 1).transpose(1, 2), alpha=self.scale)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.bmm(probs, v.transpose(0, 1))  # [kv_heads, group * L, d]
+        return out.view(heads, length, d).transpose(0, 1)
+
+    def _causal_mask(self, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """[length, length] additive mask: 0 on and below the diagonal, -inf above."""
+        cached = self._masks.get(dtype)
+        if cached is None or cached.shape[0] < length:
+            size = max(length, 256)
+            cached = torch.full((size, size), float("-inf"), dtype=dtype).triu_(1)
+            self._masks[dtype] = cached
+        return cached[:length, :length]
 
     @staticmethod
     def _gather(cache: torch.Tensor, page_tables: torch.Tensor) -> torch.Tensor:
