@@ -175,9 +175,11 @@ def test_logprobs_are_consistent_with_the_chosen_tokens(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert "".join(lp.tokens) == out.text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
-    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
-        assert chosen <= 0 and 1 <= len(top) <= 3
-        assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy takes the top one
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # OpenAI keys top_logprobs by token text, so tokens with the same text collide
+        # (a random tiny model emits partial UTF-8 pieces): check what survives that.
+        assert chosen <= 0 and 1 <= len(top) <= 3 and token in top
+        assert chosen >= max(top.values()) - 1e-5  # greedy takes the most likely token
     chat = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "hi"}],
