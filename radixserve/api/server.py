@@ -272,11 +272,11 @@ class OpenAIServer:
     # -- running requests -----------------------------------------------------------------
     async def run(
         self,
-        http: Request,
         prompts: list[list[int]],
         fields: dict,
         n: int,
-        body: Any,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[tuple[int, Delta]]:
         """Yield (prompt index, delta) for all prompts' samples, as they come."""
         base = uuid.uuid4().hex
@@ -285,7 +285,7 @@ class OpenAIServer:
         async def pump(i: int, ids: list[int]) -> None:
             try:
                 async for delta in self.client.generate(
-                    f"{base}-{i}", ids, fields, n, body.cache_salt, body.priority
+                    f"{base}-{i}", ids, fields, n, cache_salt, priority
                 ):
                     await queue.put((i, delta))
             except BaseException as exc:
@@ -500,11 +500,10 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         server.check_prompt(ids, params.max_tokens)
         fields = {**sp, "n": 1}
 
-        class _Opts:
-            cache_salt = obj.get("cache_salt")
-            priority = int(obj.get("priority", 0))
-
-        gen = server.run(request, [ids], fields, 1, _Opts)
+        priority = obj.get("priority", 0)
+        if not isinstance(priority, int):
+            raise APIError(400, "priority must be an integer", param="priority")
+        gen = server.run([ids], fields, 1, obj.get("cache_salt"), priority)
         if obj.get("stream"):
 
             async def events() -> AsyncIterator[bytes]:
@@ -620,7 +619,9 @@ def _usage(prompts: list[list[int]], completion_tokens: int, cached: int) -> dic
 async def _complete(server, request, rid, texts, prompts, fields, n, body, chat: bool) -> Response:
     started = time.monotonic()
     try:
-        items = await server.collect(request, server.run(request, prompts, fields, n, body))
+        items = await server.collect(
+            request, server.run(prompts, fields, n, body.cache_salt, body.priority)
+        )
     except (RequestRejected, EngineDead) as exc:
         raise _engine_error(exc) from None
     outs: dict[int, dict] = {}
@@ -699,7 +700,7 @@ async def _stream_events(
     try:
         for frame in head():
             yield frame
-        async for i, d in server.run(request, prompts, fields, n, body):
+        async for i, d in server.run(prompts, fields, n, body.cache_salt, body.priority):
             idx = i * n + d.index
             now = time.monotonic()
             if d.token_ids:
