@@ -148,7 +148,7 @@ async def one_request(
 
 
 async def run_load(
-    args, url: str, model: str, jobs: list[Job], concurrency: int, rate: float, stream: bool = True
+    url: str, model: str, jobs: list[Job], concurrency: int, rate: float, stream: bool = True
 ) -> tuple[list[Result], float]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(
@@ -251,7 +251,7 @@ async def health_under_load(url: str, model: str, jobs: list[Job], concurrency: 
     stop = asyncio.Event()
     prober = asyncio.create_task(probe(stop))
     results, wall = await run_load(
-        None, url + "/v1/completions", model, jobs, concurrency, float("inf"), stream
+        url + "/v1/completions", model, jobs, concurrency, float("inf"), stream
     )
     stop.set()
     await prober
@@ -269,9 +269,7 @@ def run_stub(args) -> dict[str, float]:
         summary = {}
         for stream in (True, False):
             asyncio.run(
-                run_load(
-                    None, server.url + "/v1/completions", model, jobs[:64], 32, float("inf"), stream
-                )
+                run_load(server.url + "/v1/completions", model, jobs[:64], 32, float("inf"), stream)
             )
             results, wall, health_ms = asyncio.run(
                 health_under_load(server.url, model, jobs, args.stub_concurrency, stream)
@@ -332,7 +330,7 @@ def main() -> None:
         rows = []
         for c in levels:
             results, wall = asyncio.run(
-                run_load(args, url + "/v1/completions", model, jobs, c, args.request_rate)
+                run_load(url + "/v1/completions", model, jobs, c, args.request_rate)
             )
             rows.append((c, summarize(results, wall)))
         print(f"\n{args.workload} workload, {len(jobs)} requests, {url}")

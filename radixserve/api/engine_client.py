@@ -128,10 +128,6 @@ class EngineClient:
             and time.monotonic() - self.last_heard < 5.0
         )
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._pending)
-
     # -- requests -------------------------------------------------------------------------
     async def generate(
         self,

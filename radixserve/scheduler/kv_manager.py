@@ -185,9 +185,8 @@ class KVManager:
                 self.cache.unlock(request.cache_node)
                 request.cache_node = None
         if not keep_kv and self.pending_copies:
-            self.pending_copies = [
-                c for c in self.pending_copies if c.dst not in set(pages.tolist())
-            ]
+            own = set(pages.tolist())
+            self.pending_copies = [c for c in self.pending_copies if c.dst not in own]
         self.pool.decref(pages)
         self.page_table.release_row(request.table_row)
         request.table_row = -1
