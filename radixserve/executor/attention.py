@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache
+from radixserve.executor.native import load_paged_decode, paged_decode
 
 
 class AttentionBackend(Protocol):
@@ -37,6 +38,8 @@ class _DecodeGroup:
     token_index: torch.Tensor
     page_tables: torch.Tensor
     bias: torch.Tensor | None
+    seq_lens: torch.Tensor  # [b] int32, for the native kernel
+    page_tables_i32: torch.Tensor  # [b, max_pages] int32, for the native kernel
 
 
 @dataclass
@@ -81,8 +84,12 @@ class TorchNativeAttention:
     before any read), and no query attends past its own position.
     """
 
-    def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int) -> None:
+    def __init__(
+        self, kv_cache: KVCache, num_heads: int, head_dim: int, use_native: bool = True
+    ) -> None:
         self.kv_cache = kv_cache
+        # the C decode kernel (reads pages in place), when it builds on this machine
+        self.native = load_paged_decode() if use_native else None
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
@@ -115,10 +122,13 @@ class TorchNativeAttention:
             bias = torch.zeros(beyond.shape, dtype=torch.float32)
             bias.masked_fill_(torch.from_numpy(beyond), float("-inf"))
             bias = bias.view(len(idx), max_pages, 1, 1, batch.page_size)
+        page_tables = np.ascontiguousarray(batch.page_tables[idx, :max_pages])
         return _DecodeGroup(
             token_index=torch.from_numpy(batch.query_start_loc[idx]),
-            page_tables=torch.from_numpy(np.ascontiguousarray(batch.page_tables[idx, :max_pages])),
+            page_tables=torch.from_numpy(page_tables),
             bias=bias,
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            page_tables_i32=torch.from_numpy(page_tables.astype(np.int32)),
         )
 
     def _prefill_group(self, batch: ForwardBatch, idx: np.ndarray) -> _PrefillGroup | None:
@@ -212,6 +222,13 @@ class TorchNativeAttention:
     ) -> torch.Tensor:
         """Returns [b, heads, d]. Works page by page: batched matmuls over (b, page, kv head)
         blocks of [group, d] x [d, page_size], then a softmax across all of a row's pages."""
+        if self.native is not None and k_cache.device.type == "cpu":
+            queries = q[g.token_index]  # [b, heads, d], contiguous
+            out = paged_decode(
+                self.native, queries, k_cache, v_cache, g.page_tables_i32, g.seq_lens, self.scale
+            )
+            if out is not None:
+                return out
         b = g.token_index.shape[0]
         kv_heads = k_cache.shape[1]
         # head h reads kv head h // group: [b, 1, kv_heads, group, d]

@@ -117,7 +117,9 @@ class Sampler:
             logits = self._apply_penalties(logits, batch.requests)
         if batch.needs_min_tokens:
             logits = self._block_stop_tokens(logits, batch.requests)
-        greedy_tokens = logits.argmax(dim=-1)
+        # max(...).indices: the first maximal index, like argmax, but a vectorised kernel
+        # for bfloat16 too (argmax on bf16 is ~4x slower on CPU).
+        greedy_tokens = logits.max(dim=-1).indices
         if batch.all_greedy:
             return greedy_tokens
         temperature = batch.temperature.clamp_min(1e-6).unsqueeze(1)

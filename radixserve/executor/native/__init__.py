@@ -1,0 +1,142 @@
+"""Native CPU kernels: small C files built with the system C compiler at first use.
+
+The build is cached under ``$RADIXSERVE_CACHE`` (default ``~/.cache/radixserve``), keyed by
+the source, the flags and this CPU's feature flags. When there is no compiler or the build
+fails, ``load_paged_decode()`` returns None and callers keep their PyTorch path; set
+``RADIXSERVE_NATIVE=0`` to disable native kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_decode.c")
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffp-contract=fast",
+    # let float reductions (dot products) vectorise; no -ffast-math: -inf must stay -inf
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RADIXSERVE_CACHE") or Path.home() / ".cache" / "radixserve"
+    return Path(root) / "native"
+
+
+def _build(source: Path) -> Path | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler found: native kernels disabled")
+        return None
+    key = hashlib.sha256(
+        source.read_bytes() + " ".join([compiler, *_FLAGS]).encode() + _cpu_flags().encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build into a temporary name, then rename: concurrent builders never see half a file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, *_FLAGS, "-o", tmp, str(source), "-lm"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        stderr = getattr(exc, "stderr", b"") or b""
+        log.warning("building %s failed (%s): %s", source.name, exc, stderr.decode()[-2000:])
+        Path(tmp).unlink(missing_ok=True)
+        return None
+    os.replace(tmp, target)
+    return target
+
+
+@cache
+def load_paged_decode() -> ctypes.CDLL | None:
+    """The paged-decode library, or None when native kernels are off or cannot be built."""
+    if os.environ.get("RADIXSERVE_NATIVE", "1") == "0":
+        return None
+    path = _build(_SOURCE)
+    if path is None:
+        return None
+    # torch is loaded first, so the library's libgomp.so.1 resolves to torch's own OpenMP
+    # runtime: one thread pool for both.
+    lib = ctypes.CDLL(str(path))
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    for name in ("paged_decode_bf16", "paged_decode_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, p, p, p, p, i, i, i, i, i, i, f, i, p]
+        fn.restype = i
+    return lib
+
+
+_ENTRY = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+
+
+def paged_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """Attention of one query token per sequence over its pages.
+
+    q [b, heads, d] and the caches [num_pages, kv_heads, page_size, d] share a dtype
+    (bfloat16 or float32) and are contiguous; page_tables [b, max_pages] and seq_lens [b]
+    are int32. Returns [b, heads, d], or None if the shapes are beyond the kernel (the
+    caller then uses its PyTorch path)."""
+    entry = _ENTRY.get(q.dtype)
+    if entry is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return None
+    for t in (q, k_cache, v_cache, page_tables, seq_lens):
+        assert t.is_contiguous() and t.device.type == "cpu"
+    assert page_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    b, heads, d = q.shape
+    _, kv_heads, page_size, _ = k_cache.shape
+    out = torch.empty_like(q)
+    rc = getattr(lib, entry)(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        page_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        b,
+        page_tables.shape[1],
+        kv_heads,
+        heads // kv_heads,
+        page_size,
+        d,
+        scale,
+        torch.get_num_threads(),
+        out.data_ptr(),
+    )
+    return out if rc == 0 else None
