@@ -24,9 +24,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+import orjson
+from http_client import Client, HTTPError
 
 W3 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w3_online.jsonl"
 _WORDS = [
@@ -92,9 +95,7 @@ def make_jobs(args) -> list[Job]:
     ]
 
 
-async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, job: Job, stream: bool
-) -> Result:
+async def one_request(client: Client, model: str, job: Job, stream: bool) -> Result:
     body = {
         "model": model,
         "prompt": job.prompt,
@@ -109,11 +110,11 @@ async def one_request(
     res = Result(ok=False)
     try:
         if not stream:
-            r = await client.post(url, json=body)
-            if r.status_code != 200:
-                res.error = r.text[:200]
+            status, data = await client.request("POST", "/v1/completions", body)
+            if status != 200:
+                res.error = data[:200].decode(errors="replace")
                 return res
-            usage = r.json()["usage"]
+            usage = orjson.loads(data)["usage"]
             res.prompt_tokens, res.output_tokens = (
                 usage["prompt_tokens"],
                 usage["completion_tokens"],
@@ -122,27 +123,22 @@ async def one_request(
             res.ok = True
             return res
         last = None
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                res.error = (await r.aread()).decode()[:200]
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    if last is None:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
+        async for now, data in client.events("/v1/completions", body):
+            if data == b"[DONE]":
+                continue
+            chunk = orjson.loads(data)
+            if chunk.get("usage"):
+                res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                res.output_tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
         res.e2e = time.perf_counter() - start
         res.ok = True
-    except httpx.HTTPError as exc:
+    except (HTTPError, OSError, asyncio.IncompleteReadError) as exc:
         res.error = repr(exc)
     return res
 
@@ -150,25 +146,21 @@ async def one_request(
 async def run_load(
     url: str, model: str, jobs: list[Job], concurrency: int, rate: float, stream: bool = True
 ) -> tuple[list[Result], float]:
-    sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(
-        max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8
-    )
+    """Send ``jobs`` (Poisson arrivals at ``rate`` per second, or all at once), at most
+    ``concurrency`` in flight; returns the results and the wall time."""
+    client = Client(url, max_connections=concurrency)
     rng = np.random.default_rng(1)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-
-        async def guarded(job: Job) -> Result:
-            async with sem:
-                return await one_request(client, url, model, job, stream)
-
+    try:
         start = time.perf_counter()
         tasks = []
         for job in jobs:
-            tasks.append(asyncio.create_task(guarded(job)))
+            tasks.append(asyncio.create_task(one_request(client, model, job, stream)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
+    finally:
+        await client.close()
 
 
 def summarize(results: list[Result], wall: float) -> dict[str, float]:
@@ -237,25 +229,46 @@ class Launched:
         self.proc.wait(60)
 
 
+def run_async(coro):
+    """Run on uvloop when it is installed (as the server does): a cheaper client."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def probe_health(url: str) -> None:
+    """``--probe-health URL``: GET /health every 10 ms until stdin closes, then print the
+    latencies (ms) as JSON. Runs as its own process, so the load generator's busy event loop
+    does not count as server latency."""
+    import http.client
+    import threading
+
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    samples = []
+    while not stop.is_set():
+        t = time.perf_counter()
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        samples.append(1e3 * (time.perf_counter() - t))
+        time.sleep(0.01)
+    print(json.dumps(samples))
+
+
 async def health_under_load(url: str, model: str, jobs: list[Job], concurrency: int, stream: bool):
-    samples: list[float] = []
-
-    async def probe(stop: asyncio.Event) -> None:
-        async with httpx.AsyncClient() as c:
-            while not stop.is_set():
-                t = time.perf_counter()
-                await c.get(url + "/health")
-                samples.append(time.perf_counter() - t)
-                await asyncio.sleep(0.01)
-
-    stop = asyncio.Event()
-    prober = asyncio.create_task(probe(stop))
-    results, wall = await run_load(
-        url + "/v1/completions", model, jobs, concurrency, float("inf"), stream
+    prober = subprocess.Popen(
+        [sys.executable, __file__, "--probe-health", url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
-    stop.set()
-    await prober
-    return results, wall, 1e3 * float(np.median(samples)) if samples else 0.0
+    results, wall = await run_load(url, model, jobs, concurrency, float("inf"), stream)
+    out, _ = prober.communicate(b"", timeout=60)
+    samples = json.loads(out)
+    return results, wall, float(np.median(samples)) if samples else 0.0
 
 
 def run_stub(args) -> dict[str, float]:
@@ -268,10 +281,8 @@ def run_stub(args) -> dict[str, float]:
         jobs = [Job("hello " * 16, 16) for _ in range(args.stub_requests)]
         summary = {}
         for stream in (True, False):
-            asyncio.run(
-                run_load(server.url + "/v1/completions", model, jobs[:64], 32, float("inf"), stream)
-            )
-            results, wall, health_ms = asyncio.run(
+            run_async(run_load(server.url, model, jobs[:64], 32, float("inf"), stream))
+            results, wall, health_ms = run_async(
                 health_under_load(server.url, model, jobs, args.stub_concurrency, stream)
             )
             s = summarize(results, wall)
@@ -314,7 +325,12 @@ def main() -> None:
     )
     parser.add_argument("--stub-requests", type=int, default=2000)
     parser.add_argument("--stub-concurrency", type=int, default=64)
+    parser.add_argument("--probe-health", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+
+    if args.probe_health:
+        probe_health(args.probe_health)
+        return
 
     if args.stub:
         print(json.dumps({k: round(v, 2) for k, v in run_stub(args).items()}))
@@ -329,9 +345,7 @@ def main() -> None:
         levels = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.max_concurrency]
         rows = []
         for c in levels:
-            results, wall = asyncio.run(
-                run_load(url + "/v1/completions", model, jobs, c, args.request_rate)
-            )
+            results, wall = run_async(run_load(url, model, jobs, c, args.request_rate))
             rows.append((c, summarize(results, wall)))
         print(f"\n{args.workload} workload, {len(jobs)} requests, {url}")
         print_table(rows)

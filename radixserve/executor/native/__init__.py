@@ -87,7 +87,12 @@ def load_paged_decode() -> ctypes.CDLL | None:
         return None
     # torch is loaded first, so the library's libgomp.so.1 resolves to torch's own OpenMP
     # runtime: one thread pool for both.
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:  # e.g. a damaged cache entry: rebuild next time, fall back now
+        log.warning("loading %s failed: %s", path, exc)
+        path.unlink(missing_ok=True)
+        return None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     for name in ("paged_decode_bf16", "paged_decode_f32"):
         fn = getattr(lib, name)
