@@ -149,12 +149,18 @@ async def run_load(
     """Send ``jobs`` (Poisson arrivals at ``rate`` per second, or all at once), at most
     ``concurrency`` in flight; returns the results and the wall time."""
     client = Client(url, max_connections=concurrency)
+    slots = asyncio.Semaphore(concurrency)  # a request's clock starts when it may be sent
     rng = np.random.default_rng(1)
+
+    async def guarded(job: Job) -> Result:
+        async with slots:
+            return await one_request(client, model, job, stream)
+
     try:
         start = time.perf_counter()
         tasks = []
         for job in jobs:
-            tasks.append(asyncio.create_task(one_request(client, model, job, stream)))
+            tasks.append(asyncio.create_task(guarded(job)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / rate))
         results = await asyncio.gather(*tasks)

@@ -62,6 +62,7 @@ class EngineClient:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.bind(self._outbox)
         self._pending: dict[str, _Pending] = {}
+        self._outgoing: list[p.ToEngine] = []  # sent together at the end of this loop turn
         self._tasks: list[asyncio.Task] = []
         self.process: subprocess.Popen | None = None
         self.ready: p.Ready | None = None
@@ -144,8 +145,7 @@ class EngineClient:
             raise EngineDead("the engine is not running")
         pending = _Pending(remaining=n)
         self._pending[request_id] = pending
-        msg = p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority)
-        self._push.send(p.encoder.encode(msg))
+        self._send(p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority))
         finished = False
         try:
             while True:
@@ -162,7 +162,18 @@ class EngineClient:
         finally:
             self._pending.pop(request_id, None)
             if not finished and self.alive:
-                self._push.send(p.encoder.encode(p.AbortRequest(request_id)))
+                self._send(p.AbortRequest(request_id))
+
+    def _send(self, msg: p.ToEngine) -> None:
+        """Queue ``msg``; everything queued in one event-loop turn leaves as one message."""
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing.append(msg)
+
+    def _flush(self) -> None:
+        batch, self._outgoing = self._outgoing, []
+        if batch and not self._push.closed:
+            self._push.send(p.encoder.encode(batch))
 
     # -- background tasks -----------------------------------------------------------------
     async def _receive_loop(self) -> None:

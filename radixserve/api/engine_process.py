@@ -65,7 +65,8 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
                     raw = pull.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                _handle(engine, p.to_engine_decoder.decode(raw), push)
+                for msg in p.to_engine_decoder.decode(raw):
+                    _handle(engine, msg, push)
         deltas = engine.step() if engine.has_unfinished() else []
         now = time.monotonic()
         if deltas:

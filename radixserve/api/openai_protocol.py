@@ -76,3 +76,25 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     tokens: list[StrictInt]
+
+
+class GenerateRequest(BaseModel):
+    """The native ``/generate`` body (SGLang's shape): text or token ids, sampling params."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: str | None = None
+    input_ids: list[StrictInt] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: StrictBool = False
+    priority: StrictInt = 0
+    cache_salt: str | None = None
+
+
+_REF = "#/components/schemas/{model}"
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """The model's JSON schema with references into OpenAPI's ``components/schemas``
+    (nested definitions stay under ``$defs``; ``openapi_document`` moves them there)."""
+    return model.model_json_schema(ref_template=_REF)

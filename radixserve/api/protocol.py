@@ -75,5 +75,6 @@ ToEngine = GenerateRequest | AbortRequest
 FromEngine = Outputs | Rejected | Ready | Heartbeat
 
 encoder = msgspec.msgpack.Encoder()
-to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+# the frontend sends what one event-loop turn produced as one message: a list
+to_engine_decoder = msgspec.msgpack.Decoder(list[ToEngine])
 from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)

@@ -36,6 +36,8 @@ def serve(
         host=host,
         port=port,
         log_level="warning",
+        access_log=False,
+        proxy_headers=False,  # bound to loopback by default; no proxy headers to trust
         timeout_graceful_shutdown=shutdown_timeout_s,
     )
     DrainingServer(config).run()

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP frontend (FastAPI): routes, validation, tokenization, SSE."""
+"""The OpenAI-compatible HTTP frontend: routes, validation, tokenization, SSE."""
 
 from __future__ import annotations
 
@@ -7,26 +7,34 @@ import hmac
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixserve.api.asgi import (
+    APIError,
+    ASGIApp,
+    HTTPRequest,
+    Response,
+    StreamResponse,
+    error_response,
+    json_response,
+)
 from radixserve.api.engine_client import EngineClient, EngineDead, RequestRejected
 from radixserve.api.metrics import Metrics
 from radixserve.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    GenerateRequest,
     TokenizeRequest,
+    body_schema,
 )
 from radixserve.api.protocol import Delta
+from radixserve.api.tokenize_batcher import TokenizeBatcher
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.model_source import resolve_model
@@ -45,35 +53,6 @@ class ServerConfig:
     max_n: int = 16
     max_logprobs: int = 20
     max_stop: int = 16
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's shape: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
-
-
-def _error_body(e: APIError) -> dict:
-    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
 
 
 def _sse(obj: Any) -> bytes:
@@ -97,21 +76,19 @@ class OpenAIServer:
         self.config = config
         self.client = EngineClient(engine_config)
         source_name, self.tokenizer = load_frontend_tokenizer(engine_config)
+        self.tokenize = TokenizeBatcher(self.tokenizer)
         self.model_name = config.served_model_name or source_name
         self.metrics = Metrics(lambda: self.client.stats)
         self._token_texts: dict[int, str] = {}
         self.created = int(time.time())
 
     # -- request parsing ------------------------------------------------------------------
-    async def parse(self, request: Request, model: type[BaseModel]) -> Any:
+    def parse(self, request: HTTPRequest, model: type[BaseModel]) -> Any:
         content_type = request.headers.get("content-type", "")
         if "application/json" not in content_type:
             raise APIError(400, "Content-Type must be application/json")
-        body = await request.body()
-        if len(body) > self.config.max_body_bytes:
-            raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes")
         try:
-            data = orjson.loads(body)
+            data = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
             raise APIError(400, f"could not parse the JSON body: {exc}") from None
         if not isinstance(data, dict):
@@ -280,6 +257,12 @@ class OpenAIServer:
     ) -> AsyncIterator[tuple[int, Delta]]:
         """Yield (prompt index, delta) for all prompts' samples, as they come."""
         base = uuid.uuid4().hex
+        if len(prompts) == 1:  # the common case: no fan-in queue, no extra tasks
+            async for delta in self.client.generate(
+                f"{base}-0", prompts[0], fields, n, cache_salt, priority
+            ):
+                yield 0, delta
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, ids: list[int]) -> None:
@@ -307,21 +290,6 @@ class OpenAIServer:
             for t in tasks:
                 t.cancel()
 
-    async def collect(self, http: Request, gen: AsyncIterator[tuple[int, Delta]]) -> list:
-        """Gather a non-streamed request, aborting it if the client goes away."""
-
-        async def drain() -> list:
-            return [x async for x in gen]
-
-        task = asyncio.create_task(drain())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.1)
-            if not done and await http.is_disconnected():
-                task.cancel()
-                await gen.aclose()
-                raise APIError(499, "client disconnected")
-        return task.result()
-
 
 def _engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, RequestRejected):
@@ -334,70 +302,56 @@ def _engine_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {exc}", type_="internal_error")
 
 
-def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> FastAPI:
+_PROTECTED_PREFIXES = ("/v1/",)
+_PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
+
+
+def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> ASGIApp:
     config = config or ServerConfig()
     server = OpenAIServer(engine_config, config)
+    keys = [key.encode() for key in config.api_keys]
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await server.client.start()
-        yield
-        await server.client.shutdown()
+    def authorize(request: HTTPRequest) -> APIError | None:
+        path = request.path
+        if not keys or not (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS):
+            return None
+        header = request.headers.get("authorization", "")
+        token = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+        ok = False
+        for key in keys:  # constant time per key, every key checked
+            ok |= hmac.compare_digest(token, key)
+        return None if ok else APIError(401, "invalid or missing API key", "authentication_error")
 
-    app = FastAPI(title="radixserve", lifespan=lifespan)
-    app.state.server = server
+    app = ASGIApp(config.max_body_bytes, authorize, server.client.start, server.client.shutdown)
+    app.server = server  # type: ignore[attr-defined]
 
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> Response:
-        return _json(_error_body(exc), exc.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(exc.status_code, "error")
-        return _json(_error_body(APIError(exc.status_code, str(exc.detail), kind)), exc.status_code)
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Callable):
-        path = request.url.path
-        if config.api_keys and (
-            path.startswith("/v1") or path in ("/generate", "/tokenize", "/detokenize")
-        ):
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            ok = False
-            for key in config.api_keys:  # constant time per key, every key checked
-                ok |= hmac.compare_digest(token.encode(), key.encode())
-            if not ok:
-                return _json(
-                    _error_body(
-                        APIError(401, "invalid or missing API key", "authentication_error")
-                    ),
-                    401,
-                )
-        return await call_next(request)
-
-    @app.get("/health")
-    async def health() -> Response:
+    @app.route("GET", "/health")
+    async def health(_: HTTPRequest) -> Response:
         if server.client.alive:
-            return Response(status_code=200)
-        return _json(
-            _error_body(APIError(503, "the engine is not running", "service_unavailable_error")),
-            503,
+            return Response(headers=[])
+        return error_response(
+            APIError(503, "the engine is not running", "service_unavailable_error")
         )
 
-    @app.get("/version")
-    async def version() -> Response:
+    @app.route("GET", "/version")
+    async def version(_: HTTPRequest) -> Response:
         from radixserve import __version__
 
-        return _json({"version": __version__})
+        return json_response({"version": __version__})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+    @app.route("GET", "/metrics")
+    async def metrics(_: HTTPRequest) -> Response:
+        return Response(
+            server.metrics.render(), headers=[(b"content-type", b"text/plain; version=0.0.4")]
+        )
 
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return _json(
+    @app.route("GET", "/openapi.json")
+    async def openapi(_: HTTPRequest) -> Response:
+        return json_response(openapi_document(app))
+
+    @app.route("GET", "/v1/models")
+    async def models(_: HTTPRequest) -> Response:
+        return json_response(
             {
                 "object": "list",
                 "data": [
@@ -412,50 +366,58 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
             }
         )
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        body = await server.parse(request, TokenizeRequest)
+    @app.route("POST", "/tokenize", body_schema=body_schema(TokenizeRequest))
+    async def tokenize(request: HTTPRequest) -> Response:
+        body = server.parse(request, TokenizeRequest)
         if body.messages is not None:
-            ids = _render_chat(server, [m.model_dump() for m in body.messages], True, False, {})
+            messages = [m.model_dump() for m in body.messages]
+            ids = await _render_chat(server, messages, True, False, {})
         elif body.prompt is not None:
-            ids = server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)[
-                "input_ids"
-            ]
+            ids = await server.tokenize.encode(body.prompt, body.add_special_tokens)
         else:
             raise APIError(400, "give prompt or messages", param="prompt")
-        return _json({"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len})
+        return json_response(
+            {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
+        )
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        body = await server.parse(request, DetokenizeRequest)
+    @app.route("POST", "/detokenize", body_schema=body_schema(DetokenizeRequest))
+    async def detokenize(request: HTTPRequest) -> Response:
+        body = server.parse(request, DetokenizeRequest)
         bad = [t for t in body.tokens if not 0 <= t < server.vocab_size]
         if bad:
             raise APIError(400, f"token ids must be in [0, {server.vocab_size})", param="tokens")
-        return _json({"prompt": server.tokenizer.decode(body.tokens)})
+        return json_response({"prompt": server.tokenizer.decode(body.tokens)})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body: CompletionRequest = await server.parse(request, CompletionRequest)
+    @app.route(
+        "POST",
+        "/v1/completions",
+        watch_disconnect=True,
+        body_schema=body_schema(CompletionRequest),
+    )
+    async def completions(request: HTTPRequest) -> Response | StreamResponse:
+        body: CompletionRequest = server.parse(request, CompletionRequest)
         server.check_model(body.model)
-        texts, prompts = _completion_prompts(server, body.prompt)
+        texts, prompts = await _completion_prompts(server, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         fields, n = server.sampling(body, max_tokens)
         for ids in prompts:
             server.check_prompt(ids, max_tokens)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return StreamingResponse(
-                _stream_completion(server, request, rid, texts, prompts, fields, n, body),
-                media_type="text/event-stream",
-            )
-        return await _complete(server, request, rid, texts, prompts, fields, n, body, chat=False)
+            return StreamResponse(_stream_completion(server, rid, texts, prompts, fields, n, body))
+        return await _complete(server, rid, texts, prompts, fields, n, body, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body: ChatCompletionRequest = await server.parse(request, ChatCompletionRequest)
+    @app.route(
+        "POST",
+        "/v1/chat/completions",
+        watch_disconnect=True,
+        body_schema=body_schema(ChatCompletionRequest),
+    )
+    async def chat_completions(request: HTTPRequest) -> Response | StreamResponse:
+        body: ChatCompletionRequest = server.parse(request, ChatCompletionRequest)
         server.check_model(body.model)
         messages = [_message(m, i) for i, m in enumerate(body.messages)]
-        ids = _render_chat(
+        ids = await _render_chat(
             server,
             messages,
             body.add_generation_prompt and not body.continue_final_message,
@@ -468,43 +430,27 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         server.check_prompt(ids, max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return StreamingResponse(
-                _stream_chat(server, request, rid, ids, fields, n, body),
-                media_type="text/event-stream",
-            )
-        return await _complete(server, request, rid, [None], [ids], fields, n, body, chat=True)
+            return StreamResponse(_stream_chat(server, rid, ids, fields, n, body))
+        return await _complete(server, rid, [None], [ids], fields, n, body, chat=True)
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        data = await request.body()
-        try:
-            obj = orjson.loads(data)
-            assert isinstance(obj, dict)
-        except (orjson.JSONDecodeError, AssertionError):
-            raise APIError(400, "could not parse the JSON body") from None
-        if "input_ids" in obj:
-            ids = obj["input_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise APIError(400, "input_ids must be a list of token ids", param="input_ids")
-        elif isinstance(obj.get("text"), str):
-            ids = server.tokenizer(obj["text"])["input_ids"]
+    @app.route("POST", "/generate", watch_disconnect=True, body_schema=body_schema(GenerateRequest))
+    async def generate(request: HTTPRequest) -> Response | StreamResponse:
+        body: GenerateRequest = server.parse(request, GenerateRequest)
+        if body.input_ids is not None:
+            ids = body.input_ids
+        elif body.text is not None:
+            ids = await server.tokenize.encode(body.text)
         else:
             raise APIError(400, "give text or input_ids", param="text")
-        sp = obj.get("sampling_params") or {}
-        if not isinstance(sp, dict):
-            raise APIError(400, "sampling_params must be an object", param="sampling_params")
+        sp = body.sampling_params or {}
         try:
             params = SamplingParams(**{k: v for k, v in sp.items() if k != "n"})
         except (TypeError, ValueError) as exc:
             raise APIError(400, str(exc), param="sampling_params") from None
         server.check_prompt(ids, params.max_tokens)
         fields = {**sp, "n": 1}
-
-        priority = obj.get("priority", 0)
-        if not isinstance(priority, int):
-            raise APIError(400, "priority must be an integer", param="priority")
-        gen = server.run([ids], fields, 1, obj.get("cache_salt"), priority)
-        if obj.get("stream"):
+        gen = server.run([ids], fields, 1, body.cache_salt, body.priority)
+        if body.stream:
 
             async def events() -> AsyncIterator[bytes]:
                 try:
@@ -520,18 +466,18 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
                 except BaseException as exc:
                     if isinstance(exc, asyncio.CancelledError):
                         raise
-                    yield _sse(_error_body(_engine_error(exc)))
+                    yield _sse(_engine_error(exc).body())
                 yield _DONE
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamResponse(events())
         try:
-            items = await server.collect(request, gen)
+            items = [x async for x in gen]
         except (RequestRejected, EngineDead) as exc:
             raise _engine_error(exc) from None
         text = "".join(d.text for _, d in items)
         out_ids = [t for _, d in items for t in d.token_ids]
         last = items[-1][1]
-        return _json(
+        return json_response(
             {
                 "text": text,
                 "output_ids": out_ids,
@@ -547,8 +493,37 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     return app
 
 
+def openapi_document(app: ASGIApp) -> dict:
+    """OpenAPI 3.1 for the routes as registered: paths, methods, request body schemas."""
+    from radixserve import __version__
+
+    components: dict[str, dict] = {}
+    paths: dict[str, dict] = {}
+    error = {"description": "an OpenAI-shaped error: {error: {message, type, param, code}}"}
+    for path, methods in sorted(app.routes.items()):
+        for method, route in methods.items():
+            op: dict[str, Any] = {
+                "operationId": f"{method.lower()}_{path.strip('/').replace('/', '_') or 'root'}",
+                "responses": {"200": {"description": "OK"}, "4XX": error, "503": error},
+            }
+            if route.body_schema is not None:
+                schema = dict(route.body_schema)
+                components.update(schema.pop("$defs", {}))
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": schema}},
+                }
+            paths.setdefault(path, {})[method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "radixserve", "version": __version__},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+
+
 # -- helpers ----------------------------------------------------------------------------
-def _completion_prompts(
+async def _completion_prompts(
     server: OpenAIServer, prompt: Any
 ) -> tuple[list[str | None], list[list[int]]]:
     if isinstance(prompt, str):
@@ -560,7 +535,7 @@ def _completion_prompts(
     if all(isinstance(x, str) for x in prompt):
         if any(x == "" for x in prompt):
             raise APIError(400, "the prompt must not be empty", param="prompt")
-        encoded = server.tokenizer(list(prompt))["input_ids"]  # one batched call
+        encoded = await server.tokenize.encode_many(list(prompt))  # one batched call
         return list(prompt), [list(ids) for ids in encoded]
     if all(isinstance(x, list) for x in prompt):
         return [None] * len(prompt), [list(x) for x in prompt]
@@ -583,7 +558,7 @@ def _message(m: Any, i: int) -> dict:
     return {"role": m.role, "content": content or ""}
 
 
-def _render_chat(
+async def _render_chat(
     server: OpenAIServer,
     messages: list[dict],
     add_generation_prompt: bool,
@@ -603,7 +578,7 @@ def _render_chat(
         )
     except Exception as exc:  # template errors are the caller's input
         raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from None
-    return tok(text, add_special_tokens=False)["input_ids"]
+    return await server.tokenize.encode(text, add_special_tokens=False)
 
 
 def _usage(prompts: list[list[int]], completion_tokens: int, cached: int) -> dict:
@@ -616,12 +591,10 @@ def _usage(prompts: list[list[int]], completion_tokens: int, cached: int) -> dic
     }
 
 
-async def _complete(server, request, rid, texts, prompts, fields, n, body, chat: bool) -> Response:
+async def _complete(server, rid, texts, prompts, fields, n, body, chat: bool) -> Response:
     started = time.monotonic()
     try:
-        items = await server.collect(
-            request, server.run(prompts, fields, n, body.cache_salt, body.priority)
-        )
+        items = [x async for x in server.run(prompts, fields, n, body.cache_salt, body.priority)]
     except (RequestRejected, EngineDead) as exc:
         raise _engine_error(exc) from None
     outs: dict[int, dict] = {}
@@ -676,7 +649,7 @@ async def _complete(server, request, rid, texts, prompts, fields, n, body, chat:
                     "finish_reason": o["reason"],
                 }
             )
-    return _json(
+    return json_response(
         {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
@@ -688,9 +661,7 @@ async def _complete(server, request, rid, texts, prompts, fields, n, body, chat:
     )
 
 
-async def _stream_events(
-    server, request, prompts, fields, n, body, on_delta, on_finish, head, usage_obj
-):
+async def _stream_events(server, prompts, fields, n, body, on_delta, on_finish, head, usage_obj):
     """Shared SSE loop: head frames, per-delta frames, then usage and [DONE]."""
     started = time.monotonic()
     first = None
@@ -718,7 +689,7 @@ async def _stream_events(
                 server.metrics.request_success.labels(d.finish_reason or "unknown").inc()
                 if d.finish_reason == "error":
                     yield _sse(
-                        _error_body(APIError(500, d.error or "generation failed", "internal_error"))
+                        APIError(500, d.error or "generation failed", "internal_error").body()
                     )
                 yield on_finish(idx, d.finish_reason)
         server.metrics.e2e.observe(time.monotonic() - started)
@@ -729,11 +700,11 @@ async def _stream_events(
                 {**usage_obj, "choices": [], "usage": _usage(prompts, total, sum(cached.values()))}
             )
     except (RequestRejected, EngineDead) as exc:
-        yield _sse(_error_body(_engine_error(exc)))
+        yield _sse(_engine_error(exc).body())
     yield _DONE
 
 
-def _stream_completion(server, request, rid, texts, prompts, fields, n, body):
+def _stream_completion(server, rid, texts, prompts, fields, n, body):
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
 
@@ -773,12 +744,10 @@ def _stream_completion(server, request, rid, texts, prompts, fields, n, body):
             }
         )
 
-    return _stream_events(
-        server, request, prompts, fields, n, body, on_delta, on_finish, head, base
-    )
+    return _stream_events(server, prompts, fields, n, body, on_delta, on_finish, head, base)
 
 
-def _stream_chat(server, request, rid, ids, fields, n, body):
+def _stream_chat(server, rid, ids, fields, n, body):
     created = int(time.time())
     base = {
         "id": rid,
@@ -821,4 +790,4 @@ def _stream_chat(server, request, rid, ids, fields, n, body):
             }
         )
 
-    return _stream_events(server, request, [ids], fields, n, body, on_delta, on_finish, head, base)
+    return _stream_events(server, [ids], fields, n, body, on_delta, on_finish, head, base)

@@ -1,0 +1,262 @@
+"""A small ASGI layer for the frontend: exact-path routing, whole bodies, JSON and SSE answers.
+
+Why not FastAPI/Starlette here: on a streamed 16-token completion their middleware stack,
+anyio task groups and per-request disconnect listeners cost more CPU than the rest of the
+frontend together (profiled with py-spy under ``benchmarks/serving.py --stub``). This layer
+keeps one asyncio task per request plus, for engine-bound routes, one watcher that turns a
+client disconnect into cancellation of the handler (which aborts the engine request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+log = logging.getLogger(__name__)
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+]
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass
+class HTTPRequest:
+    """What a handler sees: method, path, lower-case headers and the whole body."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Response:
+    """A complete answer (``body`` already encoded)."""
+
+    body: bytes = b""
+    status: int = 200
+    headers: list[tuple[bytes, bytes]] = field(default_factory=lambda: list(_JSON))
+
+
+@dataclass
+class StreamResponse:
+    """Server-sent events: ``frames`` yields preformatted ``data: ...\\n\\n`` frames."""
+
+    frames: AsyncIterator[bytes]
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status)
+
+
+def error_response(error: APIError) -> Response:
+    return json_response(error.body(), error.status)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+Handler = Callable[[HTTPRequest], Awaitable[Response | StreamResponse]]
+
+
+@dataclass
+class Route:
+    handler: Handler
+    watch_disconnect: bool = False  # cancel the handler when the client goes away
+    body_schema: dict | None = None  # JSON schema of the request body, for /openapi.json
+    summary: str = ""
+
+
+class ASGIApp:
+    """Routes by exact path, then method. Invariants: every request is answered once — 404
+    for unknown paths, 405 (with Allow) for known paths with another method, 413 for bodies
+    over ``max_body_bytes``, the handler's answer, an ``APIError``'s OpenAI-shaped body, or
+    500 for anything else; nothing a handler raises reaches the server loop. ``authorize``
+    runs before the body is read."""
+
+    def __init__(
+        self,
+        max_body_bytes: int,
+        authorize: Callable[[HTTPRequest], APIError | None],
+        on_startup: Callable[[], Awaitable[None]],
+        on_shutdown: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.routes: dict[str, dict[str, Route]] = {}
+        self.max_body_bytes = max_body_bytes
+        self.authorize = authorize
+        self.on_startup, self.on_shutdown = on_startup, on_shutdown
+
+    def route(self, method: str, path: str, **options: Any) -> Callable[[Handler], Handler]:
+        def register(handler: Handler) -> Handler:
+            self.routes.setdefault(path, {})[method] = Route(handler, **options)
+            return handler
+
+        return register
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Callable, send: Callable) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.on_startup()
+                except Exception as exc:
+                    log.exception("startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.on_shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: dict, receive: Callable, send: Callable) -> None:
+        methods = self.routes.get(scope["path"])
+        method = scope["method"]
+        if methods is None:
+            return await _send_response(
+                send, error_response(APIError(404, "Not Found", "NotFoundError"))
+            )
+        route = methods.get(method)
+        if route is None:
+            answer = error_response(APIError(405, "Method Not Allowed", "MethodNotAllowed"))
+            answer.headers.append((b"allow", ", ".join(sorted(methods)).encode()))
+            return await _send_response(send, answer)
+        request = HTTPRequest(
+            method,
+            scope["path"],
+            {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]},
+            b"",
+        )
+        error = self.authorize(request)
+        if error is not None:
+            return await _send_response(send, error_response(error))
+        if method == "POST":
+            try:
+                body = await self._read_body(receive)
+            except _ClientGone:
+                return  # nobody to answer
+            if body is None:
+                error = APIError(413, f"request body exceeds {self.max_body_bytes} bytes")
+                return await _send_response(send, error_response(error))
+            request.body = body
+        if route.watch_disconnect:
+            await self._run_watched(route, request, receive, send)
+        else:
+            await _send_response(send, await self._answer(route, request))
+
+    async def _read_body(self, receive: Callable) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _answer(self, route: Route, request: HTTPRequest) -> Response | StreamResponse:
+        try:
+            return await route.handler(request)
+        except APIError as exc:
+            return error_response(exc)
+        except Exception as exc:
+            log.exception("handler failed")
+            return error_response(APIError(500, f"internal error: {exc}", "internal_error"))
+
+    async def _run_watched(
+        self, route: Route, request: HTTPRequest, receive: Callable, send: Callable
+    ) -> None:
+        """Answer, streaming if asked; a client disconnect cancels the handler (and with it
+        the engine request) instead of letting it run on for nobody."""
+        task = asyncio.current_task()
+        assert task is not None
+        gone = finished = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not finished:  # (after the answer, uvicorn reports "disconnect" too)
+                gone = True
+                task.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            answer = await self._answer(route, request)
+            if isinstance(answer, Response):
+                await _send_response(send, answer)
+                finished = True
+                return
+            frames = answer.frames
+            try:
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+                async for frame in frames:
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                finished = True
+            finally:
+                await frames.aclose()  # type: ignore[attr-defined]
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+
+
+async def _send_response(send: Callable, response: Response) -> None:
+    headers = [*response.headers, (b"content-length", str(len(response.body)).encode())]
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
