@@ -112,6 +112,7 @@ def _delta(d) -> p.Delta:
         d.num_prompt_tokens,
         d.num_cached_tokens,
         [(lp.token_id, lp.logprob, lp.top) for lp in d.logprobs] if d.logprobs else None,
+        d.queue_time_s,
     )
 
 

@@ -64,6 +64,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_time = Histogram(
+            "radixserve_request_queue_time_seconds",
+            "Time from arrival at the engine to first admission",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
             "radixserve_e2e_request_latency_seconds",
             "End-to-end latency",

@@ -33,6 +33,7 @@ class Delta(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     # per new token: (token id, logprob, [(top id, top logprob), ...]) when asked for
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    queue_time_s: float | None = None  # finished deltas: arrival → first admission
 
 
 class EngineStats(msgspec.Struct):

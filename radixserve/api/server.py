@@ -247,6 +247,11 @@ class OpenAIServer:
             )
 
     # -- running requests -----------------------------------------------------------------
+    def _observe(self, delta: Delta) -> None:
+        """Per-request engine timings (once per prompt: its first sample)."""
+        if delta.finished and delta.index == 0 and delta.queue_time_s is not None:
+            self.metrics.queue_time.observe(delta.queue_time_s)
+
     async def run(
         self,
         prompts: list[list[int]],
@@ -261,6 +266,7 @@ class OpenAIServer:
             async for delta in self.client.generate(
                 f"{base}-0", prompts[0], fields, n, cache_salt, priority
             ):
+                self._observe(delta)
                 yield 0, delta
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -285,6 +291,7 @@ class OpenAIServer:
                     raise item
                 if item.finished:
                     remaining -= 1
+                self._observe(item)
                 yield i, item
         finally:
             for t in tasks:

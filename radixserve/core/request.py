@@ -77,6 +77,7 @@ class Request:
         "deadline",
         "error",
         "finish_reason",
+        "first_scheduled_time",
         "group_id",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -133,6 +134,7 @@ class Request:
         self.probe_node: object | None = None
         self.probe_stamp = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None  # first admission (queue time ends)
         self.state = RequestState.NEW
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None

@@ -336,6 +336,9 @@ class Engine:
             error=req.error,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            queue_time_s=None
+            if req.first_scheduled_time is None
+            else req.first_scheduled_time - req.arrival_time,
         )
 
     # -- checks ---------------------------------------------------------------------------

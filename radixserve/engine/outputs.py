@@ -24,6 +24,8 @@ class SequenceDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs per new token, if asked
+    # on the finished delta: seconds from arrival to first admission (None: never admitted)
+    queue_time_s: float | None = None
 
 
 @dataclass

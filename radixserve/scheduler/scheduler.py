@@ -332,6 +332,8 @@ class Scheduler:
         req.num_computed_tokens = req.num_cached_tokens = cached
         self._fork_source.pop(req.request_id, None)
         req.transition(RequestState.PREFILL)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
         req.admit_seq = self._admit_counter
         self._admit_counter += 1
         self.stats.num_admitted += 1
