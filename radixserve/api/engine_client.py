@@ -19,6 +19,8 @@ import zmq
 import zmq.asyncio
 
 from radixserve.api import protocol as p
+from radixserve.api.output_processor import RequestOutputProcessor
+from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 
 
@@ -46,8 +48,12 @@ class EngineClient:
     engine is "alive" while the process runs and its heartbeats are recent.
     """
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer: Any, startup_timeout_s: float = 600.0
+    ) -> None:
+        """``tokenizer``: the model's (Rust) tokenizer, for detokenizing outputs here."""
         self.config = config
+        self.tokenizer = tokenizer
         self.startup_timeout_s = startup_timeout_s
         self._dir = tempfile.mkdtemp(prefix="radixserve-")
         os.chmod(self._dir, 0o700)
@@ -139,10 +145,13 @@ class EngineClient:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[p.Delta]:
-        """Yield the deltas of ``n`` samples until all have finished. Cancelling (client
-        gone) aborts the request in the engine."""
+        """Yield the deltas of ``n`` samples, with their text, until all have finished.
+        Cancelling (client gone) aborts the request in the engine."""
         if not self.alive:
             raise EngineDead("the engine is not running")
+        outputs = RequestOutputProcessor(
+            self.tokenizer, prompt_token_ids, SamplingParams(**params), n
+        )
         pending = _Pending(remaining=n)
         self._pending[request_id] = pending
         self._send(p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority))
@@ -153,6 +162,11 @@ class EngineClient:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                item, stopped_here = outputs.process(item)
+                if item is None:
+                    continue
+                if stopped_here:  # a stop string ended this sample: the engine can let go
+                    self._send(p.AbortRequest(request_id, item.index))
                 yield item
                 if item.finished:
                     pending.remaining -= 1

@@ -50,7 +50,7 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
     pull.connect(inbox)
     push = ctx.socket(zmq.PUSH)
     push.connect(outbox)
-    engine = Engine(config)
+    engine = Engine(config, detokenize=False)  # the frontend detokenizes
     push.send(
         p.encoder.encode(p.Ready(engine.source.name, engine.vocab_size, engine.max_model_len))
     )
@@ -83,7 +83,7 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
 
 def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
     if isinstance(msg, p.AbortRequest):
-        engine.abort(msg.request_id)
+        engine.abort(msg.request_id, msg.index)
         return
     try:
         params = SamplingParams(**msg.params)

@@ -17,10 +17,12 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
 
 class AbortRequest(msgspec.Struct, tag="abort"):
     request_id: str
+    index: int | None = None  # one sample of the request; None: all of them
 
 
 class Delta(msgspec.Struct, array_like=True):
-    """One step's news for one sample (see ``engine.outputs.SequenceDelta``)."""
+    """One step's news for one sample (see ``engine.outputs.SequenceDelta``). From the
+    engine process ``text`` is empty: the frontend detokenizes (``engine_client``)."""
 
     request_id: str
     index: int

@@ -74,8 +74,8 @@ class OpenAIServer:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
         self.engine_config = engine_config
         self.config = config
-        self.client = EngineClient(engine_config)
         source_name, self.tokenizer = load_frontend_tokenizer(engine_config)
+        self.client = EngineClient(engine_config, self.tokenizer.backend_tokenizer)
         self.tokenize = TokenizeBatcher(self.tokenizer)
         self.model_name = config.served_model_name or source_name
         self.metrics = Metrics(lambda: self.client.stats)

@@ -47,8 +47,14 @@ class _Sequence:
 
     request_id: str
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: the caller detokenizes
     stop_token_ids: frozenset[int]
+
+
+def _queue_time(req: Request) -> float | None:
+    """Seconds from arrival to first admission (None: never admitted)."""
+    t = req.first_scheduled_time
+    return None if t is None else t - req.arrival_time
 
 
 class Engine:
@@ -61,8 +67,11 @@ class Engine:
         (``check_page_accounting``).
     """
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, detokenize: bool = True) -> None:
+        """``detokenize=False``: deltas carry token ids only (empty text) and stop strings
+        are not looked for — a frontend that detokenizes does both (the server does)."""
         self.config = config = config or EngineConfig()
+        self.detokenize = detokenize
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.source: ModelSource = resolve_model(config.model)
@@ -241,16 +250,21 @@ class Engine:
                     params.skip_special_tokens,
                     params.stop,
                     params.include_stop_str_in_output,
-                ),
+                )
+                if self.detokenize
+                else None,
                 stop_ids,
             )
         self._children[request_id] = seq_ids
         return token_ids
 
-    def abort(self, request_id: str) -> None:
-        """Abort every sample of ``request_id`` (any state); pages are freed at once and the
-        final deltas come out of the next ``step``."""
-        for sid in self._children.get(request_id, []):
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort every sample of ``request_id`` (any state), or only sample ``index``; pages
+        are freed at once and the final deltas come out of the next ``step``."""
+        samples = self._children.get(request_id, [])
+        if index is not None:
+            samples = samples[index : index + 1]
+        for sid in samples:
             req = self.scheduler.abort(sid)
             if req is not None:
                 self._pending.append(self._final(req))
@@ -297,8 +311,9 @@ class Engine:
         if token in seq.stop_token_ids and req.num_output_tokens > params.min_tokens - 1:
             reason = FinishReason.STOP
         else:
-            detok.add_token(token)
-            if detok.stopped_by is not None:
+            if detok is not None:
+                detok.add_token(token)
+            if detok is not None and detok.stopped_by is not None:
                 reason = FinishReason.STOP
             elif req.num_output_tokens >= params.max_tokens:
                 reason = FinishReason.LENGTH
@@ -308,8 +323,10 @@ class Engine:
                 seq.request_id,
                 seq.index,
                 [token],
-                detok.take_delta(finished=False),
+                detok.take_delta(finished=False) if detok is not None else "",
                 num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+                queue_time_s=_queue_time(req),
                 logprobs=lps,
             )
         self.scheduler.finish(req, reason)
@@ -324,21 +341,20 @@ class Engine:
         children = self._children.get(seq.request_id)
         if children is not None and all(c not in self._sequences for c in children):
             del self._children[seq.request_id]
-        if req.finish_reason is not FinishReason.ABORT:
-            seq.detokenizer.flush()
+        detok = seq.detokenizer
+        if detok is not None and req.finish_reason is not FinishReason.ABORT:
+            detok.flush()
         return SequenceDelta(
             seq.request_id,
             seq.index,
             [],
-            seq.detokenizer.take_delta(finished=True),
+            detok.take_delta(finished=True) if detok is not None else "",
             finished=True,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             error=req.error,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
-            queue_time_s=None
-            if req.first_scheduled_time is None
-            else req.first_scheduled_time - req.arrival_time,
+            queue_time_s=_queue_time(req),
         )
 
     # -- checks ---------------------------------------------------------------------------
