@@ -113,6 +113,9 @@ def _delta(d) -> p.Delta:
         d.num_cached_tokens,
         [(lp.token_id, lp.logprob, lp.top) for lp in d.logprobs] if d.logprobs else None,
         d.queue_time_s,
+        [(lp.token_id, lp.logprob, lp.top) for lp in d.prompt_logprobs]
+        if d.prompt_logprobs
+        else None,
     )
 
 

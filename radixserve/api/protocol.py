@@ -36,6 +36,8 @@ class Delta(msgspec.Struct, array_like=True):
     # per new token: (token id, logprob, [(top id, top logprob), ...]) when asked for
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     queue_time_s: float | None = None  # finished deltas: arrival → first admission
+    # with the first token, if asked: (id, logprob, top) of prompt tokens 1.. (as logprobs)
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class EngineStats(msgspec.Struct):

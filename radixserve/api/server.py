@@ -7,7 +7,7 @@ import hmac
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,6 +204,22 @@ class OpenAIServer:
             "top_logprobs": top,
             "text_offset": offsets,
         }
+
+    def prompt_logprobs(self, prompt: list[int], lps: list | None) -> dict:
+        """Completions-shaped logprobs of the prompt itself (echo): the first token has
+        none, as in OpenAI's API; ``lps`` covers tokens 1.. (None: not computed)."""
+        rest = self.completion_logprobs(lps or [], len(self.token_text(prompt[0])))
+        first = self.token_text(prompt[0])
+        return {
+            "tokens": [first, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]],
+        }
+
+    @staticmethod
+    def join_logprobs(a: dict, b: dict) -> dict:
+        return {key: a[key] + b[key] for key in a}
 
     def chat_logprobs(self, lps: list) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
@@ -409,6 +425,13 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         fields, n = server.sampling(body, max_tokens)
         for ids in prompts:
             server.check_prompt(ids, max_tokens)
+        if body.echo:  # echo token-id prompts as their text; logprobs cover the prompt too
+            texts = [
+                t if t is not None else server.tokenizer.decode(ids)
+                for t, ids in zip(texts, prompts, strict=True)
+            ]
+            if fields["logprobs"] is not None:
+                fields["prompt_logprobs"] = fields["logprobs"]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return StreamResponse(_stream_completion(server, rid, texts, prompts, fields, n, body))
@@ -606,8 +629,11 @@ async def _complete(server, rid, texts, prompts, fields, n, body, chat: bool) ->
         raise _engine_error(exc) from None
     outs: dict[int, dict] = {}
     cached: dict[int, int] = {}
+    prompt_lps: dict[int, list] = {}  # by prompt: from the sample that computed the prompt
     first = None
     for i, d in items:
+        if d.prompt_logprobs:
+            prompt_lps[i] = d.prompt_logprobs
         idx = i * n + d.index
         o = outs.setdefault(
             idx, {"text": "", "tokens": 0, "reason": None, "error": None, "logprobs": []}
@@ -646,13 +672,16 @@ async def _complete(server, rid, texts, prompts, fields, n, body, chat: bool) ->
             )
         else:
             prefix = (texts[idx // n] or "") if getattr(body, "echo", False) else ""
+            logprobs = server.completion_logprobs(o["logprobs"], len(prefix)) if wants else None
+            if logprobs is not None and prefix:
+                logprobs = server.join_logprobs(
+                    server.prompt_logprobs(prompts[idx // n], prompt_lps.get(idx // n)), logprobs
+                )
             choices.append(
                 {
                     "index": idx,
                     "text": prefix + o["text"],
-                    "logprobs": server.completion_logprobs(o["logprobs"], len(prefix))
-                    if wants
-                    else None,
+                    "logprobs": logprobs,
                     "finish_reason": o["reason"],
                 }
             )
@@ -715,33 +744,37 @@ def _stream_completion(server, rid, texts, prompts, fields, n, body):
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
 
-    def head():
-        if body.echo:
-            for i, text in enumerate(texts):
-                for j in range(n):
-                    yield _sse(
-                        {
-                            **base,
-                            "choices": [
-                                {
-                                    "index": i * n + j,
-                                    "text": text or "",
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
+    # with logprobs, a prompt's echo waits for its first delta (which brings the prompt's
+    # logprobs); without, it goes out at once
+    echo_with_logprobs = body.echo and fields.get("prompt_logprobs") is not None
+    echoed: set[int] = set()
 
+    def echo_frames(i: int, logprobs: dict | None) -> Iterator[bytes]:
+        for j in range(n):
+            choice = {"index": i * n + j, "text": texts[i], "logprobs": logprobs}
+            yield _sse({**base, "choices": [{**choice, "finish_reason": None}]})
+
+    def head():
+        if body.echo and not echo_with_logprobs:
+            for i in range(len(texts)):
+                yield from echo_frames(i, None)
+
+    # generated tokens' text offsets continue after the echoed prompt
     offsets: dict[int, int] = {}
 
     def on_delta(idx, d):
+        i = idx // n
+        frames = b""
+        if echo_with_logprobs and i not in echoed:
+            echoed.add(i)
+            frames = b"".join(echo_frames(i, server.prompt_logprobs(prompts[i], d.prompt_logprobs)))
         logprobs = None
         if d.logprobs:
-            logprobs = server.completion_logprobs(d.logprobs, offsets.get(idx, 0))
-            offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in logprobs["tokens"])
+            start = offsets.get(idx, len(texts[i] or "") if body.echo else 0)
+            logprobs = server.completion_logprobs(d.logprobs, start)
+            offsets[idx] = start + sum(len(t) for t in logprobs["tokens"])
         choice = {"index": idx, "text": d.text, "logprobs": logprobs, "finish_reason": None}
-        return _sse({**base, "choices": [choice]})
+        return frames + _sse({**base, "choices": [choice]})
 
     def on_finish(idx, reason):
         return _sse(

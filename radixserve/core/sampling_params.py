@@ -38,6 +38,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # return the chosen token's logprob and this many top ones
+    # the same for every prompt token but the first (computed, so never a prefix-cache hit)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,12 +106,14 @@ class SamplingParams:
                     bias,
                 )
         _require(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
-        _require(
-            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-            "logprobs",
-            "an integer in [0, 20] or None",
-            self.logprobs,
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(
+                value is None or (_is_int(value) and 0 <= value <= 20),
+                name,
+                "an integer in [0, 20] or None",
+                value,
+            )
         for s in self.stop:
             _require(isinstance(s, str) and s != "", "stop", "a list of non-empty strings", s)
 

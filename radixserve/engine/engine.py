@@ -49,6 +49,9 @@ class _Sequence:
     index: int
     detokenizer: IncrementalDetokenizer | None  # None: the caller detokenizes
     stop_token_ids: frozenset[int]
+    # prompt logprobs by position (entry p: prompt token p + 1), filled as chunks run and
+    # sent once with the first output token; None when not asked for (or already sent)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def _queue_time(req: Request) -> float | None:
@@ -254,6 +257,7 @@ class Engine:
                 if self.detokenize
                 else None,
                 stop_ids,
+                [None] * (len(token_ids) - 1) if params.prompt_logprobs is not None else None,
             )
         self._children[request_id] = seq_ids
         return token_ids
@@ -296,6 +300,10 @@ class Engine:
                 self.scheduler.finish(req, FinishReason.ERROR, message)
                 outputs.append(self._final(req))
             return outputs
+        for rid, (start, entries) in result.prompt_logprobs.items():
+            seq = self._sequences.get(rid)
+            if seq is not None and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs[start : start + len(entries)] = entries
         for req in self.scheduler.update_after_step(batch, result.tokens):
             token = int(req.token_ids[req.num_tokens - 1])
             outputs.append(self._on_token(req, token, result.logprobs.get(req.request_id)))
@@ -318,6 +326,12 @@ class Engine:
             elif req.num_output_tokens >= params.max_tokens:
                 reason = FinishReason.LENGTH
         lps = [logprobs] if logprobs is not None else []
+        prompt_lps = None
+        if seq.prompt_logprobs is not None:
+            # computed by this sample's own prefill; a sibling that shared it has none
+            if all(e is not None for e in seq.prompt_logprobs):
+                prompt_lps = seq.prompt_logprobs
+            seq.prompt_logprobs = None
         if reason is None:
             return SequenceDelta(
                 seq.request_id,
@@ -328,11 +342,13 @@ class Engine:
                 num_cached_tokens=req.num_cached_tokens,
                 queue_time_s=_queue_time(req),
                 logprobs=lps,
+                prompt_logprobs=prompt_lps,
             )
         self.scheduler.finish(req, reason)
         delta = self._final(req)
         delta.new_token_ids = [token]
         delta.logprobs = lps
+        delta.prompt_logprobs = prompt_lps
         return delta
 
     def _final(self, req: Request) -> SequenceDelta:

@@ -69,6 +69,8 @@ class LLM:
                     completion.text += delta.text
                     completion.token_ids.extend(delta.new_token_ids)
                     completion.logprobs.extend(delta.logprobs)
+                    if delta.prompt_logprobs is not None and out.prompt_logprobs is None:
+                        out.prompt_logprobs = [None, *delta.prompt_logprobs]
                     if delta.finished:
                         completion.finish_reason = delta.finish_reason
                         completion.error = delta.error

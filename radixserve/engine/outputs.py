@@ -26,6 +26,9 @@ class SequenceDelta:
     logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs per new token, if asked
     # on the finished delta: seconds from arrival to first admission (None: never admitted)
     queue_time_s: float | None = None
+    # with the first output token, if asked: TokenLogprobs of prompt tokens 1.. (token 0
+    # has none); only the sample that computed the prompt carries them
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -47,6 +50,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # if asked: None for the first prompt token, then its TokenLogprobs for each other
+    prompt_logprobs: list[Any] | None = None
 
     @property
     def text(self) -> str:

@@ -15,14 +15,19 @@ from radixserve.executor.models.llama import LlamaForCausalLM
 from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.scheduler.scheduler import ScheduledBatch
 
+_PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once
+
 
 @dataclass
 class StepResult:
     """``tokens[i]``: the token sampled for ``batch.requests[i]`` (-1 if none this step);
-    ``logprobs``: by request id, for sampled requests that asked for logprobs."""
+    ``logprobs``: by request id, for sampled requests that asked for logprobs;
+    ``prompt_logprobs``: by request id, (p, entries) where entry j is for prompt token
+    p + 1 + j, for requests that asked for prompt logprobs and computed prompt tokens."""
 
     tokens: np.ndarray
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -74,4 +79,29 @@ class ModelRunner:
             ):
                 if lp is not None:
                     logprobs[req.request_id] = lp
-        return StepResult(tokens, logprobs)
+        return StepResult(tokens, logprobs, self._prompt_logprobs(batch, fb, hidden))
+
+    def _prompt_logprobs(
+        self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """For requests asking for prompt logprobs: position p of this step's chunk predicts
+        prompt token p + 1, for every p before the prompt's last token."""
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        for i, req in enumerate(batch.requests):
+            num_top = req.sampling_params.prompt_logprobs
+            if num_top is None:
+                continue
+            start = req.num_computed_tokens
+            end = min(start + int(batch.num_new_tokens[i]), req.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            first_row = int(fb.query_start_loc[i])
+            targets = torch.from_numpy(req.token_ids[start + 1 : end + 1].astype(np.int64))
+            entries: list[TokenLogprobs] = []
+            for j in range(0, end - start, _PROMPT_LOGITS_ROWS):  # bounded [rows, vocab] logits
+                rows = hidden[first_row + j : first_row + min(j + _PROMPT_LOGITS_ROWS, end - start)]
+                logits = self.model.compute_logits(rows, upcast=True)
+                chunk_targets = targets[j : j + _PROMPT_LOGITS_ROWS]
+                entries.extend(self.sampler.logprobs_for(logits, chunk_targets, num_top))
+            out[req.request_id] = (start, entries)
+        return out

@@ -151,6 +151,26 @@ class Sampler:
         return out
 
     @staticmethod
+    def logprobs_for(
+        logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+    ) -> list[TokenLogprobs]:
+        """Row i: log p(tokens[i]) and the ``num_top`` most likely tokens under ``logits[i]``."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        if num_top:
+            top_vals, top_ids = logp.topk(num_top, dim=-1)
+            tops = [
+                list(zip(i, v, strict=True))
+                for i, v in zip(top_ids.tolist(), top_vals.tolist(), strict=True)
+            ]
+        else:
+            tops = [[] for _ in chosen]
+        return [
+            TokenLogprobs(t, lp, top)
+            for t, lp, top in zip(tokens.tolist(), chosen, tops, strict=True)
+        ]
+
+    @staticmethod
     def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Zero out tokens outside top-k, the top-p nucleus, or below min_p × max prob."""
         sorted_probs, order = probs.sort(dim=-1, descending=True)

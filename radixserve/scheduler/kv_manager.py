@@ -70,8 +70,13 @@ class KVManager:
 
     # -- attach: a row and the reusable prefix --------------------------------------------
     def match(self, request: Request) -> MatchResult | None:
-        """The cached prefix of ``request``'s tokens but the last (always computed)."""
-        if self.cache is None or request.num_tokens < 2:
+        """The cached prefix of ``request``'s tokens but the last (always computed). None
+        for requests that want prompt logprobs: every prompt token must be computed."""
+        if (
+            self.cache is None
+            or request.num_tokens < 2
+            or request.sampling_params.prompt_logprobs is not None
+        ):
             return None
         tokens = request.token_ids[: request.num_tokens - 1]
         hit = self.cache.match_prefix(tokens, request.cache_salt)

@@ -198,6 +198,54 @@ def test_logprobs_are_consistent_with_the_chosen_tokens(client):
     )
 
 
+def test_echo_with_logprobs_covers_the_prompt(client, server):
+    """echo + logprobs: the prompt's own tokens come first (the first without a logprob),
+    streamed or not, and agree with the engine computing them token by token."""
+    model = _model(client)
+    prompt = "The quick brown fox jumps"
+    kwargs = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
+    full = client.completions.create(**kwargs)
+    choice = full.choices[0]
+    lp = choice.logprobs
+    num_prompt = full.usage.prompt_tokens
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(lp.token_logprobs) == num_prompt + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[num_prompt:]) == choice.text[len(prompt) :]
+    # prompt token k's logprob is what the model gives it after tokens 0..k-1: ask for the
+    # continuation of each prefix with logprobs and compare with what it says of token k
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    for k in (1, num_prompt - 1):
+        step = client.completions.create(
+            model=model,
+            prompt=ids[:k],
+            max_tokens=1,
+            temperature=0,
+            logprobs=5,
+            logit_bias={str(ids[k]): 100},  # force token k; logprobs are of the raw model
+        ).choices[0]
+        assert step.logprobs.token_logprobs[0] == pytest.approx(lp.token_logprobs[k], abs=1e-4)
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
 def test_metrics_parse_and_move(server, client):
     def scrape() -> dict[str, float]:
         text = httpx.get(server.url + "/metrics").text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from radixserve import LLM, SamplingParams
 from tests.helpers import generate_ids, greedy
@@ -230,3 +231,31 @@ def test_utf8_streaming_deltas_join_to_full_text(smollm2_llm):
     assert "".join(deltas) == full.text
     assert all("\ufffd" not in d for d in deltas)
     assert full.text == smollm2_llm.tokenizer.decode(full.token_ids, skip_special_tokens=True)
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_cache(tiny_llama):
+    """Prompt logprobs equal log_softmax of transformers' logits at every position, when the
+    prompt is prefilled in several chunks and even when its prefix is already cached."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", page_size=4, max_num_batched_tokens=16)
+    prompt = _mixed_prompts(1, seed=5)[0] + list(range(10, 50))  # > 1 chunk of 16
+    llm.generate([prompt], greedy(2))  # the prompt is now in the prefix cache
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    out = llm.generate([prompt, prompt], [params, greedy(2)], use_tqdm=False)
+    first, plain = out
+    assert plain.prompt_logprobs is None
+    lps = first.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    assert first.num_cached_tokens == 0  # prompt logprobs need every position computed
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for pos in range(1, len(prompt)):
+        entry = lps[pos]
+        assert entry.token_id == prompt[pos]
+        assert entry.logprob == pytest.approx(logp[pos - 1, prompt[pos]].item(), abs=1e-4)
+        top_ids = [t for t, _ in entry.top]
+        assert top_ids == logp[pos - 1].topk(3).indices.tolist()
+    llm.engine.check_page_accounting()
