@@ -154,7 +154,13 @@ def test_bad_requests_of_other_kinds(server):
     unknown = httpx.post(url + "/v1/completions", json={"prompt": "x", "model": "nope"})
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert httpx.get(url + "/no/such/route").status_code == 404
-    assert httpx.get(url + "/v1/completions").status_code == 405
+    wrong_method = httpx.get(url + "/v1/completions")
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    huge = b'{"prompt": "' + b"a" * (8 * 2**20) + b'"}'  # over the 8 MiB default limit
+    r = httpx.post(
+        url + "/v1/completions", content=huge, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("request body")
     assert (
         httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code
         == 200
