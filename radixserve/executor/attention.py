@@ -65,10 +65,14 @@ class TorchNativeMetadata:
     num_tokens: int
     decode: _DecodeGroup | None
     fresh_spans: list[tuple[int, int]]  # prompts with no prior KV: [start, end) flat spans
+    # short chunks extending cached KV: (start, end, kv length, its pages), attended with
+    # explicit scores like fresh prompts
+    context_spans: list[tuple[int, int, int, torch.Tensor]]
     prefill: _PrefillGroup | None
 
 
 _SMALL_CAUSAL = 1024  # longest prompt attended with explicit scores (L x L per head group)
+_SMALL_CONTEXT = 4096  # longest KV a short chunk extending cached KV attends explicitly
 
 
 class TorchNativeAttention:
@@ -99,15 +103,31 @@ class TorchNativeAttention:
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
         is_decode = batch.q_lens == 1
         is_fresh = ~is_decode & (batch.seq_lens == batch.q_lens)
+        is_short_context = (
+            ~is_decode
+            & ~is_fresh
+            & (batch.q_lens <= _SMALL_CAUSAL)
+            & (batch.seq_lens <= _SMALL_CONTEXT)
+        )
         starts = batch.query_start_loc
         fresh = np.flatnonzero(is_fresh)
+        context_spans = []
+        for i in np.flatnonzero(is_short_context).tolist():
+            num_pages = -(-int(batch.seq_lens[i]) // batch.page_size)
+            pages = torch.from_numpy(batch.page_tables[i, :num_pages].copy())
+            context_spans.append(
+                (int(starts[i]), int(starts[i + 1]), int(batch.seq_lens[i]), pages)
+            )
         return TorchNativeMetadata(
             slot_pages=torch.from_numpy(batch.slot_mapping // batch.page_size),
             slot_offsets=torch.from_numpy(batch.slot_mapping % batch.page_size),
             num_tokens=batch.num_tokens,
             decode=self._decode_group(batch, np.flatnonzero(is_decode)),
             fresh_spans=list(zip(starts[fresh].tolist(), starts[fresh + 1].tolist(), strict=True)),
-            prefill=self._prefill_group(batch, np.flatnonzero(~is_decode & ~is_fresh)),
+            context_spans=context_spans,
+            prefill=self._prefill_group(
+                batch, np.flatnonzero(~is_decode & ~is_fresh & ~is_short_context)
+            ),
         )
 
     def _decode_group(self, batch: ForwardBatch, idx: np.ndarray) -> _DecodeGroup | None:
@@ -168,6 +188,10 @@ class TorchNativeAttention:
             out[meta.decode.token_index] = self._decode(meta.decode, q, k_cache, v_cache)
         for start, end in meta.fresh_spans:
             out[start:end] = self._causal(q[start:end], k[start:end], v[start:end])
+        for start, end, kv_len, pages in meta.context_spans:
+            keys = self._gather_sequence(k_cache, pages, kv_len)
+            values = self._gather_sequence(v_cache, pages, kv_len)
+            out[start:end] = self._explicit(q[start:end], keys, values)
         if meta.prefill is not None:
             g = meta.prefill
             out[g.out_index] = self._prefill(g, q, k_cache, v_cache)[g.valid]
@@ -181,9 +205,7 @@ class TorchNativeAttention:
         heads sharing a kv head stacked as rows) and a masked softmax — about 1.7x faster
         here than torch's CPU flash kernel at 256 tokens; longer prompts use that kernel
         (it never materialises the L x L scores)."""
-        length, heads, d = q.shape
-        kv_heads = k.shape[1]
-        if length > _SMALL_CAUSAL:
+        if q.shape[0] > _SMALL_CAUSAL:
             # 4-D inputs: torch's CPU flash kernel (3-D ones fall back to the math path)
             return F.scaled_dot_product_attention(
                 q[None].transpose(1, 2),
@@ -193,14 +215,30 @@ class TorchNativeAttention:
                 scale=self.scale,
                 enable_gqa=True,
             )[0].transpose(0, 1)
+        return self._explicit(q, k.transpose(0, 1), v.transpose(0, 1))
+
+    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention with explicit scores: q [L, heads, d] are the last L of the
+        kv_len positions in k/v [kv_heads, kv_len, d] → [L, heads, d]. Two batched matmuls
+        per kv head group (the query heads sharing a kv head stacked as rows)."""
+        length, heads, d = q.shape
+        kv_heads, kv_len = k.shape[0], k.shape[1]
         group = heads // kv_heads
         # [L, heads, d] -> [kv_heads, group * L, d]: rows of one kv head's query heads
         queries = q.transpose(0, 1).reshape(kv_heads, group * length, d)
-        mask = self._causal_mask(length, q.dtype).repeat(group, 1)
-        scores = torch.baddbmm(mask, queries, k.transpose(0, 1).transpose(1, 2), alpha=self.scale)
+        # rows kv_len - L .. kv_len - 1 of the causal mask: query i sees kv 0 .. offset + i
+        mask = self._causal_mask(kv_len, q.dtype)[kv_len - length :].repeat(group, 1)
+        scores = torch.baddbmm(mask, queries, k.transpose(1, 2), alpha=self.scale)
         probs = torch.softmax(scores, dim=-1)
-        out = torch.bmm(probs, v.transpose(0, 1))  # [kv_heads, group * L, d]
+        out = torch.bmm(probs, v)  # [kv_heads, group * L, d]
         return out.view(heads, length, d).transpose(0, 1)
+
+    @staticmethod
+    def _gather_sequence(cache: torch.Tensor, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """One sequence's first ``kv_len`` positions: [kv_heads, kv_len, d]."""
+        blocks = cache.index_select(0, pages)  # [P, kv_heads, page_size, d]
+        kv_heads, d = blocks.shape[1], blocks.shape[3]
+        return blocks.transpose(0, 1).reshape(kv_heads, -1, d)[:, :kv_len]
 
     def _causal_mask(self, length: int, dtype: torch.dtype) -> torch.Tensor:
         """[length, length] additive mask: 0 on and below the diagonal, -inf above."""

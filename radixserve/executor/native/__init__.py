@@ -31,6 +31,7 @@ _FLAGS = [
     "-fassociative-math",
     "-fno-signed-zeros",
     "-fno-trapping-math",
+    "-fno-math-errno",  # expf may vectorise (libmvec)
     "-fopenmp",
     "-shared",
     "-fPIC",
