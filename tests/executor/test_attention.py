@@ -167,7 +167,9 @@ def test_mixed_step_matches_dense_reference(path, monkeypatch):
     q = torch.randn(total, heads, d, generator=g)
     new_k = torch.randn(total, kv_heads, d, generator=g)
     new_v = torch.randn(total, kv_heads, d, generator=g)
-    positions = np.concatenate([np.arange(n - ql, n) for n, ql in zip(seq_lens, q_lens)])
+    positions = np.concatenate(
+        [np.arange(n - ql, n) for n, ql in zip(seq_lens, q_lens, strict=True)]
+    )
     req = np.repeat(np.arange(b), q_lens)
     slots = tables.numpy()[req, positions // page_size] * page_size + positions % page_size
     starts = np.concatenate([[0], np.cumsum(q_lens)])

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.executor.attention import AttentionBackend
+from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.linear import Linear
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.rotary import RotaryEmbedding, apply_rotary
@@ -33,9 +34,16 @@ class LlamaForCausalLM:
     rows asked for (``compute_logits``).
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        ops: LayerOps | None = None,
+    ):
         self.config = config
         self.dtype = dtype
+        self.ops = ops or LayerOps()
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
@@ -108,11 +116,14 @@ class LlamaForCausalLM:
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        norm_shape = (c.hidden_size,)
         cos, sin = self.rotary.tables(positions)
-        hidden = F.embedding(input_ids, self.embed)
+        ops = self.ops
+        # ``residual`` is the running sum of the residual stream, updated in place; each
+        # residual add is folded into the RMSNorm that follows it
+        residual = F.embedding(input_ids, self.embed)
+        sublayer_out: torch.Tensor | None = None
         for layer_idx, w in enumerate(self.layers):
-            x = F.rms_norm(hidden, norm_shape, w.input_norm, eps)
+            x = ops.add_rms_norm(sublayer_out, residual, w.input_norm, eps)
             qkv = w.qkv(x)
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
             if w.q_norm is None:
@@ -130,11 +141,9 @@ class LlamaForCausalLM:
                 q = apply_rotary(F.rms_norm(q, (head_dim,), w.q_norm, eps), cos, sin)
                 k = apply_rotary(F.rms_norm(k, (head_dim,), w.k_norm, eps), cos, sin)
             attn = attention.forward(layer_idx, q, k, v, attn_meta)
-            hidden = hidden + w.o(attn)
-            x = F.rms_norm(hidden, norm_shape, w.post_norm, eps)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + w.down(F.silu(gate) * up)
-        return F.rms_norm(hidden, norm_shape, self.norm, eps)
+            x = ops.add_rms_norm(w.o(attn), residual, w.post_norm, eps)
+            sublayer_out = w.down(ops.silu_and_mul(w.gate_up(x)))
+        return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Logits [S, vocab] for the given hidden rows, in float32 if ``upcast``."""

@@ -51,13 +51,19 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
+# per-source extras: the elementwise kernels need no inf/NaN semantics beyond what the
+# hardware gives, and -ffast-math lets expf vectorise through glibc's libmvec
+_EXTRA_FLAGS = {"elementwise.c": ["-ffast-math"]}
+
+
 def _build(source: Path) -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler found: native kernels disabled")
         return None
+    flags = [*_FLAGS, *_EXTRA_FLAGS.get(source.name, [])]
     key = hashlib.sha256(
-        source.read_bytes() + " ".join([compiler, *_FLAGS]).encode() + _cpu_flags().encode()
+        source.read_bytes() + " ".join([compiler, *flags]).encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
@@ -66,7 +72,7 @@ def _build(source: Path) -> Path | None:
     # build into a temporary name, then rename: concurrent builders never see half a file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *_FLAGS, "-o", tmp, str(source), "-lm"]
+    cmd = [compiler, *flags, "-o", tmp, str(source), "-lm"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as exc:
@@ -78,12 +84,12 @@ def _build(source: Path) -> Path | None:
     return target
 
 
-@cache
-def load_paged_decode() -> ctypes.CDLL | None:
-    """The paged-decode library, or None when native kernels are off or cannot be built."""
+def _load(source: Path) -> ctypes.CDLL | None:
+    """The library built from ``source``, or None when native kernels are off or it cannot
+    be built or loaded."""
     if os.environ.get("RADIXSERVE_NATIVE", "1") == "0":
         return None
-    path = _build(_SOURCE)
+    path = _build(source)
     if path is None:
         return None
     # torch is loaded first, so the library's libgomp.so.1 resolves to torch's own OpenMP
@@ -94,11 +100,37 @@ def load_paged_decode() -> ctypes.CDLL | None:
         log.warning("loading %s failed: %s", path, exc)
         path.unlink(missing_ok=True)
         return None
+    return lib
+
+
+@cache
+def load_paged_decode() -> ctypes.CDLL | None:
+    """The paged-decode library (None: use the PyTorch path)."""
+    lib = _load(_SOURCE)
+    if lib is None:
+        return None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     for name in ("paged_decode_bf16", "paged_decode_f32"):
         fn = getattr(lib, name)
         fn.argtypes = [p, p, p, p, p, i, i, i, i, i, i, f, i, p]
         fn.restype = i
+    return lib
+
+
+@cache
+def load_elementwise() -> ctypes.CDLL | None:
+    """The fused row-wise kernels (None: use the PyTorch path)."""
+    lib = _load(_SOURCE.with_name("elementwise.c"))
+    if lib is None:
+        return None
+    p, i64, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    for suffix in ("bf16", "f32"):
+        silu = getattr(lib, f"silu_and_mul_{suffix}")
+        silu.argtypes = [p, p, i64, i64, i]
+        silu.restype = None
+        norm = getattr(lib, f"add_rms_norm_{suffix}")
+        norm.argtypes = [p, p, p, p, i64, i64, f, i]
+        norm.restype = None
     return lib
 
 

@@ -1,0 +1,69 @@
+"""Row-wise decoder-layer ops: SiLU-and-multiply and RMSNorm with the residual add folded in.
+
+Each uses the fused C kernel (``native/elementwise.c``) for contiguous CPU tensors in
+bfloat16 or float32, and plain PyTorch otherwise; both compute the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.executor.native import load_elementwise
+
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+class LayerOps:
+    """Invariant: ``add_rms_norm`` leaves ``residual + add`` in ``residual`` (in place) and
+    returns its RMS-normalised rows times ``weight``; ``silu_and_mul`` maps [T, 2d] to
+    [T, d]. ``use_native=False`` forces the PyTorch path."""
+
+    def __init__(self, use_native: bool = True) -> None:
+        self.native = load_elementwise() if use_native else None
+
+    def _kernel(self, name: str, *tensors: torch.Tensor):
+        if self.native is None:
+            return None
+        suffix = _SUFFIX.get(tensors[0].dtype)
+        if suffix is None:
+            return None
+        for t in tensors:
+            if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != tensors[0].dtype:
+                return None
+        return getattr(self.native, f"{name}_{suffix}")
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x[:, :d]) * x[:, d:] for x [T, 2d]."""
+        kernel = self._kernel("silu_and_mul", x)
+        if kernel is None:
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        rows, width = x.shape
+        out = x.new_empty(rows, width // 2)
+        kernel(x.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+    def add_rms_norm(
+        self, add: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``residual += add`` (skipped when ``add`` is None), then RMSNorm(residual)."""
+        tensors = (residual, weight) if add is None else (residual, weight, add)
+        kernel = self._kernel("add_rms_norm", *tensors)
+        if kernel is None:
+            if add is not None:
+                residual.add_(add)
+            return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+        rows, width = residual.shape
+        out = torch.empty_like(residual)
+        kernel(
+            None if add is None else add.data_ptr(),
+            residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            width,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out

@@ -1,0 +1,59 @@
+"""Fused SiLU-and-multiply and add+RMSNorm: native kernels and the PyTorch path against
+float64 references, including the in-place residual update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve.executor.layer_ops import LayerOps
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(params=["native", "torch"])
+def ops(request) -> LayerOps:
+    ops = LayerOps(use_native=request.param == "native")
+    if request.param == "native" and ops.native is None:
+        pytest.skip("native kernels unavailable")
+    return ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 8), (7, 100), (130, 1536)])
+def test_silu_and_mul(ops, dtype, rows, width):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * width, generator=g) * 4).to(dtype)
+    x[0, 0] = -200.0  # exp overflow on the way: silu -> -0, not NaN
+    gate, up = x.double().chunk(2, dim=-1)
+    expected = gate * torch.sigmoid(gate) * up
+    out = ops.silu_and_mul(x)
+    assert out.shape == (rows, width) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_add", [True, False])
+def test_add_rms_norm_updates_the_residual_in_place(ops, dtype, with_add):
+    g = torch.Generator().manual_seed(3)
+    rows, width, eps = 33, 576, 1e-5
+    residual = torch.randn(rows, width, generator=g).to(dtype)
+    add = torch.randn(rows, width, generator=g).to(dtype) if with_add else None
+    weight = torch.randn(width, generator=g).to(dtype)
+    expected_sum = residual.clone()
+    if add is not None:
+        expected_sum += add  # stored in dtype, as the model's unfused add would
+    s = expected_sum.double()
+    expected = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    out = ops.add_rms_norm(add, residual, weight, eps)
+    assert torch.equal(residual, expected_sum)
+    torch.testing.assert_close(out.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_non_contiguous_or_other_dtypes_take_the_torch_path():
+    ops = LayerOps()
+    x = torch.randn(4, 16)[:, ::2].contiguous().t()  # non-contiguous [8, 4]
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+    half = torch.randn(3, 8).half()
+    assert ops.silu_and_mul(half).dtype == torch.float16
