@@ -92,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", action="append", default=[], help="repeatable")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-n", type=int, default=16)
+    srv.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        choices=range(21),
+        metavar="{0..20}",
+        help="most top logprobs a request may ask for",
+    )
+    srv.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit (MiB)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
     add_engine_args(srv)
 
@@ -194,6 +203,8 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             api_keys=tuple(args.api_key),
             max_n=args.max_n,
+            max_logprobs=args.max_logprobs,
+            max_body_bytes=int(args.max_body_mb * 2**20),
         ),
         host=args.host,
         port=args.port,

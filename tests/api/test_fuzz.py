@@ -23,6 +23,10 @@ def fuzz_server(tiny_llama):
         "96",
         "--max-n",
         "3",
+        "--max-logprobs",
+        "4",
+        "--max-body-mb",
+        "0.01",
     )
     yield srv
     srv.stop()
@@ -63,6 +67,15 @@ def test_fuzzed_requests_never_get_a_server_error(case, fuzz_server):
     if response.status_code >= 400:
         error = response.json()["error"]  # every error is OpenAI-shaped JSON
         assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_server_limits_from_the_command_line(fuzz_server):
+    url = fuzz_server.url + "/v1/completions"
+    too_many = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "logprobs": 5})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "logprobs"
+    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "logprobs": 4}).is_success
+    big = httpx.post(url, json={"prompt": "x" * 20_000, "max_tokens": 2})
+    assert big.status_code == 413
 
 
 def test_server_still_serves_after_fuzzing(fuzz_server):
