@@ -70,7 +70,7 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
         deltas = engine.step() if engine.has_unfinished() else []
         now = time.monotonic()
         if deltas:
-            msg = p.Outputs([_delta(d) for d in deltas], _stats(engine))
+            msg = p.Outputs([wire_delta(d) for d in deltas], _stats(engine))
             push.send(p.encoder.encode(msg))
             last_beat = now
         elif now - last_beat >= HEARTBEAT_S:
@@ -100,7 +100,7 @@ def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
         push.send(p.encoder.encode(p.Rejected(msg.request_id, str(exc))))
 
 
-def _delta(d) -> p.Delta:
+def wire_delta(d) -> p.Delta:
     return p.Delta(
         d.request_id,
         d.index,

@@ -6,23 +6,9 @@ from __future__ import annotations
 import pytest
 
 from radixserve import SamplingParams
+from radixserve.api.engine_process import wire_delta
 from radixserve.api.output_processor import RequestOutputProcessor
-from radixserve.api.protocol import Delta
 from radixserve.engine.engine import Engine
-
-
-def _delta(d) -> Delta:
-    return Delta(
-        d.request_id,
-        d.index,
-        list(d.new_token_ids),
-        d.text,
-        d.finished,
-        d.finish_reason,
-        d.error,
-        d.num_prompt_tokens,
-        d.num_cached_tokens,
-    )
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, frontend: bool):
@@ -36,7 +22,7 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, front
     results: dict[tuple[str, int], list] = {}
     while engine.has_unfinished():
         for raw in engine.step():
-            d = _delta(raw)
+            d = wire_delta(raw)  # what the engine process sends
             if frontend:
                 d, stopped_here = processors[d.request_id].process(d)
                 if d is None:
