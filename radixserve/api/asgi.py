@@ -241,8 +241,14 @@ class ASGIApp:
             frames = answer.frames
             try:
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE})
-                async for frame in frames:
-                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                try:
+                    async for frame in frames:
+                        await send({"type": "http.response.body", "body": frame, "more_body": True})
+                except Exception as exc:  # the status is sent: end the stream with an error
+                    log.exception("stream failed")
+                    error = APIError(500, f"internal error: {exc}", "internal_error")
+                    tail = b"data: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"
+                    await send({"type": "http.response.body", "body": tail, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 finished = True
             finally:
