@@ -57,3 +57,12 @@ def test_non_contiguous_or_other_dtypes_take_the_torch_path():
     torch.testing.assert_close(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up)
     half = torch.randn(3, 8).half()
     assert ops.silu_and_mul(half).dtype == torch.float16
+
+
+def test_unusable_cache_directory_falls_back_to_torch(tmp_path, monkeypatch):
+    from radixserve.executor import native
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # the cache "directory" is a file: building must fail cleanly
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(blocker))
+    assert native._load(native._SOURCE.with_name("elementwise.c")) is None

@@ -89,7 +89,11 @@ def _load(source: Path) -> ctypes.CDLL | None:
     be built or loaded."""
     if os.environ.get("RADIXSERVE_NATIVE", "1") == "0":
         return None
-    path = _build(source)
+    try:
+        path = _build(source)
+    except OSError as exc:  # e.g. an unwritable cache directory
+        log.warning("native kernels unavailable: %s", exc)
+        return None
     if path is None:
         return None
     # torch is loaded first, so the library's libgomp.so.1 resolves to torch's own OpenMP
