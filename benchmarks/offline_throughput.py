@@ -53,11 +53,33 @@ def setup_radixserve(args, requests: list[dict]):
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     forget_prompts()
 
+    step_times: dict[str, list[float]] = {"prefill": [], "decode": []}
+    if args.profile_steps:  # time every forward by kind: any prompt tokens = prefill
+        runner = llm.engine.runner
+        execute = runner.execute
+
+        def timed_execute(batch):
+            start = time.perf_counter()
+            result = execute(batch)
+            kind = "decode" if batch.num_tokens == len(batch.requests) else "prefill"
+            step_times[kind].append(time.perf_counter() - start)
+            return result
+
+        runner.execute = timed_execute
+
     def timed_run() -> tuple[float, int]:
+        for times in step_times.values():
+            times.clear()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         forget_prompts()
+        for kind, times in step_times.items():
+            if times:
+                print(
+                    f"  {kind} steps: {len(times)}, {sum(times):.2f} s, "
+                    f"{1e3 * sum(times) / len(times):.1f} ms each"
+                )
         return elapsed, sum(len(o.token_ids) for o in outs)
 
     return timed_run, prompts
@@ -122,6 +144,9 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--profile-steps", action="store_true", help="print prefill/decode step times per run"
+    )
     args = parser.parse_args()
 
     requests = load_workload(args.workload)

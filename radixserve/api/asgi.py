@@ -104,7 +104,6 @@ class Route:
     handler: Handler
     watch_disconnect: bool = False  # cancel the handler when the client goes away
     body_schema: dict | None = None  # JSON schema of the request body, for /openapi.json
-    summary: str = ""
 
 
 class ASGIApp:

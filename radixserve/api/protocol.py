@@ -35,7 +35,7 @@ class Delta(msgspec.Struct, array_like=True):
     num_cached_tokens: int
     # per new token: (token id, logprob, [(top id, top logprob), ...]) when asked for
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    queue_time_s: float | None = None  # finished deltas: arrival → first admission
+    queue_time_s: float | None = None  # arrival → first admission (None: not admitted)
     # with the first token, if asked: (id, logprob, top) of prompt tokens 1.. (as logprobs)
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 

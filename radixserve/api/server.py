@@ -346,7 +346,10 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         return None if ok else APIError(401, "invalid or missing API key", "authentication_error")
 
     app = ASGIApp(config.max_body_bytes, authorize, server.client.start, server.client.shutdown)
-    app.server = server  # type: ignore[attr-defined]
+
+    def engine_route(path: str, model: type[BaseModel]):
+        """A POST route that runs the engine: aborted if the client goes away."""
+        return app.route("POST", path, watch_disconnect=True, body_schema=body_schema(model))
 
     @app.route("GET", "/health")
     async def health(_: HTTPRequest) -> Response:
@@ -411,12 +414,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
             raise APIError(400, f"token ids must be in [0, {server.vocab_size})", param="tokens")
         return json_response({"prompt": server.tokenizer.decode(body.tokens)})
 
-    @app.route(
-        "POST",
-        "/v1/completions",
-        watch_disconnect=True,
-        body_schema=body_schema(CompletionRequest),
-    )
+    @engine_route("/v1/completions", CompletionRequest)
     async def completions(request: HTTPRequest) -> Response | StreamResponse:
         body: CompletionRequest = server.parse(request, CompletionRequest)
         server.check_model(body.model)
@@ -437,12 +435,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
             return StreamResponse(_stream_completion(server, rid, texts, prompts, fields, n, body))
         return await _complete(server, rid, texts, prompts, fields, n, body, chat=False)
 
-    @app.route(
-        "POST",
-        "/v1/chat/completions",
-        watch_disconnect=True,
-        body_schema=body_schema(ChatCompletionRequest),
-    )
+    @engine_route("/v1/chat/completions", ChatCompletionRequest)
     async def chat_completions(request: HTTPRequest) -> Response | StreamResponse:
         body: ChatCompletionRequest = server.parse(request, ChatCompletionRequest)
         server.check_model(body.model)
@@ -463,7 +456,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
             return StreamResponse(_stream_chat(server, rid, ids, fields, n, body))
         return await _complete(server, rid, [None], [ids], fields, n, body, chat=True)
 
-    @app.route("POST", "/generate", watch_disconnect=True, body_schema=body_schema(GenerateRequest))
+    @engine_route("/generate", GenerateRequest)
     async def generate(request: HTTPRequest) -> Response | StreamResponse:
         body: GenerateRequest = server.parse(request, GenerateRequest)
         if body.input_ids is not None:

@@ -24,7 +24,7 @@ class SequenceDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)  # TokenLogprobs per new token, if asked
-    # on the finished delta: seconds from arrival to first admission (None: never admitted)
+    # seconds from arrival to first admission (None: never admitted)
     queue_time_s: float | None = None
     # with the first output token, if asked: TokenLogprobs of prompt tokens 1.. (token 0
     # has none); only the sample that computed the prompt carries them

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache
-from radixserve.executor.native import load_paged_decode, paged_decode
+from radixserve.executor.native import load_paged_decode, paged_decode, paged_decode_supports
 
 
 class AttentionBackend(Protocol):
@@ -32,14 +32,14 @@ class AttentionBackend(Protocol):
 @dataclass
 class _DecodeGroup:
     """Requests with one query token each: ``token_index[b]`` is the flat index of request b's
-    token, ``page_tables`` [b, max_pages] its pages, ``bias`` [b, max_pages, 1, 1, page_size]
-    0 where a kv position is < seq_len and -inf beyond (None when every row is full)."""
+    token, ``page_tables`` [b, max_pages] (int32) its pages, ``seq_lens`` [b] (int32) its KV
+    length. For the PyTorch path only, ``bias`` [b, max_pages, 1, 1, page_size] is 0 where a
+    kv position is < seq_len and -inf beyond (None when every row is full, or natively)."""
 
     token_index: torch.Tensor
     page_tables: torch.Tensor
+    seq_lens: torch.Tensor
     bias: torch.Tensor | None
-    seq_lens: torch.Tensor  # [b] int32, for the native kernel
-    page_tables_i32: torch.Tensor  # [b, max_pages] int32, for the native kernel
 
 
 @dataclass
@@ -92,8 +92,13 @@ class TorchNativeAttention:
         self, kv_cache: KVCache, num_heads: int, head_dim: int, use_native: bool = True
     ) -> None:
         self.kv_cache = kv_cache
-        # the C decode kernel (reads pages in place), when it builds on this machine
-        self.native = load_paged_decode() if use_native else None
+        # the C decode kernel (reads pages in place), when it builds on this machine and
+        # handles this cache's shapes ([..., kv_heads, page_size, head_dim])
+        *_, kv_heads, page_size, _ = kv_cache.k.shape
+        supported = kv_cache.k.device.type == "cpu" and paged_decode_supports(
+            kv_cache.k.dtype, num_heads // kv_heads, head_dim, page_size
+        )
+        self.native = load_paged_decode() if use_native and supported else None
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
@@ -137,18 +142,16 @@ class TorchNativeAttention:
         max_pages = int(-(-seq_lens.max() // batch.page_size))
         max_kv = max_pages * batch.page_size
         bias = None
-        if not np.all(seq_lens == max_kv):
+        if self.native is None and not np.all(seq_lens == max_kv):
             beyond = np.arange(max_kv)[None, :] >= seq_lens[:, None]
             bias = torch.zeros(beyond.shape, dtype=torch.float32)
             bias.masked_fill_(torch.from_numpy(beyond), float("-inf"))
             bias = bias.view(len(idx), max_pages, 1, 1, batch.page_size)
-        page_tables = np.ascontiguousarray(batch.page_tables[idx, :max_pages])
         return _DecodeGroup(
             token_index=torch.from_numpy(batch.query_start_loc[idx]),
-            page_tables=torch.from_numpy(page_tables),
-            bias=bias,
+            page_tables=torch.from_numpy(batch.page_tables[idx, :max_pages].astype(np.int32)),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            page_tables_i32=torch.from_numpy(page_tables.astype(np.int32)),
+            bias=bias,
         )
 
     def _prefill_group(self, batch: ForwardBatch, idx: np.ndarray) -> _PrefillGroup | None:
@@ -260,13 +263,11 @@ class TorchNativeAttention:
     ) -> torch.Tensor:
         """Returns [b, heads, d]. Works page by page: batched matmuls over (b, page, kv head)
         blocks of [group, d] x [d, page_size], then a softmax across all of a row's pages."""
-        if self.native is not None and k_cache.device.type == "cpu":
+        if self.native is not None:
             queries = q[g.token_index]  # [b, heads, d], contiguous
-            out = paged_decode(
-                self.native, queries, k_cache, v_cache, g.page_tables_i32, g.seq_lens, self.scale
+            return paged_decode(
+                self.native, queries, k_cache, v_cache, g.page_tables, g.seq_lens, self.scale
             )
-            if out is not None:
-                return out
         b = g.token_index.shape[0]
         kv_heads = k_cache.shape[1]
         # head h reads kv head h // group: [b, 1, kv_heads, group, d]

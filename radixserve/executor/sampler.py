@@ -135,19 +135,14 @@ class Sampler:
         if self.raw_logits is None:
             return [None] * len(batch.requests)
         rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
-        logp = torch.log_softmax(self.raw_logits[rows], dim=-1)
         k = max(batch.num_logprobs[i] or 0 for i in rows)
-        top_vals, top_ids = logp.topk(k, dim=-1) if k else (None, None)
-        chosen = logp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
+        entries = self.logprobs_for(self.raw_logits[rows], tokens[rows], k)
         out: list[TokenLogprobs | None] = [None] * len(batch.requests)
-        for j, i in enumerate(rows):
-            n = batch.num_logprobs[i] or 0
-            top = (
-                list(zip(top_ids[j, :n].tolist(), top_vals[j, :n].tolist(), strict=True))
-                if n
-                else []
+        for i, entry in zip(rows, entries, strict=True):
+            n = batch.num_logprobs[i] or 0  # rows share one top-k: keep this row's n
+            out[i] = (
+                entry if n == k else TokenLogprobs(entry.token_id, entry.logprob, entry.top[:n])
             )
-            out[i] = TokenLogprobs(int(tokens[i]), chosen[j], top)
         return out
 
     @staticmethod

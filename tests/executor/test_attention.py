@@ -11,7 +11,7 @@ import torch
 
 from radixserve.executor.attention import TorchNativeAttention
 from radixserve.executor.forward_batch import ForwardBatch
-from radixserve.executor.native import load_paged_decode, paged_decode
+from radixserve.executor.native import load_paged_decode, paged_decode, paged_decode_supports
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
@@ -116,14 +116,18 @@ def test_decode_through_backend_matches_dense_reference(use_native, dtype):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-def test_kernel_declines_unsupported_shapes():
+def test_unsupported_shapes_take_the_torch_path():
     lib = load_paged_decode()
     if lib is None:
         pytest.skip("native kernel unavailable")
     q, k, v, tables, lens = _case(3, [4], 32, 1, 16, 4, torch.float32)  # group 32 > 16
-    assert paged_decode(lib, q, k, v, tables.int(), lens.int(), 0.25) is None
-    half = q.half()
-    assert paged_decode(lib, half, k.half(), v.half(), tables.int(), lens.int(), 0.25) is None
+    assert not paged_decode_supports(torch.float32, 32, 16, 4)
+    assert not paged_decode_supports(torch.float16, 1, 64, 16)
+    with pytest.raises(ValueError, match="group 32"):
+        paged_decode(lib, q, k, v, tables.int(), lens.int(), 0.25)
+    # the backend decides once, at construction, and then never calls the kernel
+    assert TorchNativeAttention(_Cache(k, v), 32, 16).native is None
+    assert TorchNativeAttention(_Cache(k, v), 1, 16).native is lib
 
 
 def _dense_causal_reference(q, k_cache, v_cache, tables, seq_lens, q_lens):

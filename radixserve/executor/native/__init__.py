@@ -139,6 +139,18 @@ def load_elementwise() -> ctypes.CDLL | None:
 
 
 _ENTRY = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+# the kernel's fixed per-task buffers (MAX_GROUP, MAX_HEAD_DIM, MAX_PAGE in paged_decode.c)
+_MAX_GROUP, _MAX_HEAD_DIM, _MAX_PAGE = 16, 256, 256
+
+
+def paged_decode_supports(dtype: torch.dtype, group: int, head_dim: int, page_size: int) -> bool:
+    """Whether ``paged_decode`` handles caches of this dtype and these shapes."""
+    return (
+        dtype in _ENTRY
+        and group <= _MAX_GROUP
+        and head_dim <= _MAX_HEAD_DIM
+        and page_size <= _MAX_PAGE
+    )
 
 
 def paged_decode(
@@ -149,21 +161,26 @@ def paged_decode(
     page_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """Attention of one query token per sequence over its pages.
 
-    q [b, heads, d] and the caches [num_pages, kv_heads, page_size, d] share a dtype
-    (bfloat16 or float32) and are contiguous; page_tables [b, max_pages] and seq_lens [b]
-    are int32. Returns [b, heads, d], or None if the shapes are beyond the kernel (the
-    caller then uses its PyTorch path)."""
-    entry = _ENTRY.get(q.dtype)
-    if entry is None or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return None
+    q [b, heads, d] and the caches [num_pages, kv_heads, page_size, d] share a dtype and
+    are contiguous CPU tensors; page_tables [b, max_pages] and seq_lens [b] are int32.
+    Returns [b, heads, d]. Shapes must pass ``paged_decode_supports`` (ValueError
+    otherwise)."""
+    b, heads, d = q.shape
+    _, kv_heads, page_size, _ = k_cache.shape
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q and the caches must share a dtype")
+    if not paged_decode_supports(q.dtype, heads // kv_heads, d, page_size):
+        raise ValueError(
+            f"paged_decode does not handle {q.dtype}, group {heads // kv_heads}, head_dim "
+            f"{d}, page_size {page_size}"
+        )
     for t in (q, k_cache, v_cache, page_tables, seq_lens):
         assert t.is_contiguous() and t.device.type == "cpu"
     assert page_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
-    b, heads, d = q.shape
-    _, kv_heads, page_size, _ = k_cache.shape
+    entry = _ENTRY[q.dtype]
     out = torch.empty_like(q)
     rc = getattr(lib, entry)(
         q.data_ptr(),
@@ -181,4 +198,6 @@ def paged_decode(
         torch.get_num_threads(),
         out.data_ptr(),
     )
-    return out if rc == 0 else None
+    if rc != 0:  # the checks above mirror the kernel's, so this is a bug
+        raise RuntimeError(f"{entry} refused its arguments ({rc})")
+    return out
