@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from radixserve.engine.config import DTYPES
@@ -77,11 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat", action="store_true", help="raw completion, no chat template")
     gen.add_argument("--system", default=None, help="system message (chat mode)")
     gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.2)
-    gen.add_argument("--top-p", type=float, default=0.9)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    # sampling flags left unset take the model's generation config, or else CLI_SAMPLING
+    gen.add_argument("--temperature", type=float, default=None, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(gen)
@@ -129,32 +131,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    from radixserve import LLM, SamplingParams
+# What `generate` samples with when neither the flags nor the model's generation config say:
+# greedy decoding of a small model loops on one sentence.
+CLI_SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 
-    params = SamplingParams(
+
+def run_generate(args: argparse.Namespace) -> int:
+    from radixserve import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(args))
+    load_s = time.perf_counter() - t0
+    params = llm.engine.default_sampling_params(
+        **generate_sampling(args, llm.engine.default_sampling),
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop,
     )
-    llm = LLM(**engine_kwargs(args))
     if args.no_chat:
-        stream = llm.stream(args.prompt, params)
+        prompt: str | list[dict[str, str]] = args.prompt
     else:
-        messages = [{"role": "user", "content": args.prompt}]
+        prompt = [{"role": "user", "content": args.prompt}]
         if args.system:
-            messages.insert(0, {"role": "system", "content": args.system})
-        stream = llm.stream(messages, params, chat=True)
-    for delta in stream:
-        sys.stdout.write(delta)
+            prompt.insert(0, {"role": "system", "content": args.system})
+    t0 = time.perf_counter()
+    first_token_s = None
+    num_prompt = num_tokens = 0
+    for delta in llm.stream_deltas(prompt, params, chat=not args.no_chat):
+        if first_token_s is None and delta.new_token_ids:
+            first_token_s = time.perf_counter() - t0
+        num_tokens += len(delta.new_token_ids)
+        num_prompt = delta.num_prompt_tokens or num_prompt
+        sys.stdout.write(delta.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    total_s = time.perf_counter() - t0
+    print(timings_line(load_s, num_prompt, first_token_s, num_tokens, total_s), file=sys.stderr)
     return 0
+
+
+def generate_sampling(args: argparse.Namespace, model_defaults: dict) -> dict:
+    """Sampling settings for ``generate``: the flags given, over the model's generation
+    config (applied by the engine), or over ``CLI_SAMPLING`` when the model has none."""
+    flags = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+    }
+    fallback = {} if "temperature" in model_defaults else CLI_SAMPLING
+    return {**fallback, **{k: v for k, v in flags.items() if v is not None}}
+
+
+def timings_line(
+    load_s: float, num_prompt: int, first_token_s: float | None, num_tokens: int, total_s: float
+) -> str:
+    """Where the time went, like llama.cpp's timings: load, prompt (to the first token),
+    then generation rate over the tokens after the first."""
+    first = first_token_s if first_token_s is not None else total_s
+    decode_s = total_s - first
+    rate = (num_tokens - 1) / decode_s if num_tokens > 1 and decode_s > 0 else 0.0
+    return (
+        f"radixserve: load {load_s:.2f} s | prompt {num_prompt} tokens, first token "
+        f"{first:.2f} s | {num_tokens} tokens in {total_s:.2f} s, {rate:.1f} tokens/s"
+    )
 
 
 def run_simulate(args: argparse.Namespace) -> int:

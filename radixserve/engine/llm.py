@@ -11,7 +11,7 @@ from tqdm import tqdm
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.engine import Engine
-from radixserve.engine.outputs import CompletionOutput, RequestOutput
+from radixserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -121,6 +121,17 @@ class LLM:
         chat: bool = False,
     ) -> Iterator[str]:
         """Yield text deltas of one completion as they are generated (n must be 1)."""
+        for delta in self.stream_deltas(prompt, sampling_params, chat):
+            if delta.text:
+                yield delta.text
+
+    def stream_deltas(
+        self,
+        prompt: Prompt | Messages,
+        sampling_params: SamplingParams | None = None,
+        chat: bool = False,
+    ) -> Iterator[SequenceDelta]:
+        """Like ``stream``, but yields the engine's deltas (new token ids, text, finish)."""
         params = sampling_params or self.get_default_sampling_params()
         if params.n != 1:
             raise ValueError("stream() draws one sample; use n=1")
@@ -132,12 +143,11 @@ class LLM:
         try:
             while not finished:
                 for delta in self.engine.step():
-                    if delta.text:
-                        yield delta.text
                     if delta.finished:
                         if delta.finish_reason == "error":
                             raise RuntimeError(delta.error or "generation failed")
                         finished = True
+                    yield delta
         finally:
             if not finished:
                 self.engine.abort(rid)

@@ -81,3 +81,33 @@ def test_simulate_runs_a_trace_and_reports(tmp_path):
     assert summary["ttft_p50_s"] > 0 and summary["itl_p50_ms"] > 0
     bad = _run("simulate", "--workload", str(tmp_path / "missing.jsonl"))
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_generate_prints_its_timings_on_stderr(tiny_llama):
+    result = _run(
+        "generate", "Paris is", "--model", str(tiny_llama), "--no-chat", "--max-tokens", "6",
+        "--dtype", "float32", "--temperature", "0",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("radixserve: load ") and "tokens/s" in line, result.stderr
+    assert " 6 tokens in " in line  # greedy on fixed random weights: no EOS within 6 tokens
+    assert "radixserve:" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "model_defaults", "expected"),
+    [
+        ([], {}, {"temperature": 0.7, "top_p": 0.9}),  # no generation config
+        ([], {"temperature": 0.3}, {}),  # the model's generation config applies
+        (["--temperature", "0"], {}, {"temperature": 0.0, "top_p": 0.9}),  # greedy
+        (["--top-k", "5"], {"temperature": 0.3}, {"top_k": 5}),
+    ],
+)
+def test_generate_samples_with_the_generation_config_or_a_non_greedy_default(
+    flags, model_defaults, expected
+):
+    from radixserve.api.cli import build_parser, generate_sampling
+
+    args = build_parser().parse_args(["generate", "hi", *flags])
+    assert generate_sampling(args, model_defaults) == expected

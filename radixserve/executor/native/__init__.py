@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from functools import cache
 from pathlib import Path
@@ -73,6 +74,12 @@ def _build(source: Path) -> Path | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [compiler, *flags, "-o", tmp, str(source), "-lm"]
+    # a first run on a new machine (or after an upgrade) pays about a second per kernel
+    print(
+        f"radixserve: building native CPU kernel {source.name} (first run only)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as exc:
