@@ -1,0 +1,96 @@
+"""Where a decode step's time goes: W1's 64 requests decoding, one step under torch's profiler.
+
+    python benchmarks/profile_decode.py [--steps 10] [--batch 64] [--trace OUT.json]
+
+Runs W1's prompts (SmolLM2-135M, bfloat16) until every request is decoding, then times
+``--steps`` decode steps plainly (step wall time) and once more under ``torch.profiler``,
+and prints the profiler's top operators by self CPU time, grouped: dense matmuls, the
+native kernels (ctypes calls: counted as the time between torch ops), the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_offline.jsonl"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--trace", default=None, help="write a Chrome trace here")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+
+    from radixserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype="bfloat16")
+    engine = llm.engine
+    lines = [json.loads(x) for x in W1.read_text().splitlines() if x.strip()][: args.batch]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i, line in enumerate(lines):
+        engine.add_request(f"p{i}", engine.tokenize(line["prompt"]), params)
+
+    runner = engine.runner
+    execute = runner.execute
+    decode_times: list[float] = []
+    profiled: list[bool] = []
+
+    def timed(batch):
+        if batch.num_tokens != len(batch.requests) or len(batch.requests) < args.batch:
+            return execute(batch)
+        if len(decode_times) < args.steps:
+            start = time.perf_counter()
+            result = execute(batch)
+            decode_times.append(time.perf_counter() - start)
+            return result
+        if not profiled:
+            profiled.append(True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                result = execute(batch)
+                wall = time.perf_counter() - start
+            report(prof, wall, args)
+            return result
+        return execute(batch)
+
+    runner.execute = timed
+    while engine.has_unfinished():
+        engine.step()
+    decode_times.sort()
+    print(
+        f"decode step ({args.batch} requests): median {1e3 * decode_times[len(decode_times) // 2]:.1f} ms, "
+        f"best {1e3 * decode_times[0]:.1f} ms over {len(decode_times)} steps"
+    )
+
+
+def report(prof, wall: float, args) -> None:
+    events = prof.key_averages()
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_ops_ms = sum(e.self_cpu_time_total for e in events) / 1e3
+    print(f"profiled decode step: {1e3 * wall:.1f} ms wall (with profiler overhead)")
+    print(f"{'op':<45} {'calls':>6} {'self ms':>9}")
+    for e in rows[: args.top]:
+        print(f"{e.key[:45]:<45} {e.count:>6} {e.self_cpu_time_total / 1e3:>9.2f}")
+    matmul = sum(
+        e.self_cpu_time_total
+        for e in events
+        if any(k in e.key for k in ("linear", "mm", "matmul", "mkldnn"))
+    )
+    print(
+        f"matmuls {matmul / 1e3:.1f} ms | other torch ops {total_ops_ms - matmul / 1e3:.1f} ms | "
+        f"outside torch ops (native kernels via ctypes, Python) {1e3 * wall - total_ops_ms:.1f} ms"
+    )
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
