@@ -8,12 +8,12 @@ import numpy as np
 import torch
 
 from radixserve.core.page_table import PageTable
+from radixserve.core.step import ScheduledBatch
 from radixserve.executor.attention import TorchNativeAttention
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.models.llama import LlamaForCausalLM
 from radixserve.executor.sampler import Sampler, TokenLogprobs
-from radixserve.scheduler.scheduler import ScheduledBatch
 
 _PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once
 

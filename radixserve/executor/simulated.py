@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixserve.core.step import ScheduledBatch
 from radixserve.executor.model_runner import StepResult
-from radixserve.scheduler.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True)
