@@ -76,6 +76,8 @@ class SchedulerStats:
     num_timed_out: int = 0
     num_rejected: int = 0
     num_deferred_for_sharing: int = 0
+    # tokens sampled by a launched step for a request that ended before it was processed
+    num_discarded_tokens: int = 0
 
 
 class Scheduler:
@@ -482,8 +484,9 @@ class Scheduler:
             sampled.tolist(),
             strict=True,
         ):
-            if req.is_finished:
-                continue  # ended meanwhile: whatever it computed is discarded
+            if req.is_finished:  # ended meanwhile: whatever it computed is discarded
+                self.stats.num_discarded_tokens += do_sample
+                continue
             if n > 1 and req.table_row >= 0:  # a prefill chunk: its full pages are reusable
                 self.kv.cache_full_pages(req, start + n)
             if not do_sample:
