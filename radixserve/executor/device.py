@@ -48,7 +48,9 @@ class PreparedStep:
 
 
 class StepHandle:
-    """A launched step; ``result()`` waits for it (re-raising the step's exception)."""
+    """A launched step. Invariant: ``result()`` returns only once the step is complete on
+    its device (its future resolved, or its modelled ready time passed), and re-raises the
+    step's exception if it failed; it may be called again with the same answer."""
 
     def __init__(self, future: Future[StepResult] | None = None, ready_at: float = 0.0) -> None:
         self._future = future
@@ -78,8 +80,8 @@ class StepHandle:
 
 
 class Device:
-    """Runs steps in launch order. ``busy_s``: device time spent on steps; ``idle_s``: time,
-    from the first launch on, during which nothing was queued."""
+    """Runs steps in launch order, one at a time. ``busy_s``: device time spent on steps;
+    ``idle_s``: time, from the first launch on, during which nothing was queued."""
 
     def __init__(self, run: Callable[[PreparedStep], StepResult]) -> None:
         self.run = run
@@ -104,8 +106,8 @@ class Device:
 
 
 class InlineDevice(Device):
-    """Runs each step inside ``launch`` (the serial CPU path): never idle between steps
-    only if the host spends no time between them."""
+    """Runs each step inside ``launch`` (the serial CPU path): the step is complete when
+    ``launch`` returns, and the device is idle for all the host does between launches."""
 
     def __init__(self, run: Callable[[PreparedStep], StepResult]) -> None:
         super().__init__(run)
