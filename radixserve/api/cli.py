@@ -34,7 +34,38 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no weights: instant synthetic tokens (benchmarks of everything but the model)",
     )
+    g.add_argument(
+        "--simulated-device-time",
+        action="store_true",
+        help="the simulated device takes the cost model's time for real, asynchronously "
+        "like a GPU queue (implies --simulated-device)",
+    )
+    g.add_argument(
+        "--simulated-device-cost",
+        type=_cost,
+        default=(0.006, 1e-5, 1e-8),
+        metavar="A,B,C",
+        help="timed simulated device: seconds per step, per batched token, per KV token read",
+    )
+    overlap = g.add_mutually_exclusive_group()
+    overlap.add_argument(
+        "--enable-overlap",
+        dest="enable_overlap",
+        action="store_true",
+        default=None,
+        help="prepare step N+1 while the device runs step N (default: on for the timed "
+        "simulated device, off on CPU)",
+    )
+    overlap.add_argument("--disable-overlap", dest="enable_overlap", action="store_false")
     add_scheduler_args(parser)
+
+
+def _cost(text: str) -> tuple[float, float, float]:
+    try:
+        a, b, c = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three numbers a,b,c; got {text!r}") from None
+    return a, b, c
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +92,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "long_prefill_threshold": args.long_prefill_threshold,
         "num_threads": args.num_threads,
         "simulated_device": args.simulated_device,
+        "simulated_device_time": args.simulated_device_time,
+        "simulated_device_cost": args.simulated_device_cost,
+        "enable_overlap": args.enable_overlap,
         "disable_radix_cache": args.disable_radix_cache,
         "schedule_policy": args.schedule_policy,
         "max_waiting_requests": args.max_waiting_requests,

@@ -67,6 +67,8 @@ class Request:
       * the state only moves along the edges of ``_ALLOWED``; a terminal state is reached
         at most once (``finish``), and then ``finish_reason`` is set.
       * ``table_row`` is set exactly while the request owns KV pages (PREFILL or DECODE).
+      * while a launched step is not processed, ``token_ids[num_tokens - 1]`` may be a
+        placeholder (negative); every token before it is real.
     """
 
     __slots__ = (
@@ -79,6 +81,7 @@ class Request:
         "finish_reason",
         "first_scheduled_time",
         "group_id",
+        "last_step",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_pages",
@@ -126,6 +129,7 @@ class Request:
         self.cache_salt = cache_salt  # prefix-cache namespace: tenants never share KV
         self.cache_node: object | None = None  # radix node locked while using cached pages
         self.admit_seq = -1
+        self.last_step = 0  # id of the latest launched step that contains it
         self.priority = priority  # lower runs first (policy "priority")
         self.deadline = deadline  # monotonic time after which it fails, in any state
         self.queue_key: tuple[int, int] = (0, 0)  # position in the waiting queue

@@ -33,8 +33,27 @@ class EngineConfig:
     # No weights: instant synthetic tokens from a simulated device (for measuring the
     # scheduler, the API and the server around the model).
     simulated_device: bool = False
+    # The simulated device takes real time: a step's results are ready after the cost
+    # model's seconds (launching returns at once, the CPU is free meanwhile), like a GPU
+    # queue. Implies ``simulated_device``.
+    simulated_device_time: bool = False
+    # Cost model of the timed simulated device: seconds per step, per batched token, per
+    # KV token attended (~10 ms for 256 decodes of ~600-token sequences).
+    simulated_device_cost: tuple[float, float, float] = (0.006, 1e-5, 1e-8)
+    # Overlapped loop: launch step N, then finish step N-1 and prepare N+1 while N runs.
+    # None: on where the device is asynchronous (the timed simulated device), off on CPU
+    # (where the model itself uses the cores; on, the CPU model runs on a worker thread).
+    enable_overlap: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.simulated_device_time:
+            self.simulated_device = True
+        cost = tuple(float(x) for x in self.simulated_device_cost)
+        if len(cost) != 3 or any(not x >= 0 for x in cost):
+            raise ValueError(
+                f"simulated_device_cost must be three seconds >= 0, got {self.simulated_device_cost}"
+            )
+        self.simulated_device_cost = cost  # type: ignore[assignment]
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if not self.kv_cache_memory_gb > 0:
@@ -48,6 +67,13 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the engine runs the overlapped loop."""
+        if self.enable_overlap is not None:
+            return self.enable_overlap
+        return self.simulated_device_time
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """``auto``: the checkpoint's float32, else bfloat16 (float16 is slow on CPU)."""

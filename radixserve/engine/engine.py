@@ -16,11 +16,21 @@ from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import FinishReason, Request
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.step import ScheduledBatch
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.model_source import ModelSource, resolve_model
 from radixserve.engine.outputs import SequenceDelta
 from radixserve.engine.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
+from radixserve.executor.device import (
+    Device,
+    InlineDevice,
+    PreparedStep,
+    StepHandle,
+    StepResult,
+    ThreadDevice,
+    TimedDevice,
+)
 from radixserve.executor.kv_cache import KVCache, bytes_per_page
 from radixserve.executor.loader import load_checkpoint
 from radixserve.executor.loader.gguf_loader import read_metadata
@@ -67,7 +77,11 @@ class Engine:
       * every sample added ends with exactly one finished ``SequenceDelta``: stop, length,
         abort, or error (an exception in a step fails that step's requests, not the engine);
       * after ``step`` returns, every KV page is free or held by a running request
-        (``check_page_accounting``).
+        (``check_page_accounting``);
+      * overlapped (``config.overlap``), each ``step`` launches step N and then processes
+        step N-1, whose device work is done or nearly so; at most one step is in flight
+        between calls. A token computed for a request after it ended is never emitted:
+        serial and overlapped loops emit the same tokens.
     """
 
     def __init__(self, config: EngineConfig | None = None, detokenize: bool = True) -> None:
@@ -108,7 +122,15 @@ class Engine:
             self.kv_manager,
         )
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
-        if config.simulated_device:
+        self.runner: ModelRunner | SimulatedRunner
+        if config.simulated_device_time:
+            self.runner = SimulatedRunner(
+                CostModel(*config.simulated_device_cost),
+                self.vocab_size,
+                page_table=self.page_table,
+                page_size=config.page_size,
+            )
+        elif config.simulated_device:
             self.runner = SimulatedRunner(CostModel(0.0, 0.0, 0.0), self.vocab_size)
         else:
             mc = self.model_config
@@ -121,11 +143,29 @@ class Engine:
                 self.dtype,
             )
             self.runner = ModelRunner(self.model, kv_cache, self.page_table, self.sampler)
+        self.overlap = config.overlap
+        self.device = self._make_device(config)
+        self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
         self._backend_tokenizer = self.tokenizer.backend_tokenizer
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
         self._pending: list[SequenceDelta] = []
         self.num_steps = 0
+
+    def _make_device(self, config: EngineConfig) -> Device:
+        def run(step: PreparedStep) -> StepResult:
+            return self.runner.run(step)
+
+        if config.simulated_device_time:
+            return TimedDevice(run)
+        if self.overlap:
+            return ThreadDevice(run)  # the CPU model as an asynchronous device
+        return InlineDevice(run)
+
+    def close(self) -> None:
+        """Finish the step in flight and stop the device's worker (if any)."""
+        self.drain()
+        self.device.close()
 
     def _load_model(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
         """Weights, tokenizer and KV sizing of a real model; returns (KV pages, the
@@ -274,7 +314,7 @@ class Engine:
                 self._pending.append(self._final(req))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
 
     @property
     def num_unfinished(self) -> int:
@@ -282,48 +322,98 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
+        """Schedule and launch one step; process the step before it (overlapped) or this
+        one (serial). Returns the deltas of the processed step and of requests that ended
+        meanwhile (aborts, failures)."""
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         outputs.extend(self._final(req) for req in batch.failed)
-        if batch.is_empty:
+        launched = None if batch.is_empty else self._launch(batch, outputs)
+        self._return_freed_pages()  # off the critical path: the device has work now
+        if self.overlap:
+            previous, self._in_flight = self._in_flight, launched
+        else:
+            previous = launched
+        if previous is not None:
+            outputs.extend(self._process(*previous))
+        elif launched is None:
             wake = self.scheduler.next_wakeup()
             if wake is not None and not outputs:  # batch wait: doze instead of spinning
                 time.sleep(min(max(0.0, wake - time.monotonic()), _IDLE_POLL_S))
-            return outputs
+        return outputs
+
+    def drain(self) -> list[SequenceDelta]:
+        """Wait for the step in flight (overlapped loop) and process it."""
+        if self._in_flight is None:
+            return []
+        previous, self._in_flight = self._in_flight, None
+        return self._process(*previous)
+
+    def _launch(
+        self, batch: ScheduledBatch, outputs: list[SequenceDelta]
+    ) -> tuple[ScheduledBatch, StepHandle] | None:
+        """Build the step's inputs and hand them to the device; the scheduler advances its
+        requests at once (tokens it samples are placeholders until processed)."""
         self.num_steps += 1
         try:
-            result = self.runner.execute(batch)
+            step = self.runner.prepare(batch)
         except Exception as exc:  # fail this batch, keep the engine
-            logger.exception("step failed; failing its %d requests", len(batch.requests))
-            message = f"internal error while running the batch: {type(exc).__name__}: {exc}"
+            logger.exception(
+                "preparing a step failed; failing its %d requests", len(batch.requests)
+            )
+            message = f"internal error while preparing the batch: {type(exc).__name__}: {exc}"
             for req in batch.requests:
                 self.scheduler.finish(req, FinishReason.ERROR, message)
                 outputs.append(self._final(req))
-            return outputs
+            return None
+        handle = self.device.launch(step)
+        self.scheduler.begin_step(batch, step.placeholders)
+        return batch, handle
+
+    def _return_freed_pages(self) -> None:
+        """Pages freed by ended requests and radix evictions go back to the free list in
+        one batch (they were already counted as free)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+        self.pool.flush()
+
+    def _process(self, batch: ScheduledBatch, handle: StepHandle) -> list[SequenceDelta]:
+        """Wait for a launched step and apply it: tokens, stop conditions, outputs."""
+        try:
+            result = handle.result()
+        except Exception as exc:  # fail this batch, keep the engine
+            logger.exception("step failed; failing its %d requests", len(batch.requests))
+            message = f"internal error while running the batch: {type(exc).__name__}: {exc}"
+            return [self._final(req) for req in self.scheduler.fail_step(batch, message)]
+        outputs: list[SequenceDelta] = []
         for rid, (start, entries) in result.prompt_logprobs.items():
             seq = self._sequences.get(rid)
             if seq is not None and seq.prompt_logprobs is not None:
                 seq.prompt_logprobs[start : start + len(entries)] = entries
-        for req in self.scheduler.update_after_step(batch, result.tokens):
-            token = int(req.token_ids[req.num_tokens - 1])
-            outputs.append(self._on_token(req, token, result.logprobs.get(req.request_id)))
+        for req, index in self.scheduler.end_step(batch, result.tokens):
+            token = int(req.token_ids[index])
+            num_output = index + 1 - req.num_prompt_tokens
+            outputs.append(
+                self._on_token(req, token, num_output, result.logprobs.get(req.request_id))
+            )
         return outputs
 
     def _on_token(
-        self, req: Request, token: int, logprobs: TokenLogprobs | None = None
+        self, req: Request, token: int, num_output: int, logprobs: TokenLogprobs | None = None
     ) -> SequenceDelta:
+        """``token`` is output number ``num_output`` of ``req`` (later ones may be in flight)."""
         seq = self._sequences[req.request_id]
         detok = seq.detokenizer
         params = req.sampling_params
         reason: FinishReason | None = None
-        if token in seq.stop_token_ids and req.num_output_tokens > params.min_tokens - 1:
+        if token in seq.stop_token_ids and num_output > params.min_tokens - 1:
             reason = FinishReason.STOP
         else:
             if detok is not None:
                 detok.add_token(token)
             if detok is not None and detok.stopped_by is not None:
                 reason = FinishReason.STOP
-            elif req.num_output_tokens >= params.max_tokens:
+            elif num_output >= params.max_tokens:
                 reason = FinishReason.LENGTH
         lps = [logprobs] if logprobs is not None else []
         prompt_lps = None
@@ -387,6 +477,7 @@ class Engine:
     def check_idle(self) -> None:
         """At idle: no request left, accounting holds, and once the radix tree lets go of
         what it caches, every page is back in the free list."""
+        assert not self.drain(), "outputs left in the step in flight"
         assert not self.scheduler.has_unfinished(), "requests left in the scheduler"
         self.check_page_accounting()
         if self.prefix_cache is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixserve.core.page_table import PageTable
-from radixserve.scheduler.scheduler import ScheduledBatch
+from radixserve.core.step import ScheduledBatch
 
 
 @dataclass

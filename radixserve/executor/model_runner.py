@@ -2,40 +2,62 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from radixserve.core.page_table import PageTable
-from radixserve.executor.attention import TorchNativeAttention
+from radixserve.core.step import ScheduledBatch
+from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetadata
+from radixserve.executor.device import PreparedStep, StepResult
 from radixserve.executor.forward_batch import ForwardBatch
+from radixserve.executor.future_tokens import FutureTokens
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.models.llama import LlamaForCausalLM
-from radixserve.executor.sampler import Sampler, TokenLogprobs
-from radixserve.scheduler.scheduler import ScheduledBatch
+from radixserve.executor.sampler import Sampler, SamplingBatch, TokenLogprobs
+
+__all__ = ["ModelRunner", "StepResult"]
 
 _PROMPT_LOGITS_ROWS = 256  # prompt positions turned into logits at once
 
 
 @dataclass
-class StepResult:
-    """``tokens[i]``: the token sampled for ``batch.requests[i]`` (-1 if none this step);
-    ``logprobs``: by request id, for sampled requests that asked for logprobs;
-    ``prompt_logprobs``: by request id, (p, entries) where entry j is for prompt token
-    p + 1 + j, for requests that asked for prompt logprobs and computed prompt tokens."""
+class _PromptLogprobsPlan:
+    """Prompt logprobs one request wants from this step: rows ``first_row ..`` of the
+    step's hidden states predict ``targets`` (prompt tokens ``start + 1 ..``)."""
 
-    tokens: np.ndarray
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    request_id: str
+    start: int
+    first_row: int
+    targets: torch.Tensor
+    num_top: int
+
+
+@dataclass
+class _ModelInputs:
+    """Everything ``run`` reads, fixed at launch: nothing on the device side looks at the
+    requests, which the host keeps changing while the step runs."""
+
+    forward_batch: ForwardBatch
+    meta: TorchNativeMetadata
+    copies: tuple[torch.Tensor, torch.Tensor] | None
+    sample: np.ndarray  # [B] bool
+    sampled_ids: list[str]  # request ids of the sampled rows
+    sampling: SamplingBatch | None
+    slots: np.ndarray  # FutureTokens slots of the sampled rows
+    prompt_logprobs: list[_PromptLogprobsPlan]
 
 
 class ModelRunner:
     """Executes batches; decides nothing about who runs.
 
-    Invariant: ``execute`` returns one token per scheduled request: the sampled token id
-    where ``batch.sample[i]`` is set, -1 elsewhere. Pending page copies run before the
-    forward, so copied pages are complete before anything reads or extends them.
+    Invariant: a step's result has one token per scheduled request: the sampled token id
+    where ``batch.sample[i]`` is set, -1 elsewhere. ``prepare`` (host) reads the requests and
+    builds every input; ``run`` (device) reads only those inputs, replaces placeholders of
+    earlier steps' tokens from the ``FutureTokens`` buffer and publishes its own sampled
+    tokens there. Pending page copies run before the forward, so copied pages are complete
+    before anything reads or extends them.
     """
 
     def __init__(
@@ -44,64 +66,108 @@ class ModelRunner:
         kv_cache: KVCache,
         page_table: PageTable,
         sampler: Sampler,
+        max_rows: int | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.sampler = sampler
+        self.future = FutureTokens(max_rows or page_table.table.shape[0])
         c = model.config
         self.attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        if batch.page_copies:
-            src = torch.tensor([c.src for c in batch.page_copies])
-            dst = torch.tensor([c.dst for c in batch.page_copies])
-            self.kv_cache.copy_pages(src, dst)
-        fb = ForwardBatch.build(batch, self.page_table, self.kv_cache.page_size)
-        meta = self.attention.prepare(fb)
-        hidden = self.model.forward(
-            torch.from_numpy(fb.input_ids), torch.from_numpy(fb.positions), self.attention, meta
-        )
-        tokens = np.full(len(batch.requests), -1, dtype=np.int64)
-        logprobs: dict[str, TokenLogprobs] = {}
-        if fb.logits_indices.size:
-            sampled_reqs = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
-            sampling = self.sampler.prepare(sampled_reqs)
-            # Plain greedy needs only an argmax: skip widening the logits to float32.
-            logits = self.model.compute_logits(
-                hidden[torch.from_numpy(fb.logits_indices)], upcast=not sampling.argmax_only
-            )
-            sampled = self.sampler(logits, sampling)
-            tokens[batch.sample] = sampled.numpy()
-            for req, lp in zip(
-                sampled_reqs, self.sampler.logprobs_of(sampled, sampling), strict=True
-            ):
-                if lp is not None:
-                    logprobs[req.request_id] = lp
-        return StepResult(tokens, logprobs, self._prompt_logprobs(batch, fb, hidden))
+        """Prepare and run ``batch`` at once (serial use)."""
+        return self.run(self.prepare(batch))
 
-    def _prompt_logprobs(
-        self, batch: ScheduledBatch, fb: ForwardBatch, hidden: torch.Tensor
-    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    # -- host side ------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        copies = None
+        if batch.page_copies:
+            copies = (
+                torch.tensor([c.src for c in batch.page_copies]),
+                torch.tensor([c.dst for c in batch.page_copies]),
+            )
+        fb = ForwardBatch.build(batch, self.page_table, self.kv_cache.page_size)
+        sampled_reqs = [r for r, s in zip(batch.requests, batch.sample.tolist(), strict=True) if s]
+        slots = self.future.reserve(len(sampled_reqs))
+        placeholders = np.full(len(batch.requests), -1, dtype=np.int64)
+        placeholders[batch.sample] = FutureTokens.placeholders(slots)
+        inputs = _ModelInputs(
+            forward_batch=fb,
+            meta=self.attention.prepare(fb),
+            copies=copies,
+            sample=batch.sample.copy(),
+            sampled_ids=[r.request_id for r in sampled_reqs],
+            sampling=self.sampler.prepare(sampled_reqs) if sampled_reqs else None,
+            slots=slots,
+            prompt_logprobs=self._prompt_logprobs_plan(batch, fb),
+        )
+        return PreparedStep(placeholders, inputs=inputs)
+
+    @staticmethod
+    def _prompt_logprobs_plan(batch: ScheduledBatch, fb: ForwardBatch) -> list[_PromptLogprobsPlan]:
         """For requests asking for prompt logprobs: position p of this step's chunk predicts
         prompt token p + 1, for every p before the prompt's last token."""
-        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        plans: list[_PromptLogprobsPlan] = []
         for i, req in enumerate(batch.requests):
             num_top = req.sampling_params.prompt_logprobs
             if num_top is None:
                 continue
-            start = req.num_computed_tokens
+            start = int(batch.starts[i])
             end = min(start + int(batch.num_new_tokens[i]), req.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            first_row = int(fb.query_start_loc[i])
             targets = torch.from_numpy(req.token_ids[start + 1 : end + 1].astype(np.int64))
+            plans.append(
+                _PromptLogprobsPlan(
+                    req.request_id, start, int(fb.query_start_loc[i]), targets, num_top
+                )
+            )
+        return plans
+
+    # -- device side ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> StepResult:
+        inputs: _ModelInputs = step.inputs
+        fb = inputs.forward_batch
+        if inputs.copies is not None:
+            self.kv_cache.copy_pages(*inputs.copies)
+        input_ids = self.future.resolve(fb.input_ids)
+        hidden = self.model.forward(
+            torch.from_numpy(input_ids), torch.from_numpy(fb.positions), self.attention, inputs.meta
+        )
+        tokens = np.full(fb.num_requests, -1, dtype=np.int64)
+        logprobs: dict[str, TokenLogprobs] = {}
+        sampling = inputs.sampling
+        if sampling is not None:
+            # Plain greedy needs only an argmax: skip widening the logits to float32.
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(fb.logits_indices)], upcast=not sampling.argmax_only
+            )
+            sampled = self.sampler(logits, sampling, self.future.resolve)
+            sampled_np = sampled.numpy()
+            self.future.store(inputs.slots, sampled_np)
+            tokens[inputs.sample] = sampled_np
+            for rid, lp in zip(
+                inputs.sampled_ids, self.sampler.logprobs_of(sampled, sampling), strict=True
+            ):
+                if lp is not None:
+                    logprobs[rid] = lp
+        return StepResult(tokens, logprobs, self._prompt_logprobs(inputs, hidden))
+
+    def _prompt_logprobs(
+        self, inputs: _ModelInputs, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+        for plan in inputs.prompt_logprobs:
+            num = plan.targets.numel()
             entries: list[TokenLogprobs] = []
-            for j in range(0, end - start, _PROMPT_LOGITS_ROWS):  # bounded [rows, vocab] logits
-                rows = hidden[first_row + j : first_row + min(j + _PROMPT_LOGITS_ROWS, end - start)]
+            for j in range(0, num, _PROMPT_LOGITS_ROWS):  # bounded [rows, vocab] logits
+                first = plan.first_row + j
+                rows = hidden[first : plan.first_row + min(j + _PROMPT_LOGITS_ROWS, num)]
                 logits = self.model.compute_logits(rows, upcast=True)
-                chunk_targets = targets[j : j + _PROMPT_LOGITS_ROWS]
-                entries.extend(self.sampler.logprobs_for(logits, chunk_targets, num_top))
-            out[req.request_id] = (start, entries)
+                chunk_targets = plan.targets[j : j + _PROMPT_LOGITS_ROWS]
+                entries.extend(self.sampler.logprobs_for(logits, chunk_targets, plan.num_top))
+            out[plan.request_id] = (plan.start, entries)
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +23,13 @@ class TokenLogprobs:
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings of the requests sampled this step (row i ↔ requests[i]).
+    """Per-row sampling settings of the requests sampled this step (row i ↔ requests[i]),
+    taken when the step is prepared: sampling reads nothing else of the requests, which may
+    change while the step runs.
 
     Invariant: tensors have one row per request; ``generators[i]`` is the request's own
-    generator when it has a seed (so its draws do not depend on the batch), else None.
+    generator when it has a seed (so its draws do not depend on the batch), else None;
+    ``output_ids[i]`` (penalties) may end with placeholders of tokens not sampled yet.
     """
 
     requests: list[Request]
@@ -40,6 +44,10 @@ class SamplingBatch:
     needs_min_tokens: bool
     generators: list[torch.Generator | None]
     num_logprobs: list[int | None]  # per row: None = not asked
+    # penalties: per row, output token ids so far and prompt ids (None: no repetition penalty)
+    output_ids: list[np.ndarray] | None = None
+    prompt_ids: list[np.ndarray | None] | None = None
+    blocked: list[list[int]] | None = None  # min_tokens: per row, ids that cannot be drawn
 
     @property
     def argmax_only(self) -> bool:
@@ -85,6 +93,12 @@ class Sampler:
                 g = torch.Generator().manual_seed(p.seed)
                 self._generators[r.request_id] = g
             generators.append(g)
+        needs_penalties = any(
+            p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in params
+        )
+        needs_min_tokens = any(
+            r.num_output_tokens < p.min_tokens for r, p in zip(requests, params, strict=True)
+        )
         return SamplingBatch(
             requests=requests,
             temperature=torch.tensor(temperature, dtype=torch.float32),
@@ -96,27 +110,43 @@ class Sampler:
                 k < self.vocab_size or tp < 1 or mp > 0
                 for k, tp, mp in zip(top_k, top_p, min_p, strict=True)
             ),
-            needs_penalties=any(
-                p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
-                for p in params
-            ),
+            needs_penalties=needs_penalties,
             needs_bias=any(p.logit_bias for p in params),
-            needs_min_tokens=any(
-                r.num_output_tokens < p.min_tokens for r, p in zip(requests, params, strict=True)
-            ),
+            needs_min_tokens=needs_min_tokens,
             generators=generators,
             num_logprobs=[p.logprobs for p in params],
+            output_ids=[r.output_token_ids.copy() for r in requests] if needs_penalties else None,
+            prompt_ids=[
+                r.prompt_token_ids if p.repetition_penalty != 1 else None
+                for r, p in zip(requests, params, strict=True)
+            ]
+            if needs_penalties
+            else None,
+            blocked=[self._blocked_ids(r) for r in requests] if needs_min_tokens else None,
         )
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Sample from float32 ``logits`` [S, vocab]; returns token ids [S] int64."""
+    def _blocked_ids(self, r: Request) -> list[int]:
+        """Before min_tokens outputs, EOS and stop_token_ids cannot be drawn."""
+        p = r.sampling_params
+        if r.num_output_tokens >= p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        resolve: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> torch.Tensor:
+        """Sample from float32 ``logits`` [S, vocab]; returns token ids [S] int64.
+        ``resolve`` replaces placeholders in the output histories (penalties)."""
         self.raw_logits = logits if any(n is not None for n in batch.num_logprobs) else None
         if batch.needs_bias:
             logits = self._apply_bias(logits, batch.requests)
         if batch.needs_penalties:
-            logits = self._apply_penalties(logits, batch.requests)
+            logits = self._apply_penalties(logits, batch, resolve)
         if batch.needs_min_tokens:
-            logits = self._block_stop_tokens(logits, batch.requests)
+            logits = self._block_stop_tokens(logits, batch)
         # max(...).indices: the first maximal index, like argmax, but a vectorised kernel
         # for bfloat16 too (argmax on bf16 is ~4x slower on CPU).
         greedy_tokens = logits.max(dim=-1).indices
@@ -206,7 +236,12 @@ class Sampler:
         )
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    @staticmethod
+    def _apply_penalties(
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        resolve: Callable[[np.ndarray], np.ndarray] | None,
+    ) -> torch.Tensor:
         """Repetition penalty over prompt + output (as vLLM / HF); presence and frequency
         penalties over the output only (as OpenAI)."""
         num_rows, vocab = logits.shape
@@ -215,16 +250,21 @@ class Sampler:
         rep = np.ones(num_rows, dtype=np.float32)
         presence = np.zeros(num_rows, dtype=np.float32)
         frequency = np.zeros(num_rows, dtype=np.float32)
-        for i, r in enumerate(requests):
+        assert batch.output_ids is not None and batch.prompt_ids is not None
+        for i, r in enumerate(batch.requests):
             p = r.sampling_params
             rep[i], presence[i], frequency[i] = (
                 p.repetition_penalty,
                 p.presence_penalty,
                 p.frequency_penalty,
             )
-            np.add.at(output_counts[i], r.output_token_ids, 1)
-            if p.repetition_penalty != 1:
-                seen[i, r.prompt_token_ids] = True
+            output_ids = batch.output_ids[i]
+            if resolve is not None:
+                output_ids = resolve(output_ids)
+            np.add.at(output_counts[i], output_ids, 1)
+            prompt_ids = batch.prompt_ids[i]
+            if prompt_ids is not None:
+                seen[i, prompt_ids] = True
         seen |= output_counts > 0
         counts = torch.from_numpy(output_counts)
         rep_t = torch.from_numpy(rep).unsqueeze(1)
@@ -233,15 +273,12 @@ class Sampler:
         logits = logits - torch.from_numpy(frequency).unsqueeze(1) * counts
         return logits - torch.from_numpy(presence).unsqueeze(1) * (counts > 0).float()
 
-    def _block_stop_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    @staticmethod
+    def _block_stop_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Before min_tokens outputs, EOS and stop_token_ids cannot be drawn."""
+        assert batch.blocked is not None
         logits = logits.clone()
-        for i, r in enumerate(requests):
-            p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
-                blocked = list(p.stop_token_ids) + (
-                    [] if p.ignore_eos else list(self.eos_token_ids)
-                )
-                if blocked:
-                    logits[i, blocked] = float("-inf")
+        for i, blocked in enumerate(batch.blocked):
+            if blocked:
+                logits[i, blocked] = float("-inf")
         return logits

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from radixserve.core.page_pool import OutOfPages, PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import MatchResult, RadixCache
 from radixserve.core.request import Request
-
-
-@dataclass(frozen=True)
-class PageCopy:
-    """Copy the KV of page ``src`` into page ``dst`` before the step's forward (copy-on-write)."""
-
-    src: int
-    dst: int
+from radixserve.core.step import PageCopy
 
 
 class KVManager:
@@ -146,12 +137,15 @@ class KVManager:
         return True
 
     # -- caching --------------------------------------------------------------------------
-    def cache_full_pages(self, request: Request) -> None:
-        """Insert ``request``'s computed full pages while it runs (chunked prefill), adopt the
-        tree's pages where it already had them, and move the lock down to the new node."""
+    def cache_full_pages(self, request: Request, num_computed: int | None = None) -> None:
+        """Insert the full pages of ``request``'s first ``num_computed`` tokens (default: its
+        ``num_computed_tokens``) while it runs (chunked prefill), adopt the tree's pages where
+        it already had them, and move the lock down to the new node."""
         if self.cache is None:
             return
-        num_tokens = request.num_computed_tokens // self.page_size * self.page_size
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        num_tokens = num_computed // self.page_size * self.page_size
         if num_tokens == 0:
             return
         num_pages = num_tokens // self.page_size

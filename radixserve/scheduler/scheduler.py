@@ -6,13 +6,15 @@ import heapq
 import itertools
 import math
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from radixserve.core.request import FinishReason, Request, RequestState
-from radixserve.scheduler.kv_manager import KVManager, PageCopy
+from radixserve.core.step import ScheduledBatch
+from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.policy import POLICIES, WaitingQueue, make_policy
 
 # In-batch prefix sharing: a waiting request whose next this many uncached tokens equal
@@ -64,28 +66,6 @@ class SchedulerConfig:
 
 
 @dataclass
-class ScheduledBatch:
-    """One step's work: request ``requests[i]`` computes ``num_new_tokens[i]`` tokens starting
-    at its ``num_computed_tokens``; if ``sample[i]`` the chunk reaches its last token and the
-    step samples one new token for it."""
-
-    requests: list[Request]
-    num_new_tokens: np.ndarray
-    sample: np.ndarray
-    page_copies: list[PageCopy] = field(default_factory=list)
-    # Requests that ended while scheduling (cannot fit, timed out), with no forward.
-    failed: list[Request] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.num_new_tokens.sum())
-
-
-@dataclass
 class SchedulerStats:
     """Counters for metrics; only ever increase."""
 
@@ -96,6 +76,8 @@ class SchedulerStats:
     num_timed_out: int = 0
     num_rejected: int = 0
     num_deferred_for_sharing: int = 0
+    # tokens sampled by a launched step for a request that ended before it was processed
+    num_discarded_tokens: int = 0
 
 
 class Scheduler:
@@ -110,7 +92,12 @@ class Scheduler:
       * a running request is scheduled every step while the budget lasts (decodes first),
         so no prefill, however long, delays a decode by more than one chunk;
       * admission keeps free + evictable pages >= the uncached prompt pages of every running
-        request + a decode reserve that adapts (``reserve_ratio``) to observed preemptions.
+        request + a decode reserve that adapts (``reserve_ratio``) to observed preemptions;
+      * steps are launched (``begin_step``) and processed (``end_step``) in order, at most a
+        few apart: a launched step advances its requests at once, its sampled tokens are
+        placeholders until processed. Only KV of processed steps is ever shared (the radix
+        tree, n>1 siblings): a request that ends or is preempted counts its KV only up to the
+        first step containing it that is not processed yet.
     """
 
     def __init__(
@@ -133,6 +120,8 @@ class Scheduler:
         self._admit_counter = 0
         self.reserve_ratio = config.reserve_ratio_init
         self.stats = SchedulerStats()
+        self._unprocessed: deque[ScheduledBatch] = deque()  # launched, results not applied
+        self._num_launched = 0
 
     # -- intake ---------------------------------------------------------------------------
     def _check_capacity(self, extra: int) -> None:
@@ -193,6 +182,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_output_tokens >= req.sampling_params.max_tokens:
+                i += 1  # its last token is not processed yet; it ends without another step
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             if not self._grow_or_preempt(i, req.num_computed_tokens + n, failed):
                 continue  # req itself was preempted or failed; running[i] is now the next one
@@ -223,6 +215,8 @@ class Scheduler:
             requests=scheduled,
             num_new_tokens=num_new,
             sample=starts + num_new == totals,
+            starts=starts,
+            totals=totals,
             page_copies=self.kv.take_pending_copies(),
             failed=failed,
         )
@@ -419,6 +413,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        settled = self._settled_counts(req)
+        if settled is not None:  # KV still being computed does not go into the tree
+            req.num_computed_tokens = settled[0]
         self.kv.release(req)  # its computed KV goes into the tree: it resumes with a hit
         req.num_computed_tokens = 0
         req.num_cached_tokens = 0
@@ -452,31 +449,86 @@ class Scheduler:
         self.stats.num_failed += 1
         failed.append(req)
 
-    # -- after the forward ----------------------------------------------------------------
-    def update_after_step(self, batch: ScheduledBatch, sampled: np.ndarray) -> list[Request]:
-        """Advance computed counts and append sampled tokens (``sampled[i]`` for requests with
-        ``batch.sample[i]``). Returns the requests that received a token."""
-        received: list[Request] = []
+    # -- launching and processing steps ----------------------------------------------------
+    def begin_step(self, batch: ScheduledBatch, placeholders: np.ndarray) -> None:
+        """``batch`` is launched: advance each request past its chunk and append
+        ``placeholders[i]`` for sampled requests, so the next step can be scheduled before this
+        one's tokens are known (``end_step`` writes the real tokens)."""
+        self._num_launched += 1
+        batch.step_id = step_id = self._num_launched
         for req, n, do_sample, token in zip(
             batch.requests,
+            batch.num_new_tokens.tolist(),
+            batch.sample.tolist(),
+            placeholders.tolist(),
+            strict=True,
+        ):
+            req.num_computed_tokens += n
+            req.last_step = step_id
+            if do_sample:
+                req.append_token(token)
+        self._unprocessed.append(batch)
+
+    def end_step(self, batch: ScheduledBatch, sampled: np.ndarray) -> list[tuple[Request, int]]:
+        """Apply the results of the oldest launched step: ``sampled[i]`` replaces the
+        placeholder of each sampled request still unfinished; finished prefill chunks become
+        reusable. Returns (request, index of its new token) for those that received one."""
+        assert self._unprocessed and self._unprocessed[0] is batch, "steps end in launch order"
+        self._unprocessed.popleft()
+        received: list[tuple[Request, int]] = []
+        for req, start, n, do_sample, token in zip(
+            batch.requests,
+            batch.starts.tolist(),
             batch.num_new_tokens.tolist(),
             batch.sample.tolist(),
             sampled.tolist(),
             strict=True,
         ):
-            if req.is_finished:
+            if req.is_finished:  # ended meanwhile: whatever it computed is discarded
+                self.stats.num_discarded_tokens += do_sample
                 continue
-            req.num_computed_tokens += n
-            if n > 1:  # a prefill chunk: its full pages become reusable now
-                self.kv.cache_full_pages(req)
+            if n > 1 and req.table_row >= 0:  # a prefill chunk: its full pages are reusable
+                self.kv.cache_full_pages(req, start + n)
             if not do_sample:
                 continue
             if req.state is RequestState.PREFILL:
                 req.transition(RequestState.DECODE)
+            if req.request_id in self._held:
                 self._release_held(req)
-            req.append_token(token)
-            received.append(req)
+            req.token_ids[start + n] = token
+            received.append((req, start + n))
         return received
+
+    def fail_step(self, batch: ScheduledBatch, message: str) -> list[Request]:
+        """The oldest launched step failed: end its unfinished requests with an error (their
+        counts back to before the step). Returns them."""
+        assert self._unprocessed and self._unprocessed[0] is batch, "steps end in launch order"
+        failed = [r for r in batch.requests if not r.is_finished]
+        for req in failed:
+            self.finish(req, FinishReason.ERROR, message)
+        self._unprocessed.popleft()
+        return failed
+
+    def update_after_step(self, batch: ScheduledBatch, sampled: np.ndarray) -> list[Request]:
+        """Serial form of ``begin_step`` + ``end_step``: the tokens are known at launch.
+        Returns the requests that received a token."""
+        self.begin_step(batch, sampled)
+        return [req for req, _ in self.end_step(batch, sampled)]
+
+    @property
+    def num_unprocessed_steps(self) -> int:
+        return len(self._unprocessed)
+
+    def _settled_counts(self, req: Request) -> tuple[int, int] | None:
+        """(num_computed_tokens, num_tokens) of ``req`` before the oldest launched,
+        unprocessed step that contains it; None when there is none."""
+        if not self._unprocessed or req.last_step < self._unprocessed[0].step_id:
+            return None
+        for batch in self._unprocessed:
+            row = batch.row_of(req.request_id)
+            if row is not None and batch.requests[row] is req:
+                return int(batch.starts[row]), int(batch.totals[row])
+        return None
 
     def _release_held(self, leader: Request) -> None:
         """The leader's prompt KV is ready (or the leader is ending): queue its siblings."""
@@ -495,8 +547,9 @@ class Scheduler:
 
     # -- endings --------------------------------------------------------------------------
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
-        """End a running request (a stop condition met, or its step failed)."""
-        self.running.remove(req)
+        """End a request that received its last token (a stop condition met) or whose step
+        failed; it is running, or preempted since that step was launched."""
+        self._remove_anywhere(req)
         self._end(req, reason, error)
 
     def abort(self, request_id: str) -> Request | None:
@@ -523,6 +576,9 @@ class Scheduler:
                     break
 
     def _end(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        settled = self._settled_counts(req)
+        if settled is not None:  # work launched after its end is discarded, never counted
+            req.num_computed_tokens, req.num_tokens = settled
         self._release_held(req)
         self._fork_source.pop(req.request_id, None)
         self.kv.release(req)

@@ -111,3 +111,22 @@ def test_generate_samples_with_the_generation_config_or_a_non_greedy_default(
 
     args = build_parser().parse_args(["generate", "hi", *flags])
     assert generate_sampling(args, model_defaults) == expected
+
+
+def test_overlap_and_timed_device_flags_reach_the_engine_config():
+    from radixserve.api.cli import build_parser, engine_kwargs
+    from radixserve.engine.config import EngineConfig
+
+    def config(*args: str) -> EngineConfig:
+        return EngineConfig(**engine_kwargs(build_parser().parse_args(["serve", *args])))
+
+    timed = config("--simulated-device-time", "--simulated-device-cost", "0.01,0,1e-9")
+    assert timed.simulated_device and timed.simulated_device_cost == (0.01, 0.0, 1e-9)
+    assert timed.overlap  # asynchronous device: overlapped by default
+    assert not config("--simulated-device-time", "--disable-overlap").overlap
+    assert not config().overlap  # the CPU model: serial by default
+    assert config("--enable-overlap").overlap
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--enable-overlap", "--disable-overlap"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--simulated-device-cost", "1,2"])

@@ -183,16 +183,16 @@ def test_abort_mid_run_frees_everything(llm):
 def test_error_in_a_batch_fails_that_batch_only(llm, monkeypatch):
     engine = llm.engine
     engine.add_request("boom", [5, 6, 7], greedy(4))
-    real = engine.runner.execute
+    real = engine.runner.run
     calls = {"n": 0}
 
-    def flaky(batch):
+    def flaky(step):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("device fell over")
-        return real(batch)
+        return real(step)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.runner, "run", flaky)
     deltas = engine.step()
     assert [(d.request_id, d.finish_reason) for d in deltas] == [("boom", "error")]
     assert "device fell over" in deltas[0].error

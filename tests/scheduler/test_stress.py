@@ -1,4 +1,5 @@
-"""A randomised stress of the scheduler on the simulated device: nothing lost, nothing leaked."""
+"""A randomised stress of the scheduler on the simulated device: nothing lost, nothing leaked,
+in the serial loop and in the overlapped one (step N+1 launched before step N is processed)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import FinishReason, Request
+from radixserve.core.step import ScheduledBatch
 from radixserve.executor.simulated import CostModel, SimulatedRunner, VirtualClock
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -20,12 +22,14 @@ from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 NUM_REQUESTS = 5000
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "priority"])
-def test_five_thousand_requests_end_exactly_once(policy):
+def test_five_thousand_requests_end_exactly_once(policy, overlap):
     rng = random.Random(policy)
     clock = VirtualClock()
     pool = PagePool(600, 8)  # 4,800 tokens of KV: preemption and eviction are constant
-    kv = KVManager(pool, PageTable(64, 128), RadixCache(pool))
+    table = PageTable(64, 128)
+    kv = KVManager(pool, table, RadixCache(pool))
     sched = Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=512,
@@ -39,13 +43,18 @@ def test_five_thousand_requests_end_exactly_once(policy):
         kv,
         clock=clock,
     )
-    runner = SimulatedRunner(CostModel(0.01, 1e-4, 1e-7), vocab_size=1000, clock=clock)
+    # with the page table, each step's input arrays are built and their placeholders resolved
+    runner = SimulatedRunner(
+        CostModel(0.01, 1e-4, 1e-7), vocab_size=1000, clock=clock, page_table=table, page_size=8
+    )
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(8, 300))] for _ in range(20)]
     ends: Counter[str] = Counter()
+    received: Counter[str] = Counter()
     live: dict[str, Request] = {}
+    in_flight: tuple[ScheduledBatch, np.ndarray] | None = None
     next_id = 0
     steps = 0
-    while next_id < NUM_REQUESTS or sched.has_unfinished():
+    while next_id < NUM_REQUESTS or sched.has_unfinished() or in_flight is not None:
         steps += 1
         assert steps < 200_000, "no progress: a deadlock"
         for _ in range(rng.randrange(0, 4)):  # arrivals
@@ -74,15 +83,29 @@ def test_five_thousand_requests_end_exactly_once(policy):
         for req in batch.failed:
             ends[req.request_id] += 1
             live.pop(req.request_id, None)
-        if batch.is_empty:
-            clock.advance(0.01)
+        launched = None
+        if not batch.is_empty:  # launch: the device runs steps in order
+            step = runner.prepare(batch)
+            clock.advance(step.seconds)
+            launched = (batch, runner.run(step).tokens)
+            sched.begin_step(batch, step.placeholders)
+        kv.cache.flush()
+        pool.flush()
+        previous, in_flight = (in_flight, launched) if overlap else (launched, None)
+        if previous is None:
+            if batch.is_empty:
+                clock.advance(0.01)
             continue
-        tokens = runner.execute(batch).tokens
-        for req in sched.update_after_step(batch, tokens):
-            expected = runner.tokens_at([req], np.array([req.num_tokens - 1]))[0]
-            assert req.token_ids[req.num_tokens - 1] == expected  # unchanged by preemption
-            if req.num_output_tokens >= req.sampling_params.max_tokens:
-                sched.finish(req, FinishReason.LENGTH)
+        for req, index in sched.end_step(*previous):
+            assert req.request_id in live, "a token for a request that ended"
+            expected = runner.tokens_at([req], np.array([index]))[0]
+            assert req.token_ids[index] == expected  # unchanged by preemption
+            received[req.request_id] += 1
+            num_output = index + 1 - req.num_prompt_tokens
+            assert num_output == received[req.request_id]
+            if num_output >= req.sampling_params.max_tokens or rng.random() < 0.004:
+                sched.finish(req, FinishReason.LENGTH)  # at length, or a stop condition
+                assert req.num_output_tokens == num_output  # a step in flight is discarded
                 ends[req.request_id] += 1
                 del live[req.request_id]
         if steps % 500 == 0:
@@ -91,6 +114,7 @@ def test_five_thousand_requests_end_exactly_once(policy):
     assert len(ends) == NUM_REQUESTS and set(ends.values()) == {1}
     assert not live and not sched.running and not sched.waiting
     assert sched.stats.num_preemptions > 0 and sched.stats.num_aborted > 0
+    assert (sched.stats.num_discarded_tokens > 0) == overlap
     kv.cache.reset()
     pool.check()
     assert pool.num_free == pool.num_pages

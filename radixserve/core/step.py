@@ -1,0 +1,55 @@
+"""The contract of one step between the scheduler (who decides) and the executor (who runs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.core.request import Request
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """Copy the KV of page ``src`` into page ``dst`` before the step's forward (copy-on-write)."""
+
+    src: int
+    dst: int
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: request ``requests[i]`` computes ``num_new_tokens[i]`` tokens starting
+    at position ``starts[i]`` (its ``num_computed_tokens`` when scheduled); if ``sample[i]``
+    the chunk reaches its last token (``starts[i] + num_new_tokens[i] == totals[i]``, the
+    request's ``num_tokens`` when scheduled) and the step samples one new token for it, which
+    lands at ``token_ids[totals[i]]``.
+
+    Invariant: the arrays are aligned with ``requests`` and fixed once scheduled, so the
+    executor can build the step's inputs from them while the scheduler moves on.
+    """
+
+    requests: list[Request]
+    num_new_tokens: np.ndarray  # [B] int32
+    sample: np.ndarray  # [B] bool
+    starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [B]
+    totals: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [B]
+    page_copies: list[PageCopy] = field(default_factory=list)
+    # Requests that ended while scheduling (cannot fit, timed out), with no forward.
+    failed: list[Request] = field(default_factory=list)
+    step_id: int = -1  # set when the scheduler launches the step (``begin_step``)
+    _rows: dict[str, int] | None = field(default=None, repr=False)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.num_new_tokens.sum())
+
+    def row_of(self, request_id: str) -> int | None:
+        """The batch row of ``request_id``, or None (an index built once, on first use)."""
+        if self._rows is None:
+            self._rows = {r.request_id: i for i, r in enumerate(self.requests)}
+        return self._rows.get(request_id)
