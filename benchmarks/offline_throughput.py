@@ -56,16 +56,17 @@ def setup_radixserve(args, requests: list[dict]):
     step_times: dict[str, list[float]] = {"prefill": [], "decode": []}
     if args.profile_steps:  # time every forward by kind: any prompt tokens = prefill
         runner = llm.engine.runner
-        execute = runner.execute
+        run = runner.run  # the device side of a step (the engine calls prepare, then run)
 
-        def timed_execute(batch):
+        def timed_device_run(step):
             start = time.perf_counter()
-            result = execute(batch)
-            kind = "decode" if batch.num_tokens == len(batch.requests) else "prefill"
+            result = run(step)
+            fb = step.inputs.forward_batch
+            kind = "decode" if fb.num_tokens == fb.num_requests else "prefill"
             step_times[kind].append(time.perf_counter() - start)
             return result
 
-        runner.execute = timed_execute
+        runner.run = timed_device_run
 
     def timed_run() -> tuple[float, int]:
         for times in step_times.values():

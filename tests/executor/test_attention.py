@@ -66,6 +66,10 @@ CASES = [
     ([5, 1, 64], 4, 4, 32, 1),
     ([7, 40], 8, 1, 128, 8),
     ([129, 2], 6, 2, 48, 32),
+    # long contexts (the online softmax rescales across many 16-key blocks), GQA group 8
+    ([1100, 31, 16], 9, 3, 64, 16),
+    ([70, 3], 8, 1, 128, 1),
+    ([45], 10, 2, 64, 7),  # group 5, pages that split the 16-key blocks
 ]
 
 
@@ -114,6 +118,17 @@ def test_decode_through_backend_matches_dense_reference(use_native, dtype):
     ref = _dense_reference(q, k, v, tables, lens)  # k/v now hold the new tokens too
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_bfloat16_decode_uses_avx512_bf16_where_the_cpu_has_it():
+    """On a CPU with AVX-512 BF16 (this project's machines) the bfloat16 entry must take the
+    vectorised path that the cases above then check; elsewhere the portable C path."""
+    lib = load_paged_decode()
+    if lib is None:
+        pytest.skip("native kernel unavailable")
+    with open("/proc/cpuinfo") as f:
+        has_bf16 = "avx512_bf16" in f.read()
+    assert lib.paged_decode_has_avx512_bf16() == int(has_bf16)
 
 
 def test_unsupported_shapes_take_the_torch_path():

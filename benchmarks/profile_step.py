@@ -1,11 +1,12 @@
-"""Where a decode step's time goes: W1's 64 requests decoding, one step under torch's profiler.
+"""Where a step's time goes: W1's 64 requests (SmolLM2-135M, bfloat16) under torch's profiler.
 
-    python benchmarks/profile_decode.py [--steps 10] [--batch 64] [--trace OUT.json]
+    python benchmarks/profile_step.py [--kind decode|prefill] [--steps 10] [--trace OUT.json]
 
-Runs W1's prompts (SmolLM2-135M, bfloat16) until every request is decoding, then times
-``--steps`` decode steps plainly (step wall time) and once more under ``torch.profiler``,
-and prints the profiler's top operators by self CPU time, grouped: dense matmuls, the
-native kernels (ctypes calls: counted as the time between torch ops), the rest.
+Runs W1's prompts; times the first ``--steps`` steps of the chosen kind (decode: all 64
+requests decoding; prefill: any step with prompt tokens) plainly, profiles the next one
+under ``torch.profiler``, and prints the top operators by self CPU time and a split: dense
+matmuls, other torch ops, and the time outside torch ops (the native C kernels, called
+through ctypes, and Python).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_offline.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
+    parser.add_argument("--kind", choices=["decode", "prefill"], default="decode")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
@@ -39,34 +41,38 @@ def main() -> None:
         engine.add_request(f"p{i}", engine.tokenize(line["prompt"]), params)
 
     runner = engine.runner
-    execute = runner.execute
+    execute = runner.run  # the device side of a step (the engine calls prepare, then run)
     decode_times: list[float] = []
     profiled: list[bool] = []
 
-    def timed(batch):
-        if batch.num_tokens != len(batch.requests) or len(batch.requests) < args.batch:
-            return execute(batch)
+    def timed(step):
+        batch = step.inputs.forward_batch
+        is_decode = batch.num_tokens == batch.num_requests
+        if is_decode != (args.kind == "decode") or (is_decode and batch.num_requests < args.batch):
+            return execute(step)
         if len(decode_times) < args.steps:
             start = time.perf_counter()
-            result = execute(batch)
+            result = execute(step)
             decode_times.append(time.perf_counter() - start)
             return result
         if not profiled:
             profiled.append(True)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 start = time.perf_counter()
-                result = execute(batch)
+                result = execute(step)
                 wall = time.perf_counter() - start
             report(prof, wall, args)
             return result
-        return execute(batch)
+        return execute(step)
 
-    runner.execute = timed
+    runner.run = timed
     while engine.has_unfinished():
         engine.step()
     decode_times.sort()
+    if not decode_times:
+        raise SystemExit(f"no {args.kind} step to time")
     print(
-        f"decode step ({args.batch} requests): median {1e3 * decode_times[len(decode_times) // 2]:.1f} ms, "
+        f"{args.kind} step ({args.batch} requests): median {1e3 * decode_times[len(decode_times) // 2]:.1f} ms, "
         f"best {1e3 * decode_times[0]:.1f} ms over {len(decode_times)} steps"
     )
 
@@ -75,7 +81,7 @@ def report(prof, wall: float, args) -> None:
     events = prof.key_averages()
     rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
     total_ops_ms = sum(e.self_cpu_time_total for e in events) / 1e3
-    print(f"profiled decode step: {1e3 * wall:.1f} ms wall (with profiler overhead)")
+    print(f"profiled {args.kind} step: {1e3 * wall:.1f} ms wall (with profiler overhead)")
     print(f"{'op':<45} {'calls':>6} {'self ms':>9}")
     for e in rows[: args.top]:
         print(f"{e.key[:45]:<45} {e.count:>6} {e.self_cpu_time_total / 1e3:>9.2f}")
