@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[3]
 PREFIX = list(range(3, 40))  # 37 tokens: a shared prefix ending mid-page
 PROMPTS = [
     [5, 6, 7],
-    PREFIX + [50, 51],
-    PREFIX + [60, 61, 62, 63, 64],
+    [*PREFIX, 50, 51],
+    [*PREFIX, 60, 61, 62, 63, 64],
     list(range(100, 121)),
 ]
 
