@@ -148,3 +148,39 @@ def test_device_auto_is_cpu_without_a_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA GPU"):
             EngineConfig(device="cuda")
+
+
+def _hf_greedy_cuda(model_path, prompts, max_new_tokens):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    model = model.to("cuda").eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids], device="cuda"),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(out[0, len(ids) :].tolist())
+    return outs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_engine_on_cuda_equals_transformers_on_cuda_and_the_cpu_path(tiny_models, arch, graphs):
+    """The engine as users get it (--device cuda: weights moved by the loader, overlapped
+    loop, CUDA graphs or eager) in float32."""
+    kwargs = dict(dtype="float32", max_num_batched_tokens=64)
+    cpu = _greedy(LLM(str(tiny_models[arch]), device="cpu", **kwargs), PROMPTS)
+    llm = LLM(str(tiny_models[arch]), device="cuda", disable_cuda_graph=not graphs, **kwargs)
+    assert llm.engine.overlap
+    assert (llm.engine.runner.graphs is not None) == graphs
+    assert _greedy(llm, PROMPTS) == cpu
+    assert _hf_greedy_cuda(tiny_models[arch], PROMPTS, 6) == cpu
+    llm.engine.close()
