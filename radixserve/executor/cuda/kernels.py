@@ -132,20 +132,20 @@ def _decode_partial_kernel(
     stride_lb,
     stride_lh,
     scale,
+    num_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -205,16 +205,16 @@ def _decode_merge_kernel(
     stride_lh,
     stride_yb,
     stride_yh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
+    s_mask = s < num_splits
     lse = tl.load(
         part_lse_ptr + b * stride_lb + head * stride_lh + s, mask=s_mask, other=float("-inf")
     )
@@ -287,13 +287,13 @@ def paged_decode(
         part_lse.stride(0),
         part_lse.stride(1),
         scale,
+        num_splits,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=_pow2(group, 16),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         PAGE_SIZE=k_cache.shape[2],
-        NUM_SPLITS=num_splits,
         PRECISION=_precision(q.dtype),
     )
     _decode_merge_kernel[(batch, heads)](
@@ -307,9 +307,9 @@ def paged_decode(
         part_lse.stride(1),
         out.stride(0),
         out.stride(1),
+        num_splits,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        NUM_SPLITS=num_splits,
         BLOCK_S=_pow2(num_splits, 2),
     )
     return out
