@@ -184,3 +184,51 @@ def test_engine_on_cuda_equals_transformers_on_cuda_and_the_cpu_path(tiny_models
     assert _greedy(llm, PROMPTS) == cpu
     assert _hf_greedy_cuda(tiny_models[arch], PROMPTS, 6) == cpu
     llm.engine.close()
+
+
+class _EagerReplay:
+    def __init__(self, run) -> None:
+        self.replay = run
+
+
+def test_graph_runner_static_buffers_and_padding_on_cpu(tiny_models):
+    """The graph runner's replay path (static buffers, padding rows on the scratch page,
+    bucket choice) with each 'graph' re-running the forward on the static buffers: the
+    tokens equal the CPU path's. A real capture needs a GPU (the cuda tests above)."""
+    from radixserve.executor.cuda.graph_runner import CudaGraphRunner
+
+    class EagerGraphRunner(CudaGraphRunner):
+        def capture(self) -> None:
+            for bs in self.buckets:
+                self.logits[bs] = self._forward(bs)
+                self.graphs[bs] = _EagerReplay(
+                    lambda bs=bs: self.logits[bs].copy_(self._forward(bs))
+                )
+
+    kwargs = dict(dtype="float32", page_size=16, max_num_batched_tokens=64)
+    prompts = [*PROMPTS, [7, 8, 9, 10, 11]]  # one batch: decodes of up to 5 rows, padded
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    reference = run(LLM(str(tiny_models["llama"]), device="cpu", **kwargs))
+    llm = LLM(str(tiny_models["llama"]), device="cpu", **kwargs)
+    _swap_in_cuda_runner(llm, torch.device("cpu"))
+    runner = llm.engine.runner
+    graphs = EagerGraphRunner(
+        llm.engine.model,
+        runner.attention,
+        8,
+        llm.engine.page_table.table.shape[1],
+        llm.engine.pool.num_pages,
+        torch.device("cpu"),
+    )
+    graphs.capture()
+    runner.graphs = graphs
+    replays = []
+    real_replay = graphs.replay
+    graphs.replay = lambda staged: replays.append(staged.input_ids.shape[0]) or real_replay(staged)
+    assert run(llm) == reference
+    assert 5 in replays  # decode steps went through the graph path, padded to 8
+    assert graphs.buckets == [1, 2, 4, 8]
