@@ -9,9 +9,11 @@
 # 2. runs the tests marked `cuda` (bf16 kernels against torch references; greedy tokens of
 #    tiny random Llama / Qwen3 models equal to transformers on CUDA and to radixserve's CPU
 #    path in float32, with CUDA graphs and eager);
-# 3. runs benchmarks/gpu_bench.py on the Llama-3.1-8B-shaped dummy model in bf16.
+# 3. runs benchmarks/gpu_bench.py on the Llama-3.1-8B-shaped dummy model in bf16;
+# 4. with time left, benchmarks/gpu_fused_ops.py (our Triton row-wise kernels against eager
+#    PyTorch and torch.compile).
 # Everything is logged to $OUT/gpu_check.log as it comes; the benchmark's last-line JSON is
-# also written to $OUT/gpu_check.json.
+# also written to $OUT/gpu_check.json and printed again as the script's last line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/radixserve-gpu-check}
@@ -53,4 +55,12 @@ echo "== benchmark ($(left) s left)"
 timeout $(( $(left) > 60 ? $(left) : 60 )) python3 benchmarks/gpu_bench.py | tee "$OUT/bench.log"
 echo "benchmark: exit ${PIPESTATUS[0]}"
 tail -1 "$OUT/bench.log" | grep '^{' > "$OUT/gpu_check.json" || echo "no JSON line (see the log)"
+
+if [ "$(left)" -gt 90 ]; then  # Triton vs torch.compile for the fused ops, if time is left
+  echo "== fused ops: Triton vs eager vs torch.compile ($(left) s left)"
+  timeout $(( $(left) - 15 )) python3 benchmarks/gpu_fused_ops.py | tee "$OUT/fused_ops.log"
+else
+  echo "== fused ops comparison skipped: $(left) s left"
+fi
 echo "gpu_check: $(( $(date +%s) - start )) s"
+cat "$OUT/gpu_check.json" 2>/dev/null
