@@ -76,7 +76,9 @@ def main() -> None:
             times = [
                 triton.testing.do_bench(f, warmup=10, rep=50) * 1e3 for f in (ours, plain, comp)
             ]
-            results[f"{name}_{rows}"] = dict(zip(("triton_us", "eager_us", "compile_us"), times))
+            results[f"{name}_{rows}"] = dict(
+                zip(("triton_us", "eager_us", "compile_us"), times, strict=True)
+            )
             print(
                 f"{name:>13} rows={rows:>5}: triton {times[0]:8.1f} us, eager {times[1]:8.1f} us, "
                 f"torch.compile {times[2]:8.1f} us (compiled in {compile_s:.1f} s)",
