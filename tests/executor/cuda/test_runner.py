@@ -205,9 +205,9 @@ def test_graph_runner_static_buffers_and_padding_on_cpu(tiny_models):
                     lambda bs=bs: self.logits[bs].copy_(self._forward(bs))
                 )
 
-    kwargs = dict(dtype="float32", page_size=16, max_num_batched_tokens=64)
-    prompts = [*PROMPTS, [7, 8, 9, 10, 11]]  # one batch: decodes of up to 5 rows, padded
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kwargs = dict(dtype="float32", page_size=16, max_num_batched_tokens=256)
+    prompts = [*PROMPTS, [7, 8, 9, 10, 11]]  # one batch: decodes of 5 rows, padded to 8
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
     def run(llm: LLM) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
