@@ -122,6 +122,8 @@ def test_dummy_weights_from_a_config_only_folder(tiny_models, tmp_path):
     assert len(out.token_ids) == 4 and out.text == ""
     with pytest.raises(ValueError, match="has no tokenizer"):
         llm.generate(["some text"], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        llm.chat([{"role": "user", "content": "hi"}], params)
 
 
 @pytest.mark.parametrize("name,params_billion", [("Llama-3.1-8B", 8.03), ("Qwen3-0.6B", 0.596)])
