@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -114,22 +115,19 @@ def set_overlap(engine: Engine, on: bool) -> None:
     engine.device = engine._make_device(engine.config)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=str(ROOT / "configs" / "Llama-3.1-8B"))
-    ap.add_argument("--batch-sizes", default="1,16,64,256")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
-    ap.add_argument("--prefill-batch", type=int, default=8)
-    ap.add_argument("--prefill-len", type=int, default=2048)
-    ap.add_argument("--kv-cache-memory", type=float, default=60.0)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
-    args = ap.parse_args()
-    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    max_bs = max(batch_sizes)
+KEYS = (
+    "decode_bs1_tok_s",
+    "decode_bs1_roofline_frac",
+    "decode_bs64_tok_s",
+    "decode_bs256_tok_s",
+    "prefill_tok_s",
+    "prefill_mfu",
+    "gpu_idle_frac_bs64",
+)
 
-    t0 = time.perf_counter()
-    engine = Engine(
+
+def build_engine(args: argparse.Namespace, max_bs: int, graphs: bool) -> Engine:
+    return Engine(
         EngineConfig(
             model=args.model,
             load_format="dummy",
@@ -140,25 +138,24 @@ def main() -> None:
             max_num_batched_tokens=args.prefill_batch * args.prefill_len,
             max_model_len=max(args.context + 6 * args.steps + 64, args.prefill_len + 16),
             cuda_graph_max_bs=max_bs,
+            disable_cuda_graph=not graphs,
         ),
         detokenize=False,
     )
+
+
+def measure_decode(
+    engine: Engine, args: argparse.Namespace, bs: int, seed: int, results: dict
+) -> None:
     runner = engine.runner
     graphs = getattr(runner, "graphs", None)
     cuda = args.device == "cuda"
-    log(
-        f"engine ready in {time.perf_counter() - t0:.1f} s (graph capture "
-        f"{graphs.capture_seconds if graphs else 0:.1f} s); overlap={engine.overlap}"
-    )
     wbytes = weight_bytes_per_step(engine)
     kv_tok = kv_bytes_per_token(engine)
-    log(f"weights read per decode step: {wbytes / 1e9:.2f} GB; KV per token: {kv_tok} B")
-    results: dict[str, float] = {}
-    log(f"{'batch':>5} {'graphs':>6} {'tok/s':>9} {'TPOT ms':>8} {'roofline ms':>11} {'frac':>5}")
-    for i, bs in enumerate(batch_sizes):
-        batch = Batch(engine, bs, args.context, 16 + 6 * args.steps, seed=i)
+    batch = Batch(engine, bs, args.context, 16 + 6 * args.steps, seed=seed)
+    try:
         batch.run_until_decoding()
-        for use_graphs in (True, False) if cuda else (False,):
+        for use_graphs in (True, False) if graphs is not None else (False,):
             if cuda:
                 runner.graphs = graphs if use_graphs else None
             batch.window(2)  # settle
@@ -172,7 +169,7 @@ def main() -> None:
                 f"{bs:>5} {'on' if use_graphs else 'off':>6} {tok_s:>9.1f} {tpot * 1e3:>8.2f} "
                 f"{roofline * 1e3:>11.2f} {frac:>5.2f}"
             )
-            suffix = "" if use_graphs else "_eager"
+            suffix = "" if use_graphs or graphs is None else "_eager"
             results[f"decode_bs{bs}_tok_s{suffix}"] = round(tok_s, 1)
             results[f"decode_bs{bs}_roofline_frac{suffix}"] = round(frac, 3)
         if cuda:
@@ -185,16 +182,20 @@ def main() -> None:
                 busy = sum(s.elapsed_time(e) for s, e in runner.step_events) / 1e3
                 runner.step_events = None
                 idle = max(0.0, 1 - busy / seconds)
-                key = "gpu_idle_frac_bs64" + ("" if overlap else "_serial")
-                results[key] = round(idle, 4)
+                results["gpu_idle_frac_bs64" + ("" if overlap else "_serial")] = round(idle, 4)
                 log(
                     f"GPU idle fraction at batch 64, {'overlapped' if overlap else 'serial'} "
                     f"loop: {idle:.4f} (busy {busy:.3f} s of {seconds:.3f} s)"
                 )
             set_overlap(engine, True)
+    finally:
+        if cuda:
+            runner.graphs = graphs
         batch.finish()
 
-    # prefill: 8 x 2048 fresh prompts in one step each time
+
+def measure_prefill(engine: Engine, args: argparse.Namespace, results: dict) -> None:
+    """8 x 2048 fresh prompts in one step, four times; the best of the last three."""
     tokens = args.prefill_batch * args.prefill_len
     c = engine.model_config
     attn_flops = (
@@ -208,7 +209,7 @@ def main() -> None:
     flops = matmul_flops_per_token(engine) * tokens + attn_flops
     times = []
     for rep in range(4):
-        batch = Batch(engine, args.prefill_batch, args.prefill_len, 1, seed=100 + rep)
+        Batch(engine, args.prefill_batch, args.prefill_len, 1, seed=100 + rep)
         sync()
         start = time.perf_counter()
         while engine.has_unfinished():
@@ -223,19 +224,58 @@ def main() -> None:
         f"{flops / best / 1e12:.0f} TFLOP/s, MFU {flops / best / BF16_FLOPS:.3f} "
         f"(runs: {', '.join(f'{t:.3f}' for t in times)} s)"
     )
-    engine.close()
-    keys = (
-        "decode_bs1_tok_s",
-        "decode_bs1_roofline_frac",
-        "decode_bs64_tok_s",
-        "decode_bs256_tok_s",
-        "prefill_tok_s",
-        "prefill_mfu",
-        "gpu_idle_frac_bs64",
-    )
-    summary = {k: results.get(k) for k in keys}
-    summary.update({k: v for k, v in results.items() if k not in summary})
-    print(json.dumps(summary), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "configs" / "Llama-3.1-8B"))
+    ap.add_argument("--batch-sizes", default="1,16,64,256")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per timed window")
+    ap.add_argument("--prefill-batch", type=int, default=8)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-memory", type=float, default=60.0)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    args = ap.parse_args()
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    max_bs = max(batch_sizes)
+    results: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        try:
+            engine = build_engine(args, max_bs, graphs=args.device == "cuda")
+        except Exception:  # a failed capture must not cost the eager figures
+            traceback.print_exc()
+            log("engine with CUDA graphs failed (above); measuring without them")
+            engine = build_engine(args, max_bs, graphs=False)
+        graphs = getattr(engine.runner, "graphs", None)
+        log(
+            f"engine ready in {time.perf_counter() - t0:.1f} s (graph capture "
+            f"{graphs.capture_seconds if graphs else 0:.1f} s); overlap={engine.overlap}"
+        )
+        log(
+            f"weights read per decode step: {weight_bytes_per_step(engine) / 1e9:.2f} GB; "
+            f"KV per token: {kv_bytes_per_token(engine)} B"
+        )
+        log(
+            f"{'batch':>5} {'graphs':>6} {'tok/s':>9} {'TPOT ms':>8} {'roofline ms':>11} {'frac':>5}"
+        )
+        for i, bs in enumerate(batch_sizes):
+            try:
+                measure_decode(engine, args, bs, i, results)
+            except Exception:
+                traceback.print_exc()
+                log(f"decode at batch {bs} failed (above)")
+        try:
+            measure_prefill(engine, args, results)
+        except Exception:
+            traceback.print_exc()
+            log("prefill failed (above)")
+        engine.close()
+    finally:
+        summary = {k: results.get(k) for k in KEYS}
+        summary.update({k: v for k, v in results.items() if k not in summary})
+        print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":
