@@ -40,7 +40,8 @@ def build_cuda_runner(
     # steps (tokens out, next inputs in) while the host thread schedules in Python: a
     # shorter switch interval (5 ms by default) bounds how long the GPU can wait for it.
     # Its effect on the idle fraction is for the GPU check to measure.
-    sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
+    if device.type == "cuda":
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
     kv_cache = KVCache(
         c.num_hidden_layers,
         num_pages + 1,
