@@ -47,6 +47,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="A,B,C",
         help="timed simulated device: seconds per step, per batched token, per KV token read",
     )
+    g.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model runs (auto: cuda when torch sees a GPU, else cpu)",
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights for the model folder's config.json (no checkpoint needed)",
+    )
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=256,
+        help="largest decode batch replayed from a CUDA graph",
+    )
+    g.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly")
     overlap = g.add_mutually_exclusive_group()
     overlap.add_argument(
         "--enable-overlap",
@@ -54,7 +73,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="prepare step N+1 while the device runs step N (default: on for the timed "
-        "simulated device, off on CPU)",
+        "simulated device and on CUDA, off on CPU)",
     )
     overlap.add_argument("--disable-overlap", dest="enable_overlap", action="store_false")
     add_scheduler_args(parser)
@@ -95,6 +114,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "simulated_device_time": args.simulated_device_time,
         "simulated_device_cost": args.simulated_device_cost,
         "enable_overlap": args.enable_overlap,
+        "device": args.device,
+        "load_format": args.load_format,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "disable_cuda_graph": args.disable_cuda_graph,
         "disable_radix_cache": args.disable_radix_cache,
         "schedule_policy": args.schedule_policy,
         "max_waiting_requests": args.max_waiting_requests,

@@ -44,6 +44,13 @@ class EngineConfig:
     # None: on where the device is asynchronous (the timed simulated device), off on CPU
     # (where the model itself uses the cores; on, the CPU model runs on a worker thread).
     enable_overlap: bool | None = None
+    # Where the model runs: auto = cuda when torch sees a GPU, else cpu.
+    device: str = "auto"  # auto | cpu | cuda
+    # auto: the checkpoint's weights; dummy: random weights for the config alone (a folder
+    # holding only config.json is enough; token-id prompts only without a tokenizer).
+    load_format: str = "auto"  # auto | dummy
+    cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph
+    disable_cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         if self.simulated_device_time:
@@ -65,6 +72,14 @@ class EngineConfig:
             raise ValueError(
                 f"schedule_conservativeness must be in [0, 1], got {self.schedule_conservativeness}"
             )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be one of auto, cpu, cuda; got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -73,7 +88,16 @@ class EngineConfig:
         """Whether the engine runs the overlapped loop."""
         if self.enable_overlap is not None:
             return self.enable_overlap
-        return self.simulated_device_time
+        if self.simulated_device:
+            return self.simulated_device_time
+        return self.resolved_device == "cuda"  # the GPU runs while the host prepares
+
+    @property
+    def resolved_device(self) -> str:
+        """``cpu`` or ``cuda`` (``auto``: cuda when torch sees a GPU)."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """``auto``: the checkpoint's float32, else bfloat16 (float16 is slow on CPU)."""

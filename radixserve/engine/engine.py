@@ -21,7 +21,12 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.model_source import ModelSource, resolve_model
 from radixserve.engine.outputs import SequenceDelta
-from radixserve.engine.tokenizer import load_hf_tokenizer, tokenizer_from_gguf
+from radixserve.engine.tokenizer import (
+    MissingTokenizer,
+    has_tokenizer_files,
+    load_hf_tokenizer,
+    tokenizer_from_gguf,
+)
 from radixserve.executor.device import (
     Device,
     InlineDevice,
@@ -32,9 +37,10 @@ from radixserve.executor.device import (
     TimedDevice,
 )
 from radixserve.executor.kv_cache import KVCache, bytes_per_page
-from radixserve.executor.loader import load_checkpoint
+from radixserve.executor.loader import Checkpoint, load_checkpoint
+from radixserve.executor.loader.dummy import dummy_weights
 from radixserve.executor.loader.gguf_loader import read_metadata
-from radixserve.executor.loader.safetensors_loader import read_json
+from radixserve.executor.loader.safetensors_loader import read_hf_config, read_json
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.models.registry import model_class
@@ -132,6 +138,19 @@ class Engine:
             )
         elif config.simulated_device:
             self.runner = SimulatedRunner(CostModel(0.0, 0.0, 0.0), self.vocab_size)
+        elif self.torch_device.type == "cuda":
+            from radixserve.executor.cuda.build import build_cuda_runner  # needs triton
+
+            self.runner, self.sampler = build_cuda_runner(
+                self.model,
+                num_pages,
+                config.page_size,
+                self.page_table,
+                self.vocab_size,
+                self.eos_token_ids,
+                self.torch_device,
+                None if config.disable_cuda_graph else config.cuda_graph_max_bs,
+            )
         else:
             mc = self.model_config
             kv_cache = KVCache(
@@ -146,7 +165,7 @@ class Engine:
         self.overlap = config.overlap
         self.device = self._make_device(config)
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
-        self._backend_tokenizer = self.tokenizer.backend_tokenizer
+        self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None)
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
         self._pending: list[SequenceDelta] = []
@@ -170,12 +189,26 @@ class Engine:
     def _load_model(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
         """Weights, tokenizer and KV sizing of a real model; returns (KV pages, the
         generation config, the model's EOS ids)."""
-        checkpoint = load_checkpoint(self.source.kind, self.source.path)
+        self.torch_device = device = torch.device(config.resolved_device)
+        if config.load_format == "dummy":
+            if self.source.kind != "hf":
+                raise ValueError("load_format 'dummy' takes a folder with a config.json")
+            checkpoint = Checkpoint(read_hf_config(self.source.path), {})
+        else:
+            checkpoint = load_checkpoint(self.source.kind, self.source.path)
         self.model_config = mc = ModelConfig.from_hf_dict(checkpoint.hf_config)
         self.tokenizer, generation_config = self._load_tokenizer(checkpoint.gguf_metadata)
+        if isinstance(self.tokenizer, MissingTokenizer):
+            self.detokenize = False  # outputs carry token ids only
         self.dtype = config.torch_dtype(checkpoint.hf_config.get("torch_dtype"))
-        self.model = model_class(mc.architecture)(mc, checkpoint.weights, self.dtype)
-        del checkpoint
+        weights = checkpoint.weights
+        if config.load_format == "dummy":
+            weights = dummy_weights(mc, self.dtype, device)
+        elif device.type != "cpu":
+            for name in list(weights):  # one at a time: host memory stays one tensor over
+                weights[name] = weights[name].to(device, self.dtype)
+        self.model = model_class(mc.architecture)(mc, weights, self.dtype)
+        del checkpoint, weights
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         page_bytes = bytes_per_page(
@@ -199,6 +232,8 @@ class Engine:
             return tokenizer_from_gguf(gguf_metadata or {}), {}
         gen_path = self.source.path / "generation_config.json"
         generation_config = read_json(gen_path) if gen_path.is_file() else {}
+        if not has_tokenizer_files(self.source.path):
+            return MissingTokenizer(self.source.path), generation_config
         return load_hf_tokenizer(self.source.path), generation_config
 
     def _eos_ids(

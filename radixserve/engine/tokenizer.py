@@ -21,6 +21,36 @@ _QWEN2_SPLIT = (
 )
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in _TOKENIZER_FILES)
+
+
+class MissingTokenizer:
+    """Stands in for the tokenizer of a model folder that has none (a config.json alone, for
+    ``load_format="dummy"``). Invariant: token-id prompts work; every text operation raises
+    ``ValueError`` naming the folder."""
+
+    eos_token_id = None
+    backend_tokenizer = None
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    @property
+    def chat_template(self) -> str:
+        return self._no_text()
+
+    def _no_text(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"the model folder {self.folder} has no tokenizer: pass prompts as token ids"
+        )
+
+    __call__ = encode = decode = apply_chat_template = _no_text
+
+
 def load_hf_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

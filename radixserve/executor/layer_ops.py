@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.executor.native import load_elementwise
+from radixserve.executor.rotary import apply_rotary
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -17,7 +18,8 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 class LayerOps:
     """Invariant: ``add_rms_norm`` leaves ``residual + add`` in ``residual`` (in place) and
     returns its RMS-normalised rows times ``weight``; ``silu_and_mul`` maps [T, 2d] to
-    [T, d]. ``use_native=False`` forces the PyTorch path."""
+    [T, d]; ``rotary`` rotates [T, heads, d] by ``RotaryEmbedding`` tables (a subclass may
+    do it in place and return its input). ``use_native=False`` forces the PyTorch path."""
 
     def __init__(self, use_native: bool = True) -> None:
         self.native = load_elementwise() if use_native else None
@@ -67,3 +69,7 @@ class LayerOps:
             torch.get_num_threads(),
         )
         return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, heads, d] rotated by the tables of ``RotaryEmbedding.tables``."""
+        return apply_rotary(x, cos, sin_signed)

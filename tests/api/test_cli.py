@@ -124,9 +124,29 @@ def test_overlap_and_timed_device_flags_reach_the_engine_config():
     assert timed.simulated_device and timed.simulated_device_cost == (0.01, 0.0, 1e-9)
     assert timed.overlap  # asynchronous device: overlapped by default
     assert not config("--simulated-device-time", "--disable-overlap").overlap
-    assert not config().overlap  # the CPU model: serial by default
+    assert not config("--device", "cpu").overlap  # the CPU model: serial by default
     assert config("--enable-overlap").overlap
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--enable-overlap", "--disable-overlap"])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--simulated-device-cost", "1,2"])
+
+
+def test_device_and_load_format_flags_reach_the_engine_config():
+    from radixserve.api.cli import build_parser, engine_kwargs
+    from radixserve.engine.config import EngineConfig
+
+    flags = "--device cpu --load-format dummy --cuda-graph-max-bs 64 --disable-cuda-graph"
+    args = build_parser().parse_args(["generate", "hi", *flags.split()])
+    c = EngineConfig(**engine_kwargs(args))
+    assert (c.device, c.load_format, c.cuda_graph_max_bs, c.disable_cuda_graph) == (
+        "cpu",
+        "dummy",
+        64,
+        True,
+    )
+    assert c.resolved_device == "cpu" and not c.overlap
+    defaults = EngineConfig(**engine_kwargs(build_parser().parse_args(["serve"])))
+    assert defaults.device == "auto" and defaults.cuda_graph_max_bs == 256
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--device", "tpu"])

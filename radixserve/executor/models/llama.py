@@ -11,7 +11,7 @@ from radixserve.executor.attention import AttentionBackend
 from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.linear import Linear
 from radixserve.executor.model_config import ModelConfig
-from radixserve.executor.rotary import RotaryEmbedding, apply_rotary
+from radixserve.executor.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -131,15 +131,15 @@ class LlamaForCausalLM:
                 qk = qkv[:, : self.q_size + self.kv_size].view(
                     num_tokens, heads + kv_heads, head_dim
                 )
-                qk = apply_rotary(qk, cos, sin)
+                qk = ops.rotary(qk, cos, sin)
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
                 q = qkv[:, : self.q_size].view(num_tokens, heads, head_dim)
                 k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
                     num_tokens, kv_heads, head_dim
                 )
-                q = apply_rotary(F.rms_norm(q, (head_dim,), w.q_norm, eps), cos, sin)
-                k = apply_rotary(F.rms_norm(k, (head_dim,), w.k_norm, eps), cos, sin)
+                q = ops.rotary(F.rms_norm(q, (head_dim,), w.q_norm, eps), cos, sin)
+                k = ops.rotary(F.rms_norm(k, (head_dim,), w.k_norm, eps), cos, sin)
             attn = attention.forward(layer_idx, q, k, v, attn_meta)
             x = ops.add_rms_norm(w.o(attn), residual, w.post_norm, eps)
             sublayer_out = w.down(ops.silu_and_mul(w.gate_up(x)))

@@ -1,0 +1,49 @@
+"""Random weights for any config (``load_format="dummy"``): measure a model's speed without
+its checkpoint."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.executor.model_config import ModelConfig
+
+
+def dummy_weights(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Every tensor the Llama-family model takes, by Hugging Face name, created on ``device``:
+    matrices ~ N(0, 0.02²), norm weights 1. Deterministic for a seed and device."""
+    c = config
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        w = torch.empty(rows, cols, dtype=dtype, device=device)
+        return w.normal_(0.0, 0.02, generator=gen)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype, device=device)
+
+    q_size = c.num_attention_heads * c.head_dim
+    kv_size = c.num_key_value_heads * c.head_dim
+    weights = {"model.embed_tokens.weight": matrix(c.vocab_size, c.hidden_size)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name, rows in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+            weights[p + f"self_attn.{name}_proj.weight"] = matrix(rows, c.hidden_size)
+            if c.attention_bias:
+                weights[p + f"self_attn.{name}_proj.bias"] = torch.zeros(
+                    rows, dtype=dtype, device=device
+                )
+        weights[p + "self_attn.o_proj.weight"] = matrix(c.hidden_size, q_size)
+        if c.qk_norm:
+            weights[p + "self_attn.q_norm.weight"] = ones(c.head_dim)
+            weights[p + "self_attn.k_norm.weight"] = ones(c.head_dim)
+        weights[p + "mlp.gate_proj.weight"] = matrix(c.intermediate_size, c.hidden_size)
+        weights[p + "mlp.up_proj.weight"] = matrix(c.intermediate_size, c.hidden_size)
+        weights[p + "mlp.down_proj.weight"] = matrix(c.hidden_size, c.intermediate_size)
+        weights[p + "input_layernorm.weight"] = ones(c.hidden_size)
+        weights[p + "post_attention_layernorm.weight"] = ones(c.hidden_size)
+    weights["model.norm.weight"] = ones(c.hidden_size)
+    if not c.tie_word_embeddings:
+        weights["lm_head.weight"] = matrix(c.vocab_size, c.hidden_size)
+    return weights
