@@ -15,6 +15,12 @@ or the embedded SmolLM2 GGUF exported once with ``benchmarks/export_hf.py``). Th
 
 Prints a table (TTFT, prefill tokens/s, vLLM TTFT / radixserve TTFT), then one JSON line with
 ``ttft_ratio_2k``, ``ttft_ratio_6k`` (null without vLLM) and ``prefill_tok_s_8k``.
+
+    python benchmarks/long_prefill.py --sweep-chunk 512,1024,2048,4096,8192
+
+radixserve alone: TTFT per prompt length for each prefill chunk size (the step budget, no
+separate per-request cap), and what each chunk of the longest prompt cost per token at the
+context it reached (the marginal prefill cost of a token at 1K, 2K, ... 8K context).
 """
 
 from __future__ import annotations
@@ -106,6 +112,70 @@ class VllmWorker:
             self.proc.kill()
 
 
+def sweep_chunk(llm, prompts: dict[int, list[int]], chunks: list[int], runs: int) -> None:
+    """TTFT per prompt length and chunk size (best of ``runs``), then the per-token cost of
+    each chunk of the longest prompt (from its best run) against the context it reached."""
+    from dataclasses import replace
+
+    from radixserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine = llm.engine
+    runner = engine.runner
+    execute = runner.execute
+    steps: list[tuple[int, int, float]] = []  # (context after the step, tokens, seconds)
+
+    def timed_execute(batch):
+        start = time.perf_counter()
+        result = execute(batch)
+        req = batch.requests[0]
+        n = int(batch.num_new_tokens[0])
+        steps.append((req.num_computed_tokens + n, n, time.perf_counter() - start))
+        return result
+
+    runner.execute = timed_execute
+    base = engine.scheduler.config
+    lengths = sorted(prompts)
+    ttft: dict[int, dict[int, float]] = {c: {} for c in chunks}
+    chunk_costs: dict[int, list[tuple[int, int, float]]] = {}
+    try:
+        for run in range(runs):
+            for chunk in chunks:
+                engine.scheduler.config = replace(
+                    base, max_num_batched_tokens=chunk, long_prefill_threshold=None
+                )
+                for n in lengths:
+                    steps.clear()
+                    start = time.perf_counter()
+                    llm.generate([prompts[n]], params, use_tqdm=False)
+                    elapsed = time.perf_counter() - start
+                    engine.check_idle()
+                    print(f"run {run + 1} chunk {chunk:>5}: {n:>5} tokens {elapsed:6.2f} s")
+                    if elapsed < ttft[chunk].get(n, float("inf")):
+                        ttft[chunk][n] = elapsed
+                        if n == lengths[-1]:
+                            chunk_costs[chunk] = list(steps)
+    finally:
+        runner.execute = execute
+        engine.scheduler.config = base
+    print()
+    print("| chunk | " + " | ".join(f"{n:,} tokens: TTFT s (tok/s)" for n in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for chunk in chunks:
+        cells = [f"{ttft[chunk][n]:.2f} ({n / ttft[chunk][n]:.0f})" for n in lengths]
+        print(f"| {chunk:,} | " + " | ".join(cells) + " |")
+    print()
+    print(f"per-token cost of each chunk of the {lengths[-1]:,}-token prompt:")
+    for chunk in chunks:
+        cells = [f"{end:,}: {1e3 * s / n:.3f}" for end, n, s in chunk_costs[chunk]]
+        print(f"  chunk {chunk:,}: context reached: ms/token  " + ", ".join(cells))
+    print(
+        json.dumps(
+            {"ttft_s": {str(c): {str(n): round(t, 3) for n, t in ttft[c].items()} for c in chunks}}
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="1000,2000,4000,6000,8000")
@@ -120,6 +190,9 @@ def main() -> None:
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--long-prefill-threshold", type=int, default=None)
+    parser.add_argument(
+        "--sweep-chunk", default=None, help="comma-separated chunk sizes: radixserve alone"
+    )
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
 
@@ -169,6 +242,9 @@ def main() -> None:
         return elapsed, out[0].token_ids[0]
 
     radixserve_ttft(warmup)
+    if args.sweep_chunk:
+        sweep_chunk(llm, prompts, [int(x) for x in args.sweep_chunk.split(",")], args.runs)
+        return
 
     vllm = None
     if args.vllm_python is not None:

@@ -80,25 +80,26 @@ static int softmax_tile(Work *w, int Mp, int nk, int k0, int masked, float scale
     for (int mv = 0; mv < Mp; mv += 16) {
         const __m512i qpos = _mm512_loadu_si512(w->qpos + mv);
         __m512 tmax = ninf;
+        /* the max of the raw scores (scale > 0 commutes with it); masked keys become -inf */
         for (int n = 0; n < nk; n++) {
             float *row = w->s + (size_t)n * Mp + mv;
-            __m512 s = _mm512_mul_ps(_mm512_loadu_ps(row), c);
+            __m512 s = _mm512_loadu_ps(row);
             if (masked) {
                 const __mmask16 beyond =
                     _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(k0 + n), qpos);
                 s = _mm512_mask_mov_ps(s, beyond, ninf);
+                _mm512_storeu_ps(row, s);
             }
-            _mm512_storeu_ps(row, s);
             tmax = _mm512_max_ps(tmax, s);
         }
-        const __m512 old = _mm512_loadu_ps(w->row_max + mv);
-        const __m512 new_max = _mm512_max_ps(old, tmax);
+        const __m512 old = _mm512_loadu_ps(w->row_max + mv); /* in scaled units */
+        const __m512 new_max = _mm512_max_ps(old, _mm512_mul_ps(tmax, c));
         if (_mm512_cmp_ps_mask(new_max, old, _CMP_NEQ_UQ)) rescale = 1;
         const __m512 alpha = exp2_ps(_mm512_sub_ps(old, new_max));
         __m512 sum = _mm512_setzero_ps();
         for (int n = 0; n < nk; n++) {
             float *row = w->s + (size_t)n * Mp + mv;
-            const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(row), new_max));
+            const __m512 p = exp2_ps(_mm512_fmsub_ps(_mm512_loadu_ps(row), c, new_max));
             _mm512_storeu_ps(row, p);
             sum = _mm512_add_ps(sum, p);
         }
@@ -200,7 +201,7 @@ static void load_q_fast(Work *w, const uint16_t *const *qrow, int M, int Mp, int
     }
 }
 
-/* s[n][m] = sum_i q[m][i] k[n][i] for a block of 8 keys x MV vectors of 16 rows */
+/* s[n][m] = sum_i q[m][i] k[n][i] for a block of 8 keys x MV (1-3) vectors of 16 rows */
 #define QK_BLOCK(MV)                                                                           \
     do {                                                                                       \
         __m512 acc[MV][8];                                                                     \
@@ -227,6 +228,7 @@ static void qk_fast(Work *w, const uint16_t *const *krow, int nk, int Mp, int d)
     const uint32_t *qp = (const uint32_t *)w->q;
     for (int n0 = 0; n0 < nk; n0 += 8) {
         int mv = 0;
+        for (; mv + 48 <= Mp; mv += 48) QK_BLOCK(3);
         for (; mv + 32 <= Mp; mv += 32) QK_BLOCK(2);
         if (mv < Mp) QK_BLOCK(1);
     }
@@ -286,6 +288,7 @@ static void pv_fast(Work *w, const uint16_t *const *vrow, int nk, int Mp, int d)
     }
     for (int j0 = 0; j0 < d; j0 += 8) {
         int mv = 0;
+        for (; mv + 48 <= Mp; mv += 48) PV_BLOCK(3);
         for (; mv + 32 <= Mp; mv += 32) PV_BLOCK(2);
         if (mv < Mp) PV_BLOCK(1);
     }
