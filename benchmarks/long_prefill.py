@@ -188,6 +188,13 @@ def main() -> None:
         help="HF folder for both engines (default: the embedded SmolLM2; exported to "
         f"{DEFAULT_HF_EXPORT} when vLLM runs)",
     )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=1.0,
+        help="seconds of idle before each timed run (the other engine's OpenMP threads may "
+        "still spin after its run)",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--long-prefill-threshold", type=int, default=None)
     parser.add_argument(
@@ -235,6 +242,7 @@ def main() -> None:
     )
 
     def radixserve_ttft(ids: list[int]) -> tuple[float, int]:
+        time.sleep(args.settle)
         start = time.perf_counter()
         out = llm.generate([ids], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -264,6 +272,7 @@ def main() -> None:
                 ours[n].append(t)
                 line = f"run {run + 1} {n:>5} tokens: radixserve {t:6.2f} s (token {tok})"
                 if vllm is not None:
+                    time.sleep(args.settle)
                     tv, tok_v = vllm.ttft(prompts[n])
                     theirs[n].append(tv)
                     line += f"   vLLM {tv:6.2f} s (token {tok_v})"
