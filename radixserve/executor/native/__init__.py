@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -205,7 +206,7 @@ def paged_decode(
 
 # Flags of the portable build of the prefill kernel (no AVX-512 at all): what a machine
 # without it runs; tests build it here too so that path is checked on this machine.
-PORTABLE_FLAGS = ("-mno-avx512f",)
+PORTABLE_FLAGS = ("-mno-avx512f",) if platform.machine() in ("x86_64", "AMD64") else ()
 
 
 @cache
