@@ -257,9 +257,14 @@ def main() -> None:
     vllm = None
     if args.vllm_python is not None:
         print(f"starting vLLM ({args.vllm_python}) on {model} ...", flush=True)
-        vllm = VllmWorker(args.vllm_python, model, max(lengths) + 16)
-        vllm.ttft(warmup)
-        print(f"vLLM {vllm.version} ready", flush=True)
+        try:
+            vllm = VllmWorker(args.vllm_python, model, max(lengths) + 16)
+            vllm.ttft(warmup)
+            print(f"vLLM {vllm.version} ready", flush=True)
+        except RuntimeError as exc:  # e.g. vLLM not installed in that interpreter
+            last = str(exc).strip().splitlines()[-1]
+            vllm_note = f"vLLM not run: its worker failed ({last}): ratios are null"
+            vllm = None
     elif vllm_note is None:
         vllm_note = "vLLM not run (no --vllm-python): ratios are null"
 
