@@ -11,7 +11,14 @@ import torch.nn.functional as F
 
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache
-from radixserve.executor.native import load_paged_decode, paged_decode, paged_decode_supports
+from radixserve.executor.native import (
+    load_paged_decode,
+    load_paged_prefill,
+    paged_decode,
+    paged_decode_supports,
+    paged_prefill,
+    paged_prefill_supports,
+)
 
 
 class AttentionBackend(Protocol):
@@ -59,6 +66,19 @@ class _PrefillGroup:
 
 
 @dataclass
+class _NativePrefillGroup:
+    """Every request of the step with more than one query (fresh prompts and chunks extending
+    cached KV alike), for the C kernel: request b's queries are flat rows
+    ``q_starts[b] .. q_starts[b] + q_lens[b] - 1``, at positions ``seq_lens[b] - q_lens[b] ..``,
+    and its KV fills ``page_tables[b, :ceil(seq_lens[b] / page_size)]``. All int32."""
+
+    page_tables: torch.Tensor  # [b, max_pages]
+    q_starts: torch.Tensor  # [b]
+    q_lens: torch.Tensor  # [b]
+    seq_lens: torch.Tensor  # [b]
+
+
+@dataclass
 class TorchNativeMetadata:
     slot_pages: torch.Tensor  # [T] page of each new token's KV
     slot_offsets: torch.Tensor  # [T] its slot within the page
@@ -69,6 +89,7 @@ class TorchNativeMetadata:
     # explicit scores like fresh prompts
     context_spans: list[tuple[int, int, int, torch.Tensor]]
     prefill: _PrefillGroup | None
+    native_prefill: _NativePrefillGroup | None = None
 
 
 _SMALL_CAUSAL = 1024  # longest prompt attended with explicit scores (L x L per head group)
@@ -83,6 +104,11 @@ class TorchNativeAttention:
     * prompts with no cached prefix: causal attention on the step's own q/k/v (no cache
       read), batched matmuls for short prompts, torch's flash kernel for long ones;
     * chunks that extend cached KV: pages gathered into a padded batch + masked SDPA.
+
+    Where the C prefill kernel builds (``native/paged_prefill.c``), every prompt chunk, fresh
+    or extending cached KV, goes to it instead, in one call per layer: it reads the pages in
+    place, blockwise with an online softmax, so a chunk's cost grows with its queries times
+    its keys and nothing else; the PyTorch paths above are the fallback.
 
     Invariant: the KV written by a step is visible to that step's own queries (writes happen
     before any read), and no query attends past its own position.
@@ -99,6 +125,10 @@ class TorchNativeAttention:
             kv_cache.k.dtype, num_heads // kv_heads, head_dim, page_size
         )
         self.native = load_paged_decode() if use_native and supported else None
+        prefill_supported = kv_cache.k.device.type == "cpu" and paged_prefill_supports(
+            kv_cache.k.dtype, num_heads // kv_heads, head_dim
+        )
+        self.native_prefill = load_paged_prefill() if use_native and prefill_supported else None
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
@@ -107,6 +137,17 @@ class TorchNativeAttention:
     # -- per step -------------------------------------------------------------------------
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
         is_decode = batch.q_lens == 1
+        if self.native_prefill is not None:
+            return TorchNativeMetadata(
+                slot_pages=torch.from_numpy(batch.slot_mapping // batch.page_size),
+                slot_offsets=torch.from_numpy(batch.slot_mapping % batch.page_size),
+                num_tokens=batch.num_tokens,
+                decode=self._decode_group(batch, np.flatnonzero(is_decode)),
+                fresh_spans=[],
+                context_spans=[],
+                prefill=None,
+                native_prefill=self._native_prefill_group(batch, np.flatnonzero(~is_decode)),
+            )
         is_fresh = ~is_decode & (batch.seq_lens == batch.q_lens)
         is_short_context = (
             ~is_decode
@@ -154,6 +195,22 @@ class TorchNativeAttention:
             bias=bias,
         )
 
+    @staticmethod
+    def _native_prefill_group(batch: ForwardBatch, idx: np.ndarray) -> _NativePrefillGroup | None:
+        if idx.size == 0:
+            return None
+        max_pages = int(-(-batch.seq_lens[idx].max() // batch.page_size))
+
+        def int32(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
+
+        return _NativePrefillGroup(
+            page_tables=int32(batch.page_tables[idx, :max_pages]),
+            q_starts=int32(batch.query_start_loc[idx]),
+            q_lens=int32(batch.q_lens[idx]),
+            seq_lens=int32(batch.seq_lens[idx]),
+        )
+
     def _prefill_group(self, batch: ForwardBatch, idx: np.ndarray) -> _PrefillGroup | None:
         if idx.size == 0:
             return None
@@ -198,6 +255,20 @@ class TorchNativeAttention:
         if meta.prefill is not None:
             g = meta.prefill
             out[g.out_index] = self._prefill(g, q, k_cache, v_cache)[g.valid]
+        if meta.native_prefill is not None:
+            n = meta.native_prefill
+            paged_prefill(
+                self.native_prefill,
+                q,
+                k_cache,
+                v_cache,
+                n.page_tables,
+                n.q_starts,
+                n.q_lens,
+                n.seq_lens,
+                self.scale,
+                out,
+            )
         return out.view(meta.num_tokens, -1)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,11 @@
-"""Paged attention against dense float64 references: the native decode kernel, the PyTorch
-decode path, and mixed steps (fresh prompts, chunks extending cached KV, decodes)."""
+"""Paged attention against dense float64 references: the native decode and prefill kernels
+(the prefill kernel also in its portable, non-AVX-512 build), the PyTorch paths, mixed steps
+(fresh prompts, chunks extending cached KV, decodes) and a prompt run chunk by chunk."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import shutil
 
 import numpy as np
@@ -11,10 +14,19 @@ import torch
 
 from radixserve.executor.attention import TorchNativeAttention
 from radixserve.executor.forward_batch import ForwardBatch
-from radixserve.executor.native import load_paged_decode, paged_decode, paged_decode_supports
+from radixserve.executor.native import (
+    load_paged_decode,
+    load_paged_prefill,
+    paged_decode,
+    paged_decode_supports,
+    paged_prefill,
+    paged_prefill_supports,
+)
 
 needs_compiler = pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+    (shutil.which("cc") is None and shutil.which("gcc") is None)
+    or os.environ.get("RADIXSERVE_NATIVE") == "0",
+    reason="no C compiler, or native kernels turned off",
 )
 
 
@@ -165,10 +177,10 @@ def _dense_causal_reference(q, k_cache, v_cache, tables, seq_lens, q_lens):
     return out
 
 
-@pytest.mark.parametrize("path", ["explicit", "padded-sdpa"])
+@pytest.mark.parametrize("path", ["explicit", "padded-sdpa", "native"])
 def test_mixed_step_matches_dense_reference(path, monkeypatch):
     """One step with a fresh prompt, two chunks extending cached KV and a decode, through
-    either implementation of the cached-context path."""
+    each implementation of the prompt paths (the two PyTorch ones and the C kernel)."""
     import radixserve.executor.attention as attention
 
     if path == "padded-sdpa":
@@ -203,12 +215,137 @@ def test_mixed_step_matches_dense_reference(path, monkeypatch):
         logits_indices=starts[1:] - 1,
         page_size=page_size,
     )
-    backend = TorchNativeAttention(_Cache(k_cache, v_cache), heads, d)
+    backend = TorchNativeAttention(_Cache(k_cache, v_cache), heads, d, use_native=path == "native")
+    if path == "native" and backend.native_prefill is None:
+        pytest.skip("native prefill kernel unavailable")
     meta = backend.prepare(batch)
-    assert (len(meta.context_spans), meta.prefill is not None) == (
-        (2, False) if path == "explicit" else (0, True)
-    )
+    assert (len(meta.context_spans), meta.prefill is not None, meta.native_prefill is not None) == {
+        "explicit": (2, False, False),
+        "padded-sdpa": (0, True, False),
+        "native": (0, False, True),
+    }[path]
     out = backend.forward(0, q, new_k, new_v, meta).view(total, heads, d)
     # the caches now hold the new tokens too
     ref = _dense_causal_reference(q, k_cache, v_cache, tables, seq_lens, q_lens)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+PREFILL_CASES = [
+    # seq_lens, q_lens, heads, kv_heads, head_dim, page_size: fresh prompts (q == seq),
+    # prefixes ending mid-page, chunks across query blocks (96 rows) and key tiles (32)
+    ([300, 77, 5], [100, 77, 1], 9, 3, 64, 16),
+    ([50, 5, 33], [49, 3, 33], 4, 4, 32, 1),
+    ([130, 64], [130, 31], 8, 1, 128, 7),
+    ([99, 40], [33, 1], 6, 2, 48, 5),
+    ([71, 200], [70, 97], 8, 2, 96, 3),
+    ([257], [250], 16, 1, 16, 32),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("portable", [False, True], ids=["native-build", "portable-build"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_kernel_matches_dense_reference(case, dtype, portable):
+    """The C prefill kernel, both builds: this machine's (AVX-512, bf16 products where head
+    sizes are multiples of 32) and the portable one, over shuffled pages, with q a strided
+    view as the model hands it over (q and k of one fused projection)."""
+    lib = load_paged_prefill(portable=portable)
+    assert lib is not None, "the prefill kernel did not build although a compiler exists"
+    seq_lens, q_lens, heads, kv_heads, d, page_size = case
+    assert paged_prefill_supports(dtype, heads // kv_heads, d)
+    g = torch.Generator().manual_seed(7)
+    b = len(seq_lens)
+    max_pages = -(-max(seq_lens) // page_size)
+    num_pages = b * max_pages + 2
+    k = torch.randn(num_pages, kv_heads, page_size, d, generator=g).to(dtype)
+    v = torch.randn(num_pages, kv_heads, page_size, d, generator=g).to(dtype)
+    tables = torch.randperm(num_pages, generator=g)[: b * max_pages].view(b, max_pages)
+    total = sum(q_lens)
+    qk = torch.randn(total, heads + kv_heads, d, generator=g).to(dtype)
+    q = qk[:, :heads]  # token stride (heads + kv_heads) * d
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+    out = torch.full((total, heads, d), float("nan"), dtype=dtype)
+    paged_prefill(
+        lib,
+        q,
+        k,
+        v,
+        tables.int(),
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(q_lens, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        d**-0.5,
+        out,
+    )
+    ref = _dense_causal_reference(q, k, v, tables, seq_lens, q_lens)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_prefill_kernel_refuses_unsupported_shapes():
+    lib = load_paged_prefill()
+    if lib is None:
+        pytest.skip("native prefill kernel unavailable")
+    assert not paged_prefill_supports(torch.float32, 32, 64)  # group > 16
+    assert not paged_prefill_supports(torch.float32, 2, 33)  # odd head size
+    assert not paged_prefill_supports(torch.float16, 1, 64)
+    k = torch.zeros(2, 1, 4, 16)
+    q = torch.zeros(3, 32, 16)
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="group 32"):
+        paged_prefill(lib, q, k, k, one.view(1, 1), one * 0, one * 3, one * 3, 0.25, q.clone())
+    assert TorchNativeAttention(_Cache(k, k), 32, 16).native_prefill is None
+
+
+@pytest.mark.parametrize("use_native", [False, True], ids=["torch", "native"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_in_chunks_matches_dense_reference(use_native, dtype, monkeypatch):
+    """One 300-token prompt through the backend in chunks that end anywhere (mid-page,
+    across key tiles and query blocks), after a cached prefix that ends mid-page: each chunk
+    writes its K/V, then attends over everything before it. The torch side runs with small
+    explicit-path limits so its padded SDPA path is covered too."""
+    import radixserve.executor.attention as attention
+
+    if not use_native:
+        monkeypatch.setattr(attention, "_SMALL_CONTEXT", 150)
+    heads, kv_heads, d, page_size = 6, 2, 64, 5
+    boundaries = [0, 37, 38, 141, 229, 300]  # [0, 37): the cached prefix
+    length = boundaries[-1]
+    g = torch.Generator().manual_seed(11)
+    num_pages = -(-length // page_size)
+    k_cache = torch.zeros(num_pages + 3, kv_heads, page_size, d, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.randperm(num_pages + 3, generator=g)[:num_pages]
+    q_all = torch.randn(length, heads, d, generator=g).to(dtype)
+    k_all = torch.randn(length, kv_heads, d, generator=g).to(dtype)
+    v_all = torch.randn(length, kv_heads, d, generator=g).to(dtype)
+    backend = TorchNativeAttention(_Cache(k_cache, v_cache), heads, d, use_native=use_native)
+    if use_native and backend.native_prefill is None:
+        pytest.skip("native prefill kernel unavailable")
+    outs = []
+    for start, end in itertools.pairwise(boundaries):
+        positions = np.arange(start, end)
+        slots = table.numpy()[positions // page_size] * page_size + positions % page_size
+        batch = ForwardBatch(
+            input_ids=np.zeros(end - start, dtype=np.int64),
+            positions=positions,
+            q_lens=np.array([end - start]),
+            seq_lens=np.array([end]),
+            query_start_loc=np.array([0, end - start]),
+            page_tables=table.numpy()[None, : -(-end // page_size)],
+            slot_mapping=slots,
+            logits_indices=np.array([end - start - 1]),
+            page_size=page_size,
+        )
+        meta = backend.prepare(batch)
+        sl = slice(start, end)
+        outs.append(backend.forward(0, q_all[sl], k_all[sl], v_all[sl], meta))
+    out = torch.cat(outs[1:]).view(-1, heads, d)
+    # dense reference over the whole sequence, queries after the cached prefix
+    pages = table[None]
+    ref = _dense_causal_reference(
+        q_all[boundaries[1] :], k_cache, v_cache, pages, [length], [length - boundaries[1]]
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

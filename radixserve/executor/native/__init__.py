@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -57,12 +58,12 @@ def _cache_dir() -> Path:
 _EXTRA_FLAGS = {"elementwise.c": ["-ffast-math"]}
 
 
-def _build(source: Path) -> Path | None:
+def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler found: native kernels disabled")
         return None
-    flags = [*_FLAGS, *_EXTRA_FLAGS.get(source.name, [])]
+    flags = [*_FLAGS, *_EXTRA_FLAGS.get(source.name, []), *variant_flags]
     key = hashlib.sha256(
         source.read_bytes() + " ".join([compiler, *flags]).encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
@@ -91,13 +92,13 @@ def _build(source: Path) -> Path | None:
     return target
 
 
-def _load(source: Path) -> ctypes.CDLL | None:
+def _load(source: Path, variant_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library built from ``source``, or None when native kernels are off or it cannot
     be built or loaded."""
     if os.environ.get("RADIXSERVE_NATIVE", "1") == "0":
         return None
     try:
-        path = _build(source)
+        path = _build(source, variant_flags)
     except OSError as exc:  # e.g. an unwritable cache directory
         log.warning("native kernels unavailable: %s", exc)
         return None
@@ -208,3 +209,102 @@ def paged_decode(
     if rc != 0:  # the checks above mirror the kernel's, so this is a bug
         raise RuntimeError(f"{entry} refused its arguments ({rc})")
     return out
+
+
+# Flags of the portable build of the prefill kernel (no AVX-512 at all): what a machine
+# without it runs; tests build it here too so that path is checked on this machine.
+PORTABLE_FLAGS = ("-mno-avx512f",) if platform.machine() in ("x86_64", "AMD64") else ()
+
+
+@cache
+def load_paged_prefill(portable: bool = False) -> ctypes.CDLL | None:
+    """The chunked-prefill attention library (None: use the PyTorch path). ``portable``
+    builds it without AVX-512 (float32 products everywhere)."""
+    lib = _load(_SOURCE.with_name("paged_prefill.c"), PORTABLE_FLAGS if portable else ())
+    if lib is None:
+        return None
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    for name in ("paged_prefill_bf16", "paged_prefill_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, p, p, i, p, p, p, i, i, i, i, i, f, i, p, i64]
+        fn.restype = i
+    lib.paged_prefill_has_fast_bf16.argtypes = []
+    lib.paged_prefill_has_fast_bf16.restype = i
+    return lib
+
+
+_PREFILL_ENTRY = {torch.bfloat16: "paged_prefill_bf16", torch.float32: "paged_prefill_f32"}
+# MAX_GROUP and MAX_HEAD_DIM in paged_prefill.c; head sizes must be even (bf16 pairs)
+_PREFILL_MAX_GROUP, _PREFILL_MAX_HEAD_DIM = 16, 256
+
+
+def paged_prefill_supports(dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    """Whether ``paged_prefill`` handles caches of this dtype and these shapes (any page
+    size)."""
+    return (
+        dtype in _PREFILL_ENTRY
+        and 1 <= group <= _PREFILL_MAX_GROUP
+        and head_dim <= _PREFILL_MAX_HEAD_DIM
+        and head_dim % 2 == 0
+    )
+
+
+def paged_prefill(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of prefill chunks over their pages, written into ``out``.
+
+    Request r's queries are rows ``q_starts[r] .. q_starts[r] + q_lens[r] - 1`` of q
+    [T, heads, d] (any token stride; heads and d contiguous), at positions
+    ``seq_lens[r] - q_lens[r] ..``; its keys ``0 .. seq_lens[r] - 1`` are already in the
+    caches [num_pages, kv_heads, page_size, d] at pages ``page_tables[r]``. Those rows of
+    ``out`` [T, heads, d] (contiguous) get the result; other rows are left alone.
+    page_tables [b, max_pages], q_starts, q_lens, seq_lens [b] are int32."""
+    _, heads, d = q.shape
+    _, kv_heads, page_size, _ = k_cache.shape
+    if not (k_cache.dtype == v_cache.dtype == q.dtype == out.dtype):
+        raise ValueError("q, out and the caches must share a dtype")
+    if not paged_prefill_supports(q.dtype, heads // kv_heads, d):
+        raise ValueError(
+            f"paged_prefill does not handle {q.dtype}, group {heads // kv_heads}, head_dim {d}"
+        )
+    if q.stride(2) != 1 or q.stride(1) != d:
+        q = q.contiguous()
+    for t in (k_cache, v_cache, page_tables, q_starts, q_lens, seq_lens, out):
+        assert t.is_contiguous() and t.device.type == "cpu"
+    for t in (page_tables, q_starts, q_lens, seq_lens):
+        assert t.dtype == torch.int32
+    entry = _PREFILL_ENTRY[q.dtype]
+    rc = getattr(lib, entry)(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        page_tables.data_ptr(),
+        page_tables.shape[1],
+        q_starts.data_ptr(),
+        q_lens.data_ptr(),
+        seq_lens.data_ptr(),
+        q_lens.shape[0],
+        kv_heads,
+        heads // kv_heads,
+        page_size,
+        d,
+        scale,
+        torch.get_num_threads(),
+        out.data_ptr(),
+        out.stride(0),
+    )
+    if rc == -2:
+        raise MemoryError(f"{entry}: no memory for its scratch buffers")
+    if rc != 0:  # the checks above mirror the kernel's, so this is a bug
+        raise RuntimeError(f"{entry} refused its arguments ({rc})")
