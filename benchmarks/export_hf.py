@@ -52,6 +52,14 @@ def export(out: Path, gguf: str | None, dtype: torch.dtype) -> Path:
     return out
 
 
+def export_hf(out: Path, gguf: str | None = None) -> Path:
+    """The bfloat16 export at ``out`` (written once; reused when it already exists)."""
+    out = Path(out)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    return export(out, gguf, torch.bfloat16)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
