@@ -151,6 +151,9 @@ def load_elementwise() -> ctypes.CDLL | None:
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.argtypes = [p, p, p, p, i64, i64, f, i]
         norm.restype = None
+        rotary = getattr(lib, f"rotary_{suffix}")
+        rotary.argtypes = [p, i64, i64, i64, i64, p, p, i]
+        rotary.restype = None
     return lib
 
 
