@@ -23,6 +23,7 @@ from radixserve.api.asgi import (
     error_response,
     json_response,
 )
+from radixserve.api.console import RequestTracker, register_console
 from radixserve.api.engine_client import EngineClient, EngineDead, RequestRejected
 from radixserve.api.metrics import Metrics
 from radixserve.api.openai_protocol import (
@@ -79,6 +80,7 @@ class OpenAIServer:
         self.tokenize = TokenizeBatcher(self.tokenizer)
         self.model_name = config.served_model_name or source_name
         self.metrics = Metrics(lambda: self.client.stats)
+        self.console = RequestTracker()  # timings of recent requests for /v1/engine/stats
         self._token_texts: dict[int, str] = {}
         self.created = int(time.time())
 
@@ -276,8 +278,28 @@ class OpenAIServer:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[tuple[int, Delta]]:
-        """Yield (prompt index, delta) for all prompts' samples, as they come."""
+        """Yield (prompt index, delta) for all prompts' samples, as they come (tracked
+        for the console's dashboard)."""
         base = uuid.uuid4().hex
+        for i, ids in enumerate(prompts):
+            self.console.start(f"{base}-{i}", len(ids), n)
+        try:
+            async for i, delta in self._run(base, prompts, fields, n, cache_salt, priority):
+                self.console.observe(delta)
+                yield i, delta
+        finally:
+            for i in range(len(prompts)):
+                self.console.close(f"{base}-{i}")
+
+    async def _run(
+        self,
+        base: str,
+        prompts: list[list[int]],
+        fields: dict,
+        n: int,
+        cache_salt: str | None,
+        priority: int,
+    ) -> AsyncIterator[tuple[int, Delta]]:
         if len(prompts) == 1:  # the common case: no fan-in queue, no extra tasks
             async for delta in self.client.generate(
                 f"{base}-0", prompts[0], fields, n, cache_salt, priority
@@ -346,6 +368,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         return None if ok else APIError(401, "invalid or missing API key", "authentication_error")
 
     app = ASGIApp(config.max_body_bytes, authorize, server.client.start, server.client.shutdown)
+    register_console(app, server)
 
     def engine_route(path: str, model: type[BaseModel]):
         """A POST route that runs the engine: aborted if the client goes away."""
