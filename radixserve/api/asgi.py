@@ -106,6 +106,7 @@ class Route:
     handler: Handler
     watch_disconnect: bool = False  # cancel the handler when the client goes away
     body_schema: dict | None = None  # JSON schema of the request body, for /openapi.json
+    in_schema: bool = True  # listed in /openapi.json (the console's static files are not)
 
 
 class ASGIApp:

@@ -14,6 +14,8 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
+import numpy as np
+
 from radixserve.api.asgi import APIError, ASGIApp, HTTPRequest, Response, json_response
 from radixserve.api.engine_client import EngineDead
 from radixserve.api.protocol import Delta
@@ -31,7 +33,7 @@ _CSP = (
     b"default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     b"connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
 )
-_RADIX_MAX_NODES = 2000
+_RADIX_MAX_NODES = 512  # the engine-side cost grows with it (benchmarks/console_radix.py)
 _RADIX_MAX_DEPTH = 64
 
 
@@ -186,10 +188,10 @@ def register_console(app: ASGIApp, server: OpenAIServer) -> None:
 
         return handler
 
-    app.route("GET", "/")(page("index.html"))
-    app.route("GET", "/console")(page("index.html"))
+    app.route("GET", "/", in_schema=False)(page("index.html"))
+    app.route("GET", "/console", in_schema=False)(page("index.html"))
     for name in _STATIC:
-        app.route("GET", f"/console/{name}")(page(name))
+        app.route("GET", f"/console/{name}", in_schema=False)(page(name))
 
     @app.route("GET", "/v1/engine/stats")
     async def engine_stats(_: HTTPRequest) -> Response:
@@ -238,8 +240,22 @@ def register_console(app: ASGIApp, server: OpenAIServer) -> None:
         if s.error is not None:
             raise APIError(400, s.error)
         decode = server.tokenizer.decode
-        nodes = [
-            {
+        nodes = []
+        for (
+            node_id,
+            parent,
+            ns,
+            depth,
+            tokens,
+            subtree,
+            pages,
+            locks,
+            age,
+            children,
+            raw,
+        ) in s.nodes:
+            preview = np.frombuffer(raw, dtype="<i4").tolist()
+            node = {
                 "id": node_id,
                 "parent": parent,
                 "namespace": ns,
@@ -253,20 +269,7 @@ def register_console(app: ASGIApp, server: OpenAIServer) -> None:
                 "preview_ids": preview,
                 "preview_text": decode(preview) if preview else None,
             }
-            for (
-                node_id,
-                parent,
-                ns,
-                depth,
-                tokens,
-                subtree,
-                pages,
-                locks,
-                age,
-                children,
-                preview,
-            ) in s.nodes
-        ]
+            nodes.append(node)
         return json_response(
             {
                 "object": "radix_summary",

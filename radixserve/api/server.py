@@ -548,6 +548,8 @@ def openapi_document(app: ASGIApp) -> dict:
     error = {"description": "an OpenAI-shaped error: {error: {message, type, param, code}}"}
     for path, methods in sorted(app.routes.items()):
         for method, route in methods.items():
+            if not route.in_schema:
+                continue
             op: dict[str, Any] = {
                 "operationId": f"{method.lower()}_{path.strip('/').replace('/', '_') or 'root'}",
                 "responses": {"200": {"description": "OK"}, "4XX": error, "503": error},

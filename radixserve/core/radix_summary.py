@@ -1,8 +1,8 @@
 """A bounded summary of a RadixCache for display: the biggest subtrees first, depth-limited.
 
 The cost does not grow with the tree: at most ``max_nodes`` nodes are reported and at most
-``max_scanned`` child entries are looked at in all (a node with more children than that has
-only its first ones compared). Subtree sizes come from ``RadixNode.subtree_tokens``, kept
+``max_scanned`` child entries are looked at in all, at most ``max_scanned_per_node`` of one
+node's (a node with more children has only its first ones compared). Subtree sizes come from ``RadixNode.subtree_tokens``, kept
 up to date by the cache, so nothing below the reported nodes is visited.
 """
 
@@ -16,8 +16,9 @@ from radixserve.core.radix_cache import RadixCache, RadixNode
 
 # one reported node: (id, parent id (-1 for a root), namespace index, depth, edge tokens,
 # subtree tokens, pages, lock count, age (cache touches since its last use), children,
-# the first edge token ids (empty for salted namespaces))
-NodeRow = tuple[int, int, int, int, int, int, int, int, int, int, list[int]]
+# the first edge token ids as little-endian int32 bytes (empty for salted namespaces): one
+# object per row, not one per token)
+NodeRow = tuple[int, int, int, int, int, int, int, int, int, int, bytes]
 
 
 @dataclass
@@ -40,13 +41,17 @@ def summarize(
     max_nodes: int = 256,
     max_depth: int = 8,
     max_children: int = 16,
-    max_scanned: int = 4096,
+    max_scanned: int = 8192,
+    max_scanned_per_node: int = 1024,
     preview_tokens: int = 24,
 ) -> RadixSummaryData:
     """The ``max_nodes`` most token-heavy subtrees, expanded best first (a node's biggest
     ``max_children`` children, to ``max_depth`` edges below a root). Token previews are
     given for the default namespace only: salted namespaces belong to other tenants."""
-    if max_nodes < 1 or max_depth < 0 or max_children < 1 or max_scanned < 1 or preview_tokens < 0:
+    if (
+        min(max_nodes, max_children, max_scanned, max_scanned_per_node) < 1
+        or min(max_depth, preview_tokens) < 0
+    ):
         raise ValueError("summary bounds must be positive")
     out = RadixSummaryData(
         total_nodes=cache.num_nodes,
@@ -68,7 +73,7 @@ def summarize(
             continue
         scanned += 1
         node_id = len(nodes)
-        nodes.append((node_id, -1, ns, 0, 0, root.subtree_tokens, 0, 0, 0, len(root.children), []))
+        nodes.append((node_id, -1, ns, 0, 0, root.subtree_tokens, 0, 0, 0, len(root.children), b""))
         heapq.heappush(heap, (-root.subtree_tokens, next(seq), root, node_id, ns, 0, name is None))
     while heap and len(nodes) < max_nodes:
         _, _, node, node_id, ns, depth, public = heapq.heappop(heap)
@@ -78,7 +83,7 @@ def summarize(
         if depth >= max_depth or scanned >= max_scanned:
             out.truncated = True
             continue
-        budget = min(len(children), max_scanned - scanned)
+        budget = min(len(children), max_scanned - scanned, max_scanned_per_node)
         scanned += budget
         candidates = children.values()
         if budget < len(children):
@@ -94,7 +99,9 @@ def summarize(
                 out.truncated = True
                 break
             child_id = len(nodes)
-            preview = child.key[:preview_tokens].tolist() if public else []
+            preview = (
+                child.key[:preview_tokens].astype("<i4", copy=False).tobytes() if public else b""
+            )
             nodes.append(
                 (
                     child_id,

@@ -120,7 +120,7 @@ def _shared_prefix_requests(client) -> str:
 
 def test_radix_summary_holds_the_shared_prefix(server, client):
     head = _shared_prefix_requests(client)
-    r = httpx.get(server.url + "/v1/engine/radix?max_nodes=2000&max_depth=64", headers=AUTH)
+    r = httpx.get(server.url + "/v1/engine/radix?max_nodes=512&max_depth=64", headers=AUTH)
     body = r.json()
     nodes = {n["id"]: n for n in body["nodes"]}
     shared = [
