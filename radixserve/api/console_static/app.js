@@ -454,7 +454,7 @@
 
   function drawCharts() {
     drawChart($("chart-requests"), [series.running, series.waiting]);
-    drawChart($("chart-kv"), [series.used, series.cached, series.free]);
+    drawChart($("chart-kv"), [series.used, series.cached]);
     drawChart($("chart-hit"), [series.hit, series.hitAll], { max: 1, format: () => "100 %" });
     drawChart($("chart-tps"), [series.promptTps, series.genTps]);
     drawChart($("chart-ttft"), [series.ttft50, series.ttft90, series.ttft99], { format: fmtS });
@@ -525,7 +525,7 @@
               `${n.subtree_tokens} in subtree`,
               `${n.pages} pages`,
               `locks ${n.lock_count}`,
-              `touched ${n.age} lookups ago`,
+              `used ${n.age} cache ops ago`,
               `${n.children} children`,
             ];
       meta.textContent = parts.join(" · ");
