@@ -137,7 +137,10 @@ def test_radix_summary_holds_the_shared_prefix(server, client):
     )
     assert node["tokens"] % body["page_size"] == 0 and node["lock_count"] == 0
     assert nodes[node["parent"]]["subtree_tokens"] >= node["subtree_tokens"]
-    assert body["total_nodes"] + body["namespaces"] >= len(body["nodes"]) and body["engine_cost_ms"] >= 0
+    assert (
+        body["total_nodes"] + body["namespaces"] >= len(body["nodes"])
+        and body["engine_cost_ms"] >= 0
+    )
     small = httpx.get(server.url + "/v1/engine/radix?max_nodes=2", headers=AUTH).json()
     assert len(small["nodes"]) == 2 and small["truncated"]
 
@@ -271,6 +274,29 @@ def test_model_output_with_script_is_shown_as_text(page):
     assert page.locator(".msg.assistant .content").first.text_content() == PAYLOAD
     assert _readout(page, 0, "finish") == "stop"
     assert page.evaluate("typeof window.__pwned") == "undefined"
+
+
+def test_markdown_renders_its_own_tags_only(page):
+    source = (
+        "# T <b>x</b>\n\n**bold** and `<i>code</i>` *em*\n\n- a\n- <u>b</u>\n\n"
+        '```py\n<script>x()</script>\n```\n"><img src=x onerror=alert(1)>\x000\x00'
+    )
+    html = page.evaluate(
+        """(source) => {
+        const div = document.createElement("div");
+        div.innerHTML = radixserveConsole.renderMarkdown(source);
+        return {
+          tags: [...div.querySelectorAll("*")].map((e) => e.tagName.toLowerCase()),
+          pre: div.querySelector("pre code").textContent,
+          code: div.querySelector("p code").textContent,
+          text: div.textContent,
+        };
+      }""",
+        source,
+    )
+    assert sorted(set(html["tags"])) == ["code", "em", "h1", "li", "p", "pre", "strong", "ul"]
+    assert html["pre"] == "<script>x()</script>" and html["code"] == "<i>code</i>"
+    assert "T <b>x</b>" in html["text"] and '"><img src=x onerror=alert(1)>0' in html["text"]
 
 
 def test_dashboard_moves_after_a_request(page, client):

@@ -69,7 +69,7 @@
   function inline(raw) {
     // code spans first (their content is left alone), then bold and italics
     const codes = [];
-    let s = escapeHtml(raw).replace(/`([^`]+)`/g, (_, c) => {
+    let s = escapeHtml(raw.replace(/\u0000/g, "")).replace(/`([^`]+)`/g, (_, c) => {
       codes.push(c);
       return "\u0000" + (codes.length - 1) + "\u0000";
     });
@@ -541,6 +541,7 @@
   // the conversation as sent to the model (for scripts and tests driving the page)
   window.radixserveConsole = {
     messages: () => chat.map((m) => ({ role: m.role, content: m.content })),
+    renderMarkdown,
   };
 
   // -- start ------------------------------------------------------------------------------
