@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from radixserve.api import protocol as p
 from radixserve.api.output_processor import RequestOutputProcessor
+from radixserve.api.request_tracker import RequestTracker
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 
@@ -73,6 +74,7 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._queries: dict[int, asyncio.Future] = {}  # radix summaries asked for
         self._query_ids = itertools.count()
+        self.tracker = RequestTracker()  # recent requests' timings, for /v1/engine/stats
         self.process: subprocess.Popen | None = None
         self.ready: p.Ready | None = None
         self.stats: p.EngineStats | None = None
@@ -158,6 +160,8 @@ class EngineClient:
         pending = _Pending(remaining=n)
         self._pending[request_id] = pending
         self._send(p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority))
+        tracker = self.tracker
+        tracker.start(request_id, len(prompt_token_ids), n)
         finished = False
         try:
             while True:
@@ -170,6 +174,7 @@ class EngineClient:
                     continue
                 if stopped_here:  # a stop string ended this sample: the engine can let go
                     self._send(p.AbortRequest(request_id, item.index))
+                tracker.observe(item)
                 yield item
                 if item.finished:
                     pending.remaining -= 1
@@ -177,6 +182,7 @@ class EngineClient:
                         finished = True
                         return
         finally:
+            tracker.close(request_id)
             self._pending.pop(request_id, None)
             if not finished and self.alive:
                 self._send(p.AbortRequest(request_id))

@@ -23,7 +23,7 @@ from radixserve.api.asgi import (
     error_response,
     json_response,
 )
-from radixserve.api.console import RequestTracker, register_console
+from radixserve.api.console import register_console
 from radixserve.api.engine_client import EngineClient, EngineDead, RequestRejected
 from radixserve.api.metrics import Metrics
 from radixserve.api.openai_protocol import (
@@ -80,7 +80,6 @@ class OpenAIServer:
         self.tokenize = TokenizeBatcher(self.tokenizer)
         self.model_name = config.served_model_name or source_name
         self.metrics = Metrics(lambda: self.client.stats)
-        self.console = RequestTracker()  # timings of recent requests for /v1/engine/stats
         self._token_texts: dict[int, str] = {}
         self.created = int(time.time())
 
@@ -278,28 +277,8 @@ class OpenAIServer:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[tuple[int, Delta]]:
-        """Yield (prompt index, delta) for all prompts' samples, as they come (tracked
-        for the console's dashboard)."""
+        """Yield (prompt index, delta) for all prompts' samples, as they come."""
         base = uuid.uuid4().hex
-        for i, ids in enumerate(prompts):
-            self.console.start(f"{base}-{i}", len(ids), n)
-        try:
-            async for i, delta in self._run(base, prompts, fields, n, cache_salt, priority):
-                self.console.observe(delta)
-                yield i, delta
-        finally:
-            for i in range(len(prompts)):
-                self.console.close(f"{base}-{i}")
-
-    async def _run(
-        self,
-        base: str,
-        prompts: list[list[int]],
-        fields: dict,
-        n: int,
-        cache_salt: str | None,
-        priority: int,
-    ) -> AsyncIterator[tuple[int, Delta]]:
         if len(prompts) == 1:  # the common case: no fan-in queue, no extra tasks
             async for delta in self.client.generate(
                 f"{base}-0", prompts[0], fields, n, cache_salt, priority
