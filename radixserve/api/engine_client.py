@@ -178,6 +178,14 @@ class EngineClient:
             if not finished and self.alive:
                 self._send(p.AbortRequest(request_id))
 
+    def abort(self, request_id: str) -> bool:
+        """Abort a running request in the engine: its samples end with reason "abort".
+        False if no request of that id is running here."""
+        if request_id not in self._pending or not self.alive:
+            return False
+        self._send(p.AbortRequest(request_id))
+        return True
+
     def _send(self, msg: p.ToEngine) -> None:
         """Queue ``msg``; everything queued in one event-loop turn leaves as one message."""
         if not self._outgoing:
