@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -156,6 +157,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self.server = server
         self.keys = [key.encode() for key in server.config.api_keys]
         self.running: dict[str, str] = {}
+        # engine request ids: unique in this process, and apart from the HTTP API's
+        self._prefix = uuid.uuid4().hex[:12]
+        self._count = itertools.count()
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         """``authorization: Bearer KEY`` metadata, compared in constant time per key."""
@@ -222,8 +226,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         server.check_prompt(ids, max_tokens)
         return ids, fields, n
 
-    def _response(self, rid: str, d: Any, wants_logprobs: bool) -> pb.GenerateResponse:
-        out = pb.GenerateResponse(request_id=rid, index=d.index, token_ids=d.token_ids, text=d.text)
+    def _add(self, out: pb.GenerateResponse, d: Any, wants_logprobs: bool) -> None:
+        """Append delta ``d`` (of ``out``'s sample) to ``out``."""
+        out.token_ids.extend(d.token_ids)
+        out.text += d.text
         if wants_logprobs and d.logprobs:
             text = self.server.token_text
             out.logprobs.extend(
@@ -237,45 +243,51 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 )
                 for t, lp, top in d.logprobs
             )
-        return out
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         await self._authorize(context)
         input_name = request.WhichOneof("input") or "input"
-        rid = request.request_id or uuid.uuid4().hex
+        engine_id = f"grpc-{self._prefix}-{next(self._count)}"
+        rid = request.request_id or engine_id
         if rid in self.running:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running"
             )
-        try:
-            self._ready()
+        try:  # (a dead engine is found by generate_batches: UNAVAILABLE)
             ids, fields, n = await self._prompt(request)
         except APIError as error:
             await self._fail(context, error, input_name)
             return
-        engine_id = f"grpc-{uuid.uuid4().hex}"
         self.running[rid] = engine_id
         timer = RequestTimer(self.server.metrics)
         wants_logprobs = fields.get("logprobs") is not None
         completion: dict[int, int] = {}
         error: APIError | None = None
         try:
-            async for d in self.server.client.generate(
+            # one message per sample for everything that arrived while the last one was
+            # being written: a stream that keeps up gets a message per engine step
+            async for batch in self.server.client.generate_batches(
                 engine_id, ids, fields, n, request.cache_salt or None, request.priority
             ):
-                self.server._observe(d)
-                timer.delta(d.index, d)
-                out = self._response(rid, d, wants_logprobs)
-                completion[d.index] = completion.get(d.index, 0) + len(d.token_ids)
-                if d.finished:
-                    out.finish_reason = d.finish_reason or ""
-                    out.error = d.error or ""
-                    out.usage.prompt_tokens = len(ids)
-                    out.usage.completion_tokens = completion[d.index]
-                    out.usage.cached_tokens = d.num_cached_tokens
-                yield out
+                outs: dict[int, pb.GenerateResponse] = {}
+                for d in batch:
+                    self.server._observe(d)
+                    timer.delta(d.index, d)
+                    out = outs.get(d.index)
+                    if out is None:
+                        out = outs[d.index] = pb.GenerateResponse(request_id=rid, index=d.index)
+                    self._add(out, d, wants_logprobs)
+                    completion[d.index] = completion.get(d.index, 0) + len(d.token_ids)
+                    if d.finished:
+                        out.finish_reason = d.finish_reason or ""
+                        out.error = d.error or ""
+                        out.usage.prompt_tokens = len(ids)
+                        out.usage.completion_tokens = completion[d.index]
+                        out.usage.cached_tokens = d.num_cached_tokens
+                for out in outs.values():
+                    yield out
             timer.finish(len(ids))
         except (RequestRejected, EngineDead) as exc:
             error = _engine_error(exc)
