@@ -369,6 +369,22 @@ async def run_grpc_load(target: str, jobs: list[Job], concurrency: int, channels
             await channel.close()
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (its threads; not its children)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_stub_grpc(args) -> dict[str, float]:
     """One stub server with ``--grpc-port``: the same streamed jobs over HTTP (SSE) and over
     gRPC, alternating (HTTP, gRPC) ``--grpc-rounds`` times; each side's median run counts."""
@@ -398,11 +414,16 @@ def run_stub_grpc(args) -> dict[str, float]:
                     coro = run_load(server.url, model, jobs, args.stub_concurrency, float("inf"))
                 else:
                     coro = run_grpc_load(target, jobs, args.stub_concurrency, channels)
+                server_cpu, client_cpu = _cpu_s(server.proc.pid), _own_cpu_s()
                 s = summarize(*run_async(coro))
+                s["server_cpu_ms"] = 1e3 * (_cpu_s(server.proc.pid) - server_cpu) / len(jobs)
+                s["client_cpu_ms"] = 1e3 * (_own_cpu_s() - client_cpu) / len(jobs)
                 runs[label].append(s)
                 print(
                     f"stub {label:>4} streamed: {s['request_throughput']:.0f} req/s "
-                    f"({s['failed']} failed), median TTFT {s.get('median_ttft_ms', 0):.1f} ms"
+                    f"({s['failed']} failed), median TTFT {s.get('median_ttft_ms', 0):.1f} ms, "
+                    f"CPU per request: server {s['server_cpu_ms']:.2f} ms (frontend process), "
+                    f"client {s['client_cpu_ms']:.2f} ms"
                 )
         out: dict[str, float] = {}
         for label, series in runs.items():
@@ -411,6 +432,8 @@ def run_stub_grpc(args) -> dict[str, float]:
             out[f"{label}_streamed_req_s"] = median["request_throughput"]
             out[f"{label}_failed"] = sum(s["failed"] for s in series)
             out[f"{label}_median_ttft_ms"] = median.get("median_ttft_ms", 0.0)
+            out[f"{label}_server_cpu_ms_per_req"] = median["server_cpu_ms"]
+            out[f"{label}_client_cpu_ms_per_req"] = median["client_cpu_ms"]
         out["grpc_channels"] = channels
         return out
     finally:

@@ -317,6 +317,20 @@ def test_200_concurrent_streams_complete(srv):
     assert all(o["usage"].completion_tokens == 4 for o in outs)
 
 
+def test_sigterm_drains_streams_in_flight(srv):
+    """(Stops ``srv``: the last test on it.) SIGTERM lets a running gRPC stream finish, then
+    the server exits 0."""
+    req = pb.GenerateRequest(
+        text="drain", sampling_params=_sp(max_tokens=300, temperature=0, ignore_eos=True)
+    )
+    call = srv.stub.Generate(req, timeout=60)
+    first = next(call)
+    srv.http.proc.send_signal(signal.SIGTERM)
+    out = _collect([first, *call])[0]
+    assert out["finish"] == "length" and len(out["ids"]) == 300
+    assert srv.http.proc.wait(30) == 0
+
+
 def test_health_serving_and_api_key(guarded):
     check = guarded.health.Check(health_pb2.HealthCheckRequest(service=""))  # no key needed
     assert check.status == health_pb2.HealthCheckResponse.SERVING
@@ -400,7 +414,12 @@ def test_overload_is_resource_exhausted(guarded):
 
 
 def test_engine_death_flips_health_and_is_unavailable(guarded):
+    call = guarded.stub.Generate(_long(), metadata=AUTH)
+    assert not next(call).finish_reason
     os.kill(guarded.http.engine_pid(), signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as info:  # the stream in flight ends UNAVAILABLE
+        list(call)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     deadline = time.monotonic() + 2.0
     request = health_pb2.HealthCheckRequest(service="")
     while guarded.health.Check(request).status != health_pb2.HealthCheckResponse.NOT_SERVING:
