@@ -255,17 +255,17 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running"
             )
-        try:  # (a dead engine is found by generate_batches: UNAVAILABLE)
-            ids, fields, n = await self._prompt(request)
-        except APIError as error:
-            await self._fail(context, error, input_name)
-            return
-        self.running[rid] = engine_id
-        timer = RequestTimer(self.server.metrics)
-        wants_logprobs = fields.get("logprobs") is not None
-        completion: dict[int, int] = {}
+        self.running[rid] = engine_id  # (taken before any await: no two calls share it)
         error: APIError | None = None
         try:
+            try:  # (a dead engine is found by generate_batches: UNAVAILABLE)
+                ids, fields, n = await self._prompt(request)
+            except APIError as exc:
+                error = exc
+                return
+            timer = RequestTimer(self.server.metrics)
+            wants_logprobs = fields.get("logprobs") is not None
+            completion: dict[int, int] = {}
             # one message per sample for everything that arrived while the last one was
             # being written: a stream that keeps up gets a message per engine step
             async for batch in self.server.client.generate_batches(
@@ -293,8 +293,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             error = _engine_error(exc)
         finally:
             self.running.pop(rid, None)
-        if error is not None:
-            await self._fail(context, error, input_name)
+            if error is not None:
+                await self._fail(context, error, input_name)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -388,9 +388,12 @@ class GrpcFrontend:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         address = f"{config.host}:{config.port}"
-        self.port = self.grpc.add_insecure_port(address)
+        try:
+            self.port = self.grpc.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind the gRPC port {address}")
+            raise OSError(f"could not bind the gRPC port {address} (in use?)")
         self._watch: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -429,8 +432,8 @@ def add_grpc(app: Any, config: GrpcConfig) -> None:
 
     async def on_startup() -> None:
         nonlocal frontend
+        frontend = GrpcFrontend(app.server, config)  # binds the port before the engine starts
         await start()
-        frontend = GrpcFrontend(app.server, config)
         await frontend.start()
         log.info("gRPC API on %s:%d", config.host, frontend.port)
 

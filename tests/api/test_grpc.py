@@ -428,3 +428,31 @@ def test_engine_death_flips_health_and_is_unavailable(guarded):
     with pytest.raises(grpc.RpcError) as info:
         list(guarded.stub.Generate(pb.GenerateRequest(text="hi"), metadata=AUTH))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_taken_grpc_port_fails_startup(tiny_llama):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "radixserve.api.cli",
+                "serve",
+                "--model",
+                str(tiny_llama),
+                "--port",
+                str(free_port()),
+                "--grpc-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode != 0
+    assert f"could not bind the gRPC port 127.0.0.1:{port}" in proc.stderr + proc.stdout
