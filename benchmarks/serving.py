@@ -6,6 +6,8 @@
     python benchmarks/serving.py --launch --workload random --sweep 1,4,16,64 --num-requests 64
     # the frontend's own cost: radixserve on a simulated device with instant tokens
     python benchmarks/serving.py --stub
+    # the same, streamed over gRPC vs HTTP (SSE) from one server, in one run
+    python benchmarks/serving.py --stub --grpc
     # any other server:
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --model NAME --workload random
 
@@ -307,6 +309,137 @@ def run_stub(args) -> dict[str, float]:
         server.stop()
 
 
+async def grpc_request(stub, job: Job) -> Result:
+    """One streamed Generate call (radixserve.v1), timed as ``one_request`` times SSE."""
+    import grpc
+
+    from radixserve.api.proto.radixserve.v1 import generate_pb2 as pb
+
+    req = pb.GenerateRequest(
+        text=job.prompt,
+        sampling_params=pb.SamplingParams(
+            max_tokens=job.max_tokens, temperature=0, ignore_eos=True
+        ),
+    )
+    start = time.perf_counter()
+    res = Result(ok=False)
+    last = None
+    try:
+        async for msg in stub.Generate(req, timeout=600):
+            now = time.perf_counter()
+            if msg.text:
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+            if msg.finish_reason:
+                res.prompt_tokens = msg.usage.prompt_tokens
+                res.output_tokens = msg.usage.completion_tokens
+        res.e2e = time.perf_counter() - start
+        res.ok = True
+    except grpc.aio.AioRpcError as exc:
+        res.error = f"{exc.code()}: {exc.details()}"
+    return res
+
+
+async def run_grpc_load(target: str, jobs: list[Job], concurrency: int, channels: int = 4):
+    """``jobs`` over gRPC, at most ``concurrency`` in flight, spread over ``channels``
+    channels (each its own HTTP/2 connection, multiplexing its calls); the results and the
+    wall time."""
+    import grpc
+
+    from radixserve.api.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
+
+    slots = asyncio.Semaphore(concurrency)
+    options = [("grpc.use_local_subchannel_pool", 1)]  # a connection per channel
+    pool = [grpc.aio.insecure_channel(target, options=options) for _ in range(channels)]
+    stubs = [pb_grpc.GenerateServiceStub(channel) for channel in pool]
+
+    async def guarded(i: int, job: Job) -> Result:
+        async with slots:
+            return await grpc_request(stubs[i % channels], job)
+
+    try:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(guarded(i, job) for i, job in enumerate(jobs)))
+        return results, time.perf_counter() - start
+    finally:
+        for channel in pool:
+            await channel.close()
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (its threads; not its children)."""
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_stub_grpc(args) -> dict[str, float]:
+    """One stub server with ``--grpc-port``: the same streamed jobs over HTTP (SSE) and over
+    gRPC, alternating (HTTP, gRPC) ``--grpc-rounds`` times; each side's median run counts."""
+    grpc_port = 8766
+    server = Launched(
+        [
+            "--simulated-device",
+            "--max-num-seqs",
+            "512",
+            "--max-num-batched-tokens",
+            "8192",
+            "--grpc-port",
+            str(grpc_port),
+        ]
+    )
+    target = f"127.0.0.1:{grpc_port}"
+    channels = args.grpc_channels
+    try:
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        jobs = [Job("hello " * 16, 16) for _ in range(args.stub_requests)]
+        run_async(run_load(server.url, model, jobs[:64], 32, float("inf"), True))
+        run_async(run_grpc_load(target, jobs[:64], 32, channels))
+        runs: dict[str, list[dict]] = {"http": [], "grpc": []}
+        for _ in range(args.grpc_rounds):
+            for label in ("http", "grpc"):
+                if label == "http":
+                    coro = run_load(server.url, model, jobs, args.stub_concurrency, float("inf"))
+                else:
+                    coro = run_grpc_load(target, jobs, args.stub_concurrency, channels)
+                server_cpu, client_cpu = _cpu_s(server.proc.pid), _own_cpu_s()
+                s = summarize(*run_async(coro))
+                s["server_cpu_ms"] = 1e3 * (_cpu_s(server.proc.pid) - server_cpu) / len(jobs)
+                s["client_cpu_ms"] = 1e3 * (_own_cpu_s() - client_cpu) / len(jobs)
+                runs[label].append(s)
+                print(
+                    f"stub {label:>4} streamed: {s['request_throughput']:.0f} req/s "
+                    f"({s['failed']} failed), median TTFT {s.get('median_ttft_ms', 0):.1f} ms, "
+                    f"CPU per request: server {s['server_cpu_ms']:.2f} ms (frontend process), "
+                    f"client {s['client_cpu_ms']:.2f} ms"
+                )
+        out: dict[str, float] = {}
+        for label, series in runs.items():
+            series.sort(key=lambda s: s["request_throughput"])
+            median = series[len(series) // 2]
+            out[f"{label}_streamed_req_s"] = median["request_throughput"]
+            out[f"{label}_failed"] = sum(s["failed"] for s in series)
+            out[f"{label}_median_ttft_ms"] = median.get("median_ttft_ms", 0.0)
+            out[f"{label}_server_cpu_ms_per_req"] = median["server_cpu_ms"]
+            out[f"{label}_client_cpu_ms_per_req"] = median["client_cpu_ms"]
+        out["grpc_channels"] = channels
+        return out
+    finally:
+        server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default=None)
@@ -331,6 +464,11 @@ def main() -> None:
     )
     parser.add_argument("--stub-requests", type=int, default=2000)
     parser.add_argument("--stub-concurrency", type=int, default=64)
+    parser.add_argument(
+        "--grpc", action="store_true", help="with --stub: streamed over gRPC vs HTTP, one run"
+    )
+    parser.add_argument("--grpc-channels", type=int, default=4, help="gRPC client connections")
+    parser.add_argument("--grpc-rounds", type=int, default=3, help="HTTP/gRPC alternations")
     parser.add_argument("--probe-health", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -338,6 +476,9 @@ def main() -> None:
         probe_health(args.probe_health)
         return
 
+    if args.stub and args.grpc:
+        print(json.dumps({k: round(v, 2) for k, v in run_stub_grpc(args).items()}))
+        return
     if args.stub:
         print(json.dumps({k: round(v, 2) for k, v in run_stub(args).items()}))
         return

@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit (MiB)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
+    srv.add_argument(
+        "--grpc-port", type=int, default=None, help="also serve the gRPC API on this port (off)"
+    )
     add_engine_args(srv)
 
     sim = sub.add_parser(
@@ -307,6 +310,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         shutdown_timeout_s=args.shutdown_timeout,
+        grpc_port=args.grpc_port,
     )
     return 0
 

@@ -152,16 +152,10 @@ class EngineClient:
     ) -> AsyncIterator[p.Delta]:
         """Yield the deltas of ``n`` samples, with their text, until all have finished.
         Cancelling (client gone) aborts the request in the engine."""
-        if not self.alive:
-            raise EngineDead("the engine is not running")
-        outputs = RequestOutputProcessor(
-            self.tokenizer, prompt_token_ids, SamplingParams(**params), n
+        outputs, pending = self._start(
+            request_id, prompt_token_ids, params, n, cache_salt, priority
         )
-        pending = _Pending(remaining=n)
-        self._pending[request_id] = pending
-        self._send(p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority))
         tracker = self.tracker
-        tracker.start(request_id, len(prompt_token_ids), n)
         finished = False
         try:
             while True:
@@ -186,6 +180,84 @@ class EngineClient:
             self._pending.pop(request_id, None)
             if not finished and self.alive:
                 self._send(p.AbortRequest(request_id))
+
+    async def generate_batches(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        n: int,
+        cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[list[p.Delta]]:
+        """As ``generate``, but each item is every delta that had arrived by the time the
+        caller asked for more (one or more, in order): a caller slower than the engine (a
+        gRPC stream waiting on its writes) takes them in one go instead of one per turn."""
+        outputs, pending = self._start(
+            request_id, prompt_token_ids, params, n, cache_salt, priority
+        )
+        tracker = self.tracker
+        finished = False
+        try:
+            while pending.remaining:
+                items = [await pending.queue.get()]
+                while not pending.queue.empty():
+                    items.append(pending.queue.get_nowait())
+                batch: list[p.Delta] = []
+                error: BaseException | None = None
+                for item in items:
+                    if isinstance(item, BaseException):
+                        error = item
+                        break
+                    delta, stopped_here = outputs.process(item)
+                    if delta is None:
+                        continue
+                    if stopped_here:  # a stop string ended this sample: the engine can let go
+                        self._send(p.AbortRequest(request_id, delta.index))
+                    tracker.observe(delta)
+                    if delta.finished:
+                        pending.remaining -= 1
+                    batch.append(delta)
+                if batch:
+                    yield batch
+                if error is not None:
+                    finished = True
+                    raise error
+            finished = True
+        finally:
+            tracker.close(request_id)
+            self._pending.pop(request_id, None)
+            if not finished and self.alive:
+                self._send(p.AbortRequest(request_id))
+
+    def _start(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        n: int,
+        cache_salt: str | None,
+        priority: int,
+    ) -> tuple[RequestOutputProcessor, _Pending]:
+        """Register the request (and with the tracker) and send it to the engine."""
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        outputs = RequestOutputProcessor(
+            self.tokenizer, prompt_token_ids, SamplingParams(**params), n
+        )
+        pending = _Pending(remaining=n)
+        self._pending[request_id] = pending
+        self._send(p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority))
+        self.tracker.start(request_id, len(prompt_token_ids), n)
+        return outputs, pending
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a running request in the engine: its samples end with reason "abort".
+        False if no request of that id is running here."""
+        if request_id not in self._pending or not self.alive:
+            return False
+        self._send(p.AbortRequest(request_id))
+        return True
 
     async def radix_summary(
         self, max_nodes: int = 256, max_depth: int = 8, timeout_s: float = 10.0

@@ -3,7 +3,9 @@ heartbeat stats, exported as they are reported)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -79,3 +81,37 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Timings and token counts of one streamed request, into ``Metrics`` (shared by the
+    HTTP and gRPC frontends). Invariants: TTFT is observed once, at the first token of any
+    sample; ITL between consecutive token-bearing deltas of one sample; one success count
+    per finished sample; e2e and token totals once, at ``finish``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.started = time.monotonic()
+        self.first: float | None = None
+        self.last: dict[Hashable, float] = {}
+        self.tokens = 0  # generated so far, all samples
+
+    def delta(self, sample: Hashable, d: Any) -> None:
+        """Count one engine delta (``protocol.Delta``) of ``sample``."""
+        if d.token_ids:
+            now = time.monotonic()
+            if self.first is None:
+                self.first = now
+                self.metrics.ttft.observe(now - self.started)
+            elif sample in self.last:
+                self.metrics.itl.observe(now - self.last[sample])
+            self.last[sample] = now
+        self.tokens += len(d.token_ids)
+        if d.finished:
+            self.metrics.request_success.labels(d.finish_reason or "unknown").inc()
+
+    def finish(self, prompt_tokens: int) -> None:
+        """The request ended normally: its latency and token counts."""
+        self.metrics.e2e.observe(time.monotonic() - self.started)
+        self.metrics.generation_tokens.inc(self.tokens)
+        self.metrics.prompt_tokens.inc(prompt_tokens)

@@ -29,8 +29,13 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     shutdown_timeout_s: float = 30.0,
+    grpc_port: int | None = None,
 ) -> None:
     app = create_app(engine_config, server_config)
+    if grpc_port is not None:  # the gRPC API beside HTTP, on the same engine client
+        from radixserve.api.grpc_server import GrpcConfig, add_grpc
+
+        add_grpc(app, GrpcConfig(grpc_port, host, server_config.max_body_bytes, shutdown_timeout_s))
     config = uvicorn.Config(
         app,
         host=host,

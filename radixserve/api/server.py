@@ -25,7 +25,7 @@ from radixserve.api.asgi import (
 )
 from radixserve.api.console import register_console
 from radixserve.api.engine_client import EngineClient, EngineDead, RequestRejected
-from radixserve.api.metrics import Metrics
+from radixserve.api.metrics import Metrics, RequestTimer
 from radixserve.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -348,6 +348,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
 
     app = ASGIApp(config.max_body_bytes, authorize, server.client.start, server.client.shutdown)
     register_console(app, server)
+    app.server = server  # type: ignore[attr-defined] # (the gRPC frontend shares it)
 
     def engine_route(path: str, model: type[BaseModel]):
         """A POST route that runs the engine: aborted if the client goes away."""
@@ -696,42 +697,27 @@ async def _complete(server, rid, texts, prompts, fields, n, body, chat: bool) ->
 
 async def _stream_events(server, prompts, fields, n, body, on_delta, on_finish, head, usage_obj):
     """Shared SSE loop: head frames, per-delta frames, then usage and [DONE]."""
-    started = time.monotonic()
-    first = None
-    last_time: dict[int, float] = {}
-    total = 0
+    timer = RequestTimer(server.metrics)
     cached: dict[int, int] = {}
     try:
         for frame in head():
             yield frame
         async for i, d in server.run(prompts, fields, n, body.cache_salt, body.priority):
             idx = i * n + d.index
-            now = time.monotonic()
-            if d.token_ids:
-                if first is None:
-                    first = now
-                    server.metrics.ttft.observe(now - started)
-                elif idx in last_time:
-                    server.metrics.itl.observe(now - last_time[idx])
-                last_time[idx] = now
-            total += len(d.token_ids)
+            timer.delta(idx, d)
             if d.text or d.logprobs:
                 yield on_delta(idx, d)
             if d.finished:
                 cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
-                server.metrics.request_success.labels(d.finish_reason or "unknown").inc()
                 if d.finish_reason == "error":
                     yield _sse(
                         APIError(500, d.error or "generation failed", "internal_error").body()
                     )
                 yield on_finish(idx, d.finish_reason)
-        server.metrics.e2e.observe(time.monotonic() - started)
-        server.metrics.generation_tokens.inc(total)
-        server.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        timer.finish(sum(len(p) for p in prompts))
         if body.stream_options is not None and body.stream_options.include_usage:
-            yield _sse(
-                {**usage_obj, "choices": [], "usage": _usage(prompts, total, sum(cached.values()))}
-            )
+            usage = _usage(prompts, timer.tokens, sum(cached.values()))
+            yield _sse({**usage_obj, "choices": [], "usage": usage})
     except (RequestRejected, EngineDead) as exc:
         yield _sse(_engine_error(exc).body())
     yield _DONE
