@@ -27,7 +27,9 @@ from radixserve.executor.linear import Linear
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
-_INT4_N_MULTIPLE = 16  # the CPU int4 packing wants output rows in multiples of 16
+# output rows padded to a multiple of 64: PyTorch's CPU int4 packing wants 16, and in blocks
+# of 64 its layout is the one the native dequantizer reads
+_INT4_N_MULTIPLE = 64
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ def dequantize_int4(
 
 def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """[N, K] codes 0..15 → [N, K/2] uint8, two codes a byte (low nibble first)."""
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -167,13 +169,74 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# From this many rows on, a layer dequantizes its weight to bfloat16 (native dequantizer,
+# a cache-sized chunk of output rows at a time, into a reused buffer) and runs oneDNN's
+# bfloat16 GEMM on each chunk instead of PyTorch's quantized kernel, which wins at a few
+# rows and loses from about ten; the dequantizing pays off from about these counts
+# (benchmarks/quant_matmul.py).
+DEQUANT_GEMM_ROWS_INT8 = 32
+DEQUANT_GEMM_ROWS = 128  # int4
+
+
+_CHUNK_ELEMENTS = 1 << 18  # bfloat16 weights dequantized at a time (512 KiB: in L2)
+
+
+class _Scratch:
+    """One growing bfloat16 buffer for dequantized weights. Invariant: a view handed out
+    is valid until the next ``take`` (layers run one at a time, on one thread)."""
+
+    buf = torch.empty(0, dtype=torch.bfloat16)
+
+    @classmethod
+    def take(cls, rows: int, cols: int) -> torch.Tensor:
+        if cls.buf.numel() < rows * cols:
+            cls.buf = torch.empty(rows * cols, dtype=torch.bfloat16)
+        return cls.buf[: rows * cols].view(rows, cols)
+
+
+def _dequantizer() -> Any:
+    """The native dequantizers, if they build and read PyTorch's int4 layout as checked
+    here (it is PyTorch-internal); None otherwise."""
+    global _DEQUANTIZER
+    if _DEQUANTIZER is False:
+        from radixserve.executor.native import load_qlinear
+
+        lib = load_qlinear()
+        _DEQUANTIZER = lib if lib is not None and _int4_layout_ok(lib) else None
+    return _DEQUANTIZER
+
+
+_DEQUANTIZER: Any = False  # not looked for yet
+
+
+def _int4_layout_ok(lib: Any) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (128, 64), generator=gen, dtype=torch.int32)
+    scale = torch.rand(128, 2, generator=gen).to(torch.bfloat16)
+    zero = torch.rand(128, 2, generator=gen).to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    out = torch.empty(64, 64, dtype=torch.bfloat16)
+    ptrs = (packed.data_ptr(), sz.data_ptr())
+    if lib.qdequant_int4pack_bf16(*ptrs, 128, 64, 32, 64, 64, 1, out.data_ptr()):
+        return False
+    want = dequantize_int4(q, scale, zero, 32)[64:].T
+    return torch.allclose(out.float(), want, rtol=2**-7, atol=1e-2)  # roundings may differ
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
 # -- layers -------------------------------------------------------------------------------------
 class Int8Linear:
     """``y = x @ (q * scale)^T (+ b)``: int8 weights [N, K] with one scale per output row.
 
     Invariant: ``__call__`` computes ``F.linear(x, dequantize_int8(q, scale), bias)`` up to
-    the activation dtype's rounding, through ``_weight_int8pack_mm`` when it is there (and
-    ``use_kernel``), else through the fallback.
+    the activation dtype's rounding: through ``_weight_int8pack_mm`` below
+    ``DEQUANT_GEMM_ROWS_INT8`` rows (``use_kernel``), through the weight dequantized to bfloat16
+    and oneDNN's GEMM from there (bfloat16 inputs, native dequantizer built), else through
+    the plain-torch fallback.
     """
 
     __slots__ = ("bias", "q", "scale", "use_kernel")
@@ -205,10 +268,33 @@ class Int8Linear:
         return dequantize_int8(self.q, self.scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel and x.device.type == "cpu":
-            y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
-            return y if self.bias is None else y + self.bias
-        return self.fallback(x)
+        if not self.use_kernel or x.device.type != "cpu":
+            return self.fallback(x)
+        if x.shape[0] >= DEQUANT_GEMM_ROWS_INT8 and x.dtype == torch.bfloat16:
+            lib = _dequantizer()
+            if lib is not None:
+                return self._dequant_gemm(lib, x)
+        y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def _dequant_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
+        """Output columns a cache-sized chunk of rows at a time."""
+        n, k = self.q.shape
+        chunk = max(64, (_CHUNK_ELEMENTS // k) // 64 * 64)
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        for first in range(0, n, chunk):
+            count = min(chunk, n - first)
+            w = _Scratch.take(count, k)
+            lib.qdequant_int8_bf16(
+                self.q[first].data_ptr(),
+                self.scale[first].data_ptr(),
+                count,
+                k,
+                _threads(),
+                w.data_ptr(),
+            )
+            y[:, first : first + count] = F.linear(x, w)
+        return y if self.bias is None else y + self.bias
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         w = self.q.to(x.dtype) * self.scale.to(x.dtype)[:, None]
@@ -220,8 +306,10 @@ class Int4Linear:
     inputs of each output row.
 
     Invariant: ``__call__`` computes ``F.linear(x, dequantize_int4(...), bias)`` up to the
-    activation dtype's rounding; with the CPU kernel the codes live only in its packed layout
-    (output rows padded to a multiple of 16), else two codes a byte for the fallback.
+    activation dtype's rounding. With PyTorch's kernel the codes live only in its packed
+    layout (output rows padded to a multiple of 64): below ``DEQUANT_GEMM_ROWS`` rows that
+    kernel runs, from there the weight dequantized to bfloat16 and oneDNN's GEMM (bfloat16
+    inputs, native dequantizer built). Without it, two codes a byte for the fallback.
     """
 
     __slots__ = ("bias", "group_size", "in_features", "nibbles", "out_features", "packed", "sz")
@@ -241,8 +329,8 @@ class Int4Linear:
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.nibbles: torch.Tensor | None = None
-        pad = (-n) % _INT4_N_MULTIPLE
         if use_kernel and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            pad = (-n) % _INT4_N_MULTIPLE
             qp = F.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qp, 1)
             sz = torch.stack([F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))], dim=-1)
@@ -272,10 +360,44 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.device.type != "cpu":
             return self.fallback(x)
+        n_pad = self.sz.shape[1]
+        if x.shape[0] >= DEQUANT_GEMM_ROWS and x.dtype == torch.bfloat16:
+            lib = _dequantizer()
+            sz = self.sz if self.sz.dtype == torch.bfloat16 else self.sz.to(torch.bfloat16)
+            if lib is not None:
+                return self._dequant_gemm(lib, x, sz, n_pad)
         sz = self.sz if self.sz.dtype == x.dtype else self.sz.to(x.dtype)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, sz)
         if y.shape[-1] != self.out_features:
             y = y[..., : self.out_features]
+        return y if self.bias is None else y + self.bias
+
+    def _dequant_gemm(
+        self, lib: Any, x: torch.Tensor, sz: torch.Tensor, n_pad: int
+    ) -> torch.Tensor:
+        """Output columns a cache-sized chunk of rows at a time: dequantize the chunk to
+        bfloat16 W^T, multiply, next chunk."""
+        k = self.in_features
+        chunk = max(64, (_CHUNK_ELEMENTS // k) // 64 * 64)
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for first in range(0, self.out_features, chunk):
+            count = min(chunk, n_pad - first)
+            wt = _Scratch.take(k, count)
+            rc = lib.qdequant_int4pack_bf16(
+                self.packed.data_ptr(),
+                sz.data_ptr(),
+                n_pad,
+                k,
+                self.group_size,
+                first,
+                count,
+                _threads(),
+                wt.data_ptr(),
+            )
+            if rc != 0:
+                raise RuntimeError(f"qdequant_int4pack_bf16 refused its arguments ({rc})")
+            last = min(first + count, self.out_features)
+            y[:, first:last] = torch.mm(x, wt[:, : last - first])
         return y if self.bias is None else y + self.bias
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ own dequantization, tiny models quantized against their float weights, flags and
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,7 @@ def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= MATMUL_RTOL * ref.abs().max().item(), (err, ref.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("rows", [1, 7, 64])  # PyTorch's kernel below 32 rows, then ours
 def test_int8_matmul_matches_float64(rows):
     torch.manual_seed(rows)
     w = torch.randn(96, 160) * 0.05
@@ -54,12 +55,13 @@ def test_int8_matmul_matches_float64(rows):
     assert torch.all(err <= scale / 2 + 1e-7)
 
 
+@pytest.mark.parametrize("rows", [9, 200])  # PyTorch's kernel; dequantize + GEMM
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_matmul_matches_float64(group, symmetric):
+def test_int4_matmul_matches_float64(rows, group, symmetric):
     torch.manual_seed(group + symmetric)
-    w = torch.randn(100, 256) * 0.05  # 100 rows: the kernel's padding to 16 is exercised
-    x = torch.randn(9, 256).to(torch.bfloat16)
+    w = torch.randn(100, 256) * 0.05  # 100 rows: the padding to 64 is exercised
+    x = torch.randn(rows, 256).to(torch.bfloat16)
     q, scale, zero = quantize_int4(w, group, symmetric)
     deq = dequantize_int4(q, scale, zero, group)
     ref = _reference(x, deq)
@@ -67,7 +69,7 @@ def test_int4_matmul_matches_float64(group, symmetric):
     fallback = Int4Linear(q, scale, zero, group, use_kernel=False)
     _close(kernel(x), ref)
     _close(fallback(x), ref)
-    assert kernel(x).shape == (9, 100)
+    assert kernel(x).shape == (rows, 100)
     # group-wise error: half a step of the group's scale (plus the zero's bfloat16 rounding);
     # symmetric (Q4_0's rule): one step, where +8 steps clamps to the largest code, +7
     steps = scale.float().abs().repeat_interleave(group, dim=1)
@@ -75,6 +77,20 @@ def test_int4_matmul_matches_float64(group, symmetric):
     assert torch.all((deq - w).abs() <= allowed)
     if symmetric:
         assert torch.all(zero == 0)
+
+
+def test_native_dequantizer_reads_pytorch_int4_layout():
+    """The int4 dequantizer reads PyTorch's internal packed layout; the check at first use
+    (which would turn it off) passes on this PyTorch."""
+    import shutil
+
+    from radixserve.executor import quant
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the native dequantizer is off, PyTorch's kernels run")
+    if os.environ.get("RADIXSERVE_NATIVE") == "0":
+        pytest.skip("native kernels disabled")
+    assert quant._dequantizer() is not None
 
 
 # -- GGUF types ---------------------------------------------------------------------------------
