@@ -8,7 +8,7 @@ The shipped SmolLM2 file is Q4_1: "bf16" runs it dequantized to bfloat16 (``--qu
 none``), "int4" re-quantizes it to int4 g32 with zero points (the file's own codes), "int8"
 to int8 per channel (from the dequantized Q4_1 values).
 
-    python benchmarks/quantized.py [--prompts 64] [--decode-tokens 32]
+    python benchmarks/quantized.py [--prompts 64] [--decode-tokens 32] [--skip-1b | --only-1b]
 
 Last line: JSON with ppl_bf16, ppl_int8, ppl_int4, decode_ratio_int8_bs1,
 decode_ratio_int4_bs1 (and _bs64), tokens/s and weights_gib_1b_* keys.
@@ -100,7 +100,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=64, help="W1 prompts for the perplexity")
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--skip-1b", action="store_true")
+    ap.add_argument("--skip-1b", action="store_true", help="no 1B-shaped weight memory")
+    ap.add_argument("--only-1b", action="store_true", help="only the 1B-shaped weight memory")
     args = ap.parse_args()
     from radixserve import LLM
 
@@ -109,6 +110,8 @@ def main() -> None:
     rates: dict[str, dict[int, float]] = {}
     print(f"{'precision':<10}{'ppl':>10}{'tok/s bs1':>12}{'tok/s bs64':>12}  weights")
     for name, quantization in PRECISIONS.items():
+        if args.only_1b:
+            break
         llm = LLM(None, dtype="bfloat16", quantization=quantization, max_num_seqs=64)
         tok = llm.engine.tokenize
         prompts = [tok(r["prompt"]) for r in requests[: args.prompts]]
@@ -129,16 +132,17 @@ def main() -> None:
         llm.engine.close()
         del llm
         gc.collect()
-    for name in ("int8", "int4"):
+    for name in ("int8", "int4") if rates else ():
         for bs in (1, 64):
             result[f"decode_ratio_{name}_bs{bs}"] = round(rates[name][bs] / rates["bf16"][bs], 3)
-    ppl_bf16 = result["ppl_bf16"]
-    for name in ("int8", "int4"):
-        result[f"ppl_change_{name}_pct"] = round(100 * (result[f"ppl_{name}"] / ppl_bf16 - 1), 3)
+        change = 100 * (result[f"ppl_{name}"] / result["ppl_bf16"] - 1)
+        result[f"ppl_change_{name}_pct"] = round(change, 3)
     if not args.skip_1b:
         for name, quantization in PRECISIONS.items():
             sizes = weights_gib_1b(quantization)
+            copy = sizes.pop("onednn_copy", 0.0)  # bf16 Linear's second, reordered copy
             result[f"weights_gib_1b_{name}"] = round(sum(sizes.values()), 3)
+            result[f"onednn_copy_gib_1b_{name}"] = round(copy, 3)
     print(json.dumps(result))
 
 

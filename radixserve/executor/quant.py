@@ -452,7 +452,8 @@ def quantize_model(model: Any, scheme: QuantScheme) -> None:
 
 def weight_memory(model: Any) -> dict[str, int]:
     """Bytes of the model's weights by precision (``bfloat16``, ``float32``, ``int8``,
-    ``int4``), each tensor counted once (tied embeddings once)."""
+    ``int4``), each tensor counted once (tied embeddings once), and ``onednn_copy``: the
+    bfloat16 copies reordered for oneDNN that ``Linear`` keeps beside its weights."""
     out: dict[str, int] = {}
     seen: set[int] = set()
 
@@ -475,6 +476,8 @@ def weight_memory(model: Any) -> dict[str, int]:
         elif isinstance(value, Linear):
             add_tensor(value.weight)
             add_tensor(value.bias)
+            if value.packed is not None:  # the oneDNN-reordered copy Linear also holds
+                add("onednn_copy", value.packed.nbytes)
         elif isinstance(value, torch.Tensor):
             add_tensor(value)
 
