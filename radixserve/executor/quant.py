@@ -174,7 +174,7 @@ def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 # bfloat16 GEMM on each chunk instead of PyTorch's quantized kernel, which wins at a few
 # rows and loses from about ten; the dequantizing pays off from about these counts
 # (benchmarks/quant_matmul.py).
-DEQUANT_GEMM_ROWS_INT8 = 32
+DEQUANT_GEMM_ROWS_INT8 = 64
 DEQUANT_GEMM_ROWS = 128  # int4
 
 
