@@ -1,9 +1,12 @@
 """Weight-only quantized dense layers on CPU: int8 per output channel, int4 group-wise.
 
-Activations stay in the model's dtype (bfloat16); the weights stay quantized in memory and
-are multiplied by PyTorch's CPU kernels for them (``_weight_int8pack_mm``,
-``_weight_int4pack_mm_for_cpu``), with a plain-torch fallback that computes the same
-function where those kernels are missing or refuse a shape.
+Activations stay in the model's dtype (bfloat16); the weights stay quantized in memory.
+Below a few dozen rows they are multiplied by PyTorch's CPU kernels for them
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), which beat the bfloat16 GEMM
+at one row and lose from about ten; from ``DEQUANT_GEMM_ROWS(_INT8)`` rows (prefill) a
+native dequantizer (native/qlinear.c) turns a cache-sized chunk of rows at a time into
+bfloat16 for oneDNN's GEMM. A plain-torch fallback computes the same function where the
+kernels are missing.
 
 Conventions (those of the kernels):
   * int8: ``W[n, k] = q[n, k] * scale[n]``, ``q`` in [-127, 127];
