@@ -54,7 +54,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph
     disable_cuda_graph: bool = False
     # Dense-layer weights held and multiplied quantized (CPU): auto = a GGUF file in the
-    # closest precision to its own, an HF checkpoint in its dtype; none = the model dtype;
+    # closest precision to its own (with bfloat16 activations; float32 runs it dequantized),
+    # an HF checkpoint in its dtype; none = the model dtype;
     # int8 = per output channel; int4 = groups of quantization_group_size with zero points.
     quantization: str = "auto"  # auto | none | int8 | int4
     quantization_group_size: int = 32  # int4: 32 | 64 | 128

@@ -217,8 +217,10 @@ class Engine:
         scheme = resolve_quantization(
             config.quantization, config.quantization_group_size, checkpoint.gguf_tensor_types
         )
-        if scheme is not None and device.type != "cpu":
-            scheme = None  # auto on a GPU: the quantized kernels here are CPU ones
+        if config.quantization == "auto" and (device.type != "cpu" or self.dtype != torch.bfloat16):
+            # auto quantizes for bfloat16 on the CPU, what the kernels are for; float32 (a
+            # reference run) or a GPU runs the file dequantized
+            scheme = None
         if scheme is not None:
             quantize_model(self.model, scheme)
         del checkpoint, weights
