@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from radixserve.engine.config import DTYPES
+from radixserve.executor.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 from radixserve.scheduler.policy import POLICIES
 
 
@@ -66,6 +67,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="largest decode batch replayed from a CUDA graph",
     )
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly")
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        choices=list(QUANTIZATIONS),
+        help="dense-layer weights: auto (a GGUF file in the closest precision to its own, an HF "
+        "checkpoint in its dtype), none, int8 (per channel), int4 (groups, zero points)",
+    )
+    g.add_argument(
+        "--quantization-group-size", type=int, default=32, choices=list(INT4_GROUP_SIZES)
+    )
+    g.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        help="GiB for weights + KV cache: the KV cache gets what the weights leave "
+        "(instead of --kv-cache-memory)",
+    )
     overlap = g.add_mutually_exclusive_group()
     overlap.add_argument(
         "--enable-overlap",
@@ -118,6 +136,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "load_format": args.load_format,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "disable_cuda_graph": args.disable_cuda_graph,
+        "quantization": args.quantization,
+        "quantization_group_size": args.quantization_group_size,
+        "memory_budget_gb": args.memory_budget,
         "disable_radix_cache": args.disable_radix_cache,
         "schedule_policy": args.schedule_policy,
         "max_waiting_requests": args.max_waiting_requests,
@@ -202,6 +223,8 @@ def run_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
     load_s = time.perf_counter() - t0
+    if getattr(llm.engine, "startup_line", None):
+        print(f"radixserve: {llm.engine.startup_line}", file=sys.stderr)
     params = llm.engine.default_sampling_params(
         **generate_sampling(args, llm.engine.default_sampling),
         max_tokens=args.max_tokens,

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.executor.quant import INT4_GROUP_SIZES, QUANTIZATIONS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -51,6 +53,15 @@ class EngineConfig:
     load_format: str = "auto"  # auto | dummy
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph
     disable_cuda_graph: bool = False
+    # Dense-layer weights held and multiplied quantized (CPU): auto = a GGUF file in the
+    # closest precision to its own (with bfloat16 activations; float32 runs it dequantized),
+    # an HF checkpoint in its dtype; none = the model dtype;
+    # int8 = per output channel; int4 = groups of quantization_group_size with zero points.
+    quantization: str = "auto"  # auto | none | int8 | int4
+    quantization_group_size: int = 32  # int4: 32 | 64 | 128
+    # Total memory for weights + KV cache: the KV cache gets what the weights leave (None:
+    # the KV cache gets kv_cache_memory_gb).
+    memory_budget_gb: float | None = None
 
     def __post_init__(self) -> None:
         if self.simulated_device_time:
@@ -80,6 +91,19 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
+            )
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"quantization_group_size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}"
+                f"; got {self.quantization_group_size}"
+            )
+        if self.quantization in ("int8", "int4") and self.resolved_device != "cpu":
+            raise ValueError(f"quantization {self.quantization!r} runs on the CPU only")
+        if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
+            raise ValueError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

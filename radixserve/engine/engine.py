@@ -44,6 +44,12 @@ from radixserve.executor.loader.safetensors_loader import read_hf_config, read_j
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.models.registry import model_class
+from radixserve.executor.quant import (
+    format_weight_memory,
+    quantize_model,
+    resolve_quantization,
+    weight_memory,
+)
 from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.executor.simulated import CostModel, SimulatedRunner
 from radixserve.scheduler.kv_manager import KVManager
@@ -208,13 +214,38 @@ class Engine:
             for name in list(weights):  # one at a time: host memory stays one tensor over
                 weights[name] = weights[name].to(device, self.dtype)
         self.model = model_class(mc.architecture)(mc, weights, self.dtype)
+        scheme = resolve_quantization(
+            config.quantization, config.quantization_group_size, checkpoint.gguf_tensor_types
+        )
+        if config.quantization == "auto" and (device.type != "cpu" or self.dtype != torch.bfloat16):
+            # auto quantizes for bfloat16 on the CPU, what the kernels are for; float32 (a
+            # reference run) or a GPU runs the file dequantized
+            scheme = None
+        if scheme is not None:
+            quantize_model(self.model, scheme)
         del checkpoint, weights
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         page_bytes = bytes_per_page(
             mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.page_size, self.dtype
         )
-        num_pages = max(1, int(config.kv_cache_memory_gb * 2**30) // page_bytes)
+        self.weight_bytes = weight_memory(self.model)
+        kv_bytes = int(config.kv_cache_memory_gb * 2**30)
+        if config.memory_budget_gb is not None:
+            kv_bytes = int(config.memory_budget_gb * 2**30) - sum(self.weight_bytes.values())
+            if kv_bytes < page_bytes:
+                raise ValueError(
+                    f"memory_budget_gb {config.memory_budget_gb} leaves no room for the KV cache"
+                    f" after {sum(self.weight_bytes.values()) / 2**30:.3f} GiB of weights"
+                )
+        num_pages = max(1, kv_bytes // page_bytes)
+        self.startup_line = (
+            f"weights {format_weight_memory(self.weight_bytes)}; dense layers "
+            f"{scheme.describe() if scheme else str(self.dtype).removeprefix('torch.')}, "
+            f"embeddings and LM head {str(self.dtype).removeprefix('torch.')}; KV cache "
+            f"{num_pages * page_bytes / 2**30:.3f} GiB ({num_pages} pages of {config.page_size})"
+        )
+        logger.info("%s", self.startup_line)
         return num_pages, generation_config, mc.eos_token_ids
 
     def _init_simulated(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:

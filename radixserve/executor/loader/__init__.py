@@ -19,10 +19,13 @@ class Checkpoint:
     hf_config: dict[str, Any]
     weights: dict[str, torch.Tensor]
     gguf_metadata: dict[str, Any] | None = None
+    gguf_tensor_types: dict[str, str] | None = None  # GGML type name by HF name (GGUF only)
 
 
 def load_checkpoint(kind: str, path: Path) -> Checkpoint:
     if kind == "gguf":
         contents = load_gguf(path)
-        return Checkpoint(contents.hf_config, contents.weights, contents.metadata)
+        return Checkpoint(
+            contents.hf_config, contents.weights, contents.metadata, contents.tensor_types
+        )
     return Checkpoint(read_hf_config(path), load_safetensors(path))

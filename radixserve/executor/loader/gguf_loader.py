@@ -54,6 +54,7 @@ class GGUFContents:
     hf_config: dict[str, Any]
     weights: dict[str, torch.Tensor]
     metadata: dict[str, Any]  # every scalar / list field, by GGUF key
+    tensor_types: dict[str, str]  # GGML type name (F32, Q8_0, Q4_K ...) by Hugging Face name
 
 
 def _field_value(field: Any) -> Any:
@@ -136,6 +137,7 @@ def load_gguf(path: Path) -> GGUFContents:
         hf_config["attention_bias"] = True
 
     weights: dict[str, torch.Tensor] = {}
+    tensor_types: dict[str, str] = {}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
@@ -154,7 +156,10 @@ def load_gguf(path: Path) -> GGUFContents:
         elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             t = _reverse_permute(t, kv_heads)
         weights[name] = t
-    return GGUFContents(hf_config=hf_config, weights=weights, metadata=meta)
+        tensor_types[name] = tensor.tensor_type.name
+    return GGUFContents(
+        hf_config=hf_config, weights=weights, metadata=meta, tensor_types=tensor_types
+    )
 
 
 def _hf_name(gguf_name: str) -> str | None:

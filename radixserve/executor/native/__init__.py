@@ -428,3 +428,18 @@ def paged_prefill(
         raise MemoryError(f"{entry}: no memory for its scratch buffers")
     if rc != 0:  # the checks above mirror the kernel's, so this is a bug
         raise RuntimeError(f"{entry} refused its arguments ({rc})")
+
+
+@cache
+def load_qlinear() -> ctypes.CDLL | None:
+    """The int8 / int4 weight dequantizers (None: quantized layers use PyTorch's kernels
+    at every row count)."""
+    lib = _load(_SOURCE.with_name("qlinear.c"))
+    if lib is None:
+        return None
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.qdequant_int8_bf16.argtypes = [p, p, i64, i64, i, p]
+    lib.qdequant_int8_bf16.restype = i
+    lib.qdequant_int4pack_bf16.argtypes = [p, p, i64, i64, i, i64, i64, i, p]
+    lib.qdequant_int4pack_bf16.restype = i
+    return lib

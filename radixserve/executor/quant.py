@@ -1,0 +1,497 @@
+"""Weight-only quantized dense layers on CPU: int8 per output channel, int4 group-wise.
+
+Activations stay in the model's dtype (bfloat16); the weights stay quantized in memory.
+Below a few dozen rows they are multiplied by PyTorch's CPU kernels for them
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``), which beat the bfloat16 GEMM
+at one row and lose from about ten; from ``DEQUANT_GEMM_ROWS(_INT8)`` rows (prefill) a
+native dequantizer (native/qlinear.c) turns a cache-sized chunk of rows at a time into
+bfloat16 for oneDNN's GEMM. A plain-torch fallback computes the same function where the
+kernels are missing.
+
+Conventions (those of the kernels):
+  * int8: ``W[n, k] = q[n, k] * scale[n]``, ``q`` in [-127, 127];
+  * int4: ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` with ``g = k // group``,
+    ``q`` in [0, 15]. Symmetric: ``zero = 0`` and the scale is the group's largest-magnitude
+    value over -8 (llama.cpp's Q4_0 rule, so a Q4_0 tensor re-quantizes to its own codes);
+    with zero points: ``scale = (max - min) / 15``, ``zero = min + 8 * scale`` (Q4_1's rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.executor.linear import Linear
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+# output rows padded to a multiple of 64: PyTorch's CPU int4 packing wants 16, and in blocks
+# of 64 its layout is the one the native dequantizer reads
+_INT4_N_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How the dense layers' weights are held. Invariant: ``kind`` is int8 or int4; for int4
+    ``group_size`` is one of ``INT4_GROUP_SIZES``."""
+
+    kind: str  # int8 | int4
+    group_size: int = 32  # int4 only
+    symmetric: bool = False  # int4 only: True = no zero points
+
+    def describe(self) -> str:
+        if self.kind == "int8":
+            return "int8 per-channel"
+        return f"int4 g{self.group_size} {'symmetric' if self.symmetric else 'with zero points'}"
+
+
+# What ``auto`` runs a GGUF file in, by the GGML type of most of its layer weights: the
+# closest supported precision. Q4_0 and Q4_1 map onto int4 g32 code for code (scales rounded
+# to bfloat16); the others are re-quantized from their dequantized values.
+GGUF_SCHEMES: dict[str, QuantScheme | None] = {
+    "F32": None,
+    "F16": None,
+    "BF16": None,
+    "Q8_0": QuantScheme("int8"),
+    "Q6_K": QuantScheme("int8"),
+    "Q4_0": QuantScheme("int4", 32, symmetric=True),
+    "Q4_1": QuantScheme("int4", 32),
+    "Q4_K": QuantScheme("int4", 32),
+    "Q5_0": QuantScheme("int4", 32),
+    "Q5_1": QuantScheme("int4", 32),
+    "Q5_K": QuantScheme("int4", 32),
+    "Q3_K": QuantScheme("int4", 32),
+    "Q2_K": QuantScheme("int4", 32),
+}
+
+
+def gguf_layer_type(tensor_types: dict[str, str]) -> str | None:
+    """The GGML type holding most of the decoder layers' weight matrices (by count)."""
+    counts: dict[str, int] = {}
+    for name, kind in tensor_types.items():
+        if ".layers." in name and name.endswith("_proj.weight"):
+            counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=lambda k: counts[k]) if counts else None
+
+
+def resolve_quantization(
+    quantization: str,
+    group_size: int,
+    gguf_tensor_types: dict[str, str] | None,
+) -> QuantScheme | None:
+    """The scheme for the ``quantization`` setting (None: the checkpoint's float dtype).
+
+    ``auto``: a GGUF file in the closest supported precision to its own (``GGUF_SCHEMES``),
+    a Hugging Face checkpoint in its dtype; ``int8``: per-channel; ``int4``: ``group_size``
+    with zero points."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}"
+        )
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(
+            f"quantization group size must be one of {INT4_GROUP_SIZES}; got {group_size}"
+        )
+    if quantization == "none":
+        return None
+    if quantization == "int8":
+        return QuantScheme("int8")
+    if quantization == "int4":
+        return QuantScheme("int4", group_size)
+    if not gguf_tensor_types:
+        return None
+    kind = gguf_layer_type(gguf_tensor_types)
+    if kind is None:
+        return None
+    return GGUF_SCHEMES.get(kind)  # a type not listed runs dequantized, as before
+
+
+# -- quantizers ---------------------------------------------------------------------------------
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (q int8 [N, K], scale float32 [N])."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(
+    w: torch.Tensor, group_size: int, symmetric: bool, scale_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise int4 along the input dimension: (q uint8 [N, K] in 0..15, scale [N, K/g],
+    zero [N, K/g]), scales and zeros rounded to ``scale_dtype`` (what the kernel reads)
+    before the codes are chosen."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4: input size {k} is not a multiple of the group size {group_size}")
+    g = w.float().reshape(n, k // group_size, group_size)
+    if symmetric:
+        idx = g.abs().argmax(dim=2, keepdim=True)
+        scale = (torch.gather(g, 2, idx) / -8.0).squeeze(2)
+        scale = torch.where(scale != 0, scale, torch.ones_like(scale)).to(scale_dtype).float()
+        zero = torch.zeros_like(scale)
+        q = torch.round(g / scale[..., None]) + 8
+    else:
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        scale = (hi - lo) / 15.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype).float()
+        zero = (lo + 8 * scale).to(scale_dtype).float()
+        q = torch.round((g - zero[..., None]) / scale[..., None]) + 8
+    q = torch.clamp(q, 0, 15).to(torch.uint8).reshape(n, k)
+    return q, scale.to(scale_dtype), zero.to(scale_dtype)
+
+
+def dequantize_int4(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    s = scale.float().repeat_interleave(group_size, dim=1)
+    z = zero.float().repeat_interleave(group_size, dim=1)
+    return (q.float() - 8) * s + z
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 → [N, K/2] uint8, two codes a byte (low nibble first)."""
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8).contiguous()
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    out = torch.empty(n, half * 2, dtype=torch.uint8)
+    out[:, 0::2] = packed & 0xF
+    out[:, 1::2] = packed >> 4
+    return out
+
+
+# From this many rows on, a layer dequantizes its weight to bfloat16 (native dequantizer,
+# a cache-sized chunk of output rows at a time, into a reused buffer) and runs oneDNN's
+# bfloat16 GEMM on each chunk instead of PyTorch's quantized kernel, which wins at a few
+# rows and loses from about ten; the dequantizing pays off from about these counts
+# (benchmarks/quant_matmul.py).
+DEQUANT_GEMM_ROWS_INT8 = 64
+DEQUANT_GEMM_ROWS = 128  # int4
+
+
+_CHUNK_ELEMENTS = 1 << 18  # bfloat16 weights dequantized at a time (512 KiB: in L2)
+
+
+class _Scratch:
+    """One growing bfloat16 buffer for dequantized weights. Invariant: a view handed out
+    is valid until the next ``take`` (layers run one at a time, on one thread)."""
+
+    buf = torch.empty(0, dtype=torch.bfloat16)
+
+    @classmethod
+    def take(cls, rows: int, cols: int) -> torch.Tensor:
+        if cls.buf.numel() < rows * cols:
+            cls.buf = torch.empty(rows * cols, dtype=torch.bfloat16)
+        return cls.buf[: rows * cols].view(rows, cols)
+
+
+def _dequantizer() -> Any:
+    """The native dequantizers, if they build and read PyTorch's int4 layout as checked
+    here (it is PyTorch-internal); None otherwise."""
+    global _DEQUANTIZER
+    if _DEQUANTIZER is False:
+        from radixserve.executor.native import load_qlinear
+
+        lib = load_qlinear()
+        _DEQUANTIZER = lib if lib is not None and _int4_layout_ok(lib) else None
+    return _DEQUANTIZER
+
+
+_DEQUANTIZER: Any = False  # not looked for yet
+
+
+def _int4_layout_ok(lib: Any) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (128, 64), generator=gen, dtype=torch.int32)
+    scale = torch.rand(128, 2, generator=gen).to(torch.bfloat16)
+    zero = torch.rand(128, 2, generator=gen).to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+    out = torch.empty(64, 64, dtype=torch.bfloat16)
+    ptrs = (packed.data_ptr(), sz.data_ptr())
+    if lib.qdequant_int4pack_bf16(*ptrs, 128, 64, 32, 64, 64, 1, out.data_ptr()):
+        return False
+    want = dequantize_int4(q, scale, zero, 32)[64:].T
+    return torch.allclose(out.float(), want, rtol=2**-7, atol=1e-2)  # roundings may differ
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# -- layers -------------------------------------------------------------------------------------
+class Int8Linear:
+    """``y = x @ (q * scale)^T (+ b)``: int8 weights [N, K] with one scale per output row.
+
+    Invariant: ``__call__`` computes ``F.linear(x, dequantize_int8(q, scale), bias)`` up to
+    the activation dtype's rounding: through ``_weight_int8pack_mm`` below
+    ``DEQUANT_GEMM_ROWS_INT8`` rows (``use_kernel``), through the weight dequantized to bfloat16
+    and oneDNN's GEMM from there (bfloat16 inputs, native dequantizer built), else through
+    the plain-torch fallback.
+    """
+
+    __slots__ = ("bias", "q", "scale", "use_kernel")
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        use_kernel: bool = True,
+    ) -> None:
+        self.q = q.contiguous()
+        self.scale = scale.float().contiguous()
+        self.bias = bias
+        self.use_kernel = use_kernel and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, use_kernel: bool = True
+    ) -> Int8Linear:
+        q, scale = quantize_int8(weight)
+        return cls(q, scale, bias, use_kernel)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int8(self.q, self.scale)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.use_kernel or x.device.type != "cpu":
+            return self.fallback(x)
+        if x.shape[0] >= DEQUANT_GEMM_ROWS_INT8 and x.dtype == torch.bfloat16:
+            lib = _dequantizer()
+            if lib is not None:
+                return self._dequant_gemm(lib, x)
+        y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def _dequant_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
+        """Output columns a cache-sized chunk of rows at a time."""
+        n, k = self.q.shape
+        chunk = max(64, (_CHUNK_ELEMENTS // k) // 64 * 64)
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        for first in range(0, n, chunk):
+            count = min(chunk, n - first)
+            w = _Scratch.take(count, k)
+            lib.qdequant_int8_bf16(
+                self.q[first].data_ptr(),
+                self.scale[first].data_ptr(),
+                count,
+                k,
+                _threads(),
+                w.data_ptr(),
+            )
+            y[:, first : first + count] = F.linear(x, w)
+        return y if self.bias is None else y + self.bias
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.q.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+        return F.linear(x, w, self.bias)
+
+
+class Int4Linear:
+    """``y = x @ W^T (+ b)`` with W held as 4-bit codes, a scale and a zero per ``group_size``
+    inputs of each output row.
+
+    Invariant: ``__call__`` computes ``F.linear(x, dequantize_int4(...), bias)`` up to the
+    activation dtype's rounding. With PyTorch's kernel the codes live only in its packed
+    layout (output rows padded to a multiple of 64): below ``DEQUANT_GEMM_ROWS`` rows that
+    kernel runs, from there the weight dequantized to bfloat16 and oneDNN's GEMM (bfloat16
+    inputs, native dequantizer built). Without it, two codes a byte for the fallback.
+    """
+
+    __slots__ = ("bias", "group_size", "in_features", "nibbles", "out_features", "packed", "sz")
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+        use_kernel: bool = True,
+    ) -> None:
+        n, k = q.shape
+        self.out_features, self.in_features = n, k
+        self.group_size = group_size
+        self.bias = bias
+        self.packed: torch.Tensor | None = None
+        self.nibbles: torch.Tensor | None = None
+        if use_kernel and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            pad = (-n) % _INT4_N_MULTIPLE
+            qp = F.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qp, 1)
+            sz = torch.stack([F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))], dim=-1)
+            self.sz = sz.transpose(0, 1).contiguous()  # [K/g, N (padded), 2]
+        else:
+            self.nibbles = _pack_nibbles(q.to(torch.uint8))
+            self.sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+
+    @classmethod
+    def from_float(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        group_size: int = 32,
+        symmetric: bool = False,
+        use_kernel: bool = True,
+    ) -> Int4Linear:
+        q, scale, zero = quantize_int4(weight, group_size, symmetric)
+        return cls(q, scale, zero, group_size, bias, use_kernel)
+
+    @property
+    def nbytes(self) -> int:
+        codes = self.packed if self.packed is not None else self.nibbles
+        assert codes is not None
+        return codes.nbytes + self.sz.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.device.type != "cpu":
+            return self.fallback(x)
+        n_pad = self.sz.shape[1]
+        if x.shape[0] >= DEQUANT_GEMM_ROWS and x.dtype == torch.bfloat16:
+            lib = _dequantizer()
+            sz = self.sz if self.sz.dtype == torch.bfloat16 else self.sz.to(torch.bfloat16)
+            if lib is not None:
+                return self._dequant_gemm(lib, x, sz, n_pad)
+        sz = self.sz if self.sz.dtype == x.dtype else self.sz.to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, sz)
+        if y.shape[-1] != self.out_features:
+            y = y[..., : self.out_features]
+        return y if self.bias is None else y + self.bias
+
+    def _dequant_gemm(
+        self, lib: Any, x: torch.Tensor, sz: torch.Tensor, n_pad: int
+    ) -> torch.Tensor:
+        """Output columns a cache-sized chunk of rows at a time: dequantize the chunk to
+        bfloat16 W^T, multiply, next chunk."""
+        k = self.in_features
+        chunk = max(64, (_CHUNK_ELEMENTS // k) // 64 * 64)
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for first in range(0, self.out_features, chunk):
+            count = min(chunk, n_pad - first)
+            wt = _Scratch.take(k, count)
+            rc = lib.qdequant_int4pack_bf16(
+                self.packed.data_ptr(),
+                sz.data_ptr(),
+                n_pad,
+                k,
+                self.group_size,
+                first,
+                count,
+                _threads(),
+                wt.data_ptr(),
+            )
+            if rc != 0:
+                raise RuntimeError(f"qdequant_int4pack_bf16 refused its arguments ({rc})")
+            last = min(first + count, self.out_features)
+            y[:, first:last] = torch.mm(x, wt[:, : last - first])
+        return y if self.bias is None else y + self.bias
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nibbles is None:
+            raise RuntimeError("this Int4Linear holds only the CPU kernel's packed layout")
+        n = self.out_features
+        sz = self.sz[:, :n].transpose(0, 1)
+        w = dequantize_int4(_unpack_nibbles(self.nibbles), sz[..., 0], sz[..., 1], self.group_size)
+        return F.linear(x, w.to(x.dtype), self.bias)
+
+
+def int4_group_size(in_features: int, wanted: int) -> int | None:
+    """``wanted`` if it divides ``in_features``, else the largest smaller supported group
+    size that does; None if none does."""
+    for g in sorted(INT4_GROUP_SIZES, reverse=True):
+        if g <= wanted and in_features % g == 0:
+            return g
+    return None
+
+
+def quantize_linear(layer: Linear, scheme: QuantScheme) -> Linear | Int8Linear | Int4Linear:
+    """The quantized replacement of a bfloat16/float32 ``Linear`` (the layer itself where
+    the scheme cannot hold its shape: int4 with an input size not a multiple of 32)."""
+    w, b = layer.weight, layer.bias
+    if scheme.kind == "int8":
+        return Int8Linear.from_float(w, b)
+    group = int4_group_size(w.shape[1], scheme.group_size)
+    if group is None:
+        return layer
+    return Int4Linear.from_float(w, b, group, scheme.symmetric)
+
+
+AnyLinear = Linear | Int8Linear | Int4Linear
+
+
+def _layer_fields(layer: Any) -> Iterable[str]:
+    if dataclasses.is_dataclass(layer):
+        return [f.name for f in dataclasses.fields(layer)]
+    return list(vars(layer))
+
+
+def quantize_model(model: Any, scheme: QuantScheme) -> None:
+    """Replace, in place, every ``Linear`` held by ``model.layers[i]`` (whatever they are
+    called or fused into) by its quantized form. Embeddings and the LM head stay as they
+    are."""
+    for layer in model.layers:
+        for name in _layer_fields(layer):
+            value = getattr(layer, name)
+            if isinstance(value, Linear):
+                setattr(layer, name, quantize_linear(value, scheme))
+
+
+def weight_memory(model: Any) -> dict[str, int]:
+    """Bytes of the model's weights by precision (``bfloat16``, ``float32``, ``int8``,
+    ``int4``), each tensor counted once (tied embeddings once), and ``onednn_copy``: the
+    bfloat16 copies reordered for oneDNN that ``Linear`` keeps beside its weights."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def add(key: str, nbytes: int) -> None:
+        out[key] = out.get(key, 0) + nbytes
+
+    def add_tensor(t: torch.Tensor | None) -> None:
+        if t is None or t.data_ptr() in seen:
+            return
+        seen.add(t.data_ptr())
+        add(str(t.dtype).removeprefix("torch."), t.nbytes)
+
+    def add_any(value: Any) -> None:
+        if isinstance(value, Int8Linear):
+            add("int8", value.nbytes)
+            add_tensor(value.bias)
+        elif isinstance(value, Int4Linear):
+            add("int4", value.nbytes)
+            add_tensor(value.bias)
+        elif isinstance(value, Linear):
+            add_tensor(value.weight)
+            add_tensor(value.bias)
+            if value.packed is not None:  # the oneDNN-reordered copy Linear also holds
+                add("onednn_copy", value.packed.nbytes)
+        elif isinstance(value, torch.Tensor):
+            add_tensor(value)
+
+    for name in ("embed", "norm", "lm_head"):
+        add_any(getattr(model, name, None))
+    for layer in model.layers:
+        for name in _layer_fields(layer):
+            add_any(getattr(layer, name))
+    return out
+
+
+def format_weight_memory(memory: dict[str, int]) -> str:
+    parts = [f"{key} {nbytes / 2**30:.3f} GiB" for key, nbytes in sorted(memory.items())]
+    return f"{sum(memory.values()) / 2**30:.3f} GiB ({', '.join(parts)})"
