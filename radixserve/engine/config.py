@@ -51,6 +51,8 @@ class EngineConfig:
     load_format: str = "auto"  # auto | dummy
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph
     disable_cuda_graph: bool = False
+    # structured output: a grammar that takes longer to compile fails its request
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.simulated_device_time:
@@ -80,6 +82,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
