@@ -58,7 +58,7 @@ class GrammarWaitList:
         for req in requests:
             req.transition(RequestState.WAITING_FOR_GRAMMAR)
         future = self.service.submit(key)
-        self._groups.append(_Waiting(requests, key, future, self.clock() + self.timeout_s))
+        self._groups.append(_Waiting(list(requests), key, future, self.clock() + self.timeout_s))
 
     def poll(
         self,
