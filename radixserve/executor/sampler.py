@@ -152,7 +152,7 @@ class Sampler:
         if batch.needs_min_tokens:
             logits = self._block_stop_tokens(logits, batch)
         if batch.grammar is not None:
-            logits = batch.grammar.apply(logits)
+            logits = batch.grammar.apply(logits, inplace=logits is not self.raw_logits)
         # max(...).indices: the first maximal index, like argmax, but a vectorised kernel
         # for bfloat16 too (argmax on bf16 is ~4x slower on CPU).
         greedy_tokens = logits.max(dim=-1).indices
