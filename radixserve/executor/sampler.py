@@ -53,11 +53,11 @@ class SamplingBatch:
 
     @property
     def argmax_only(self) -> bool:
-        """Every row is plain greedy: the token is the argmax of the raw logits."""
+        """Every row is plain greedy: the token is the argmax of the raw logits (of the
+        grammar-masked logits for constrained rows; masking needs no float32)."""
         return (
             self.all_greedy
             and not (self.needs_bias or self.needs_penalties or self.needs_min_tokens)
-            and self.grammar is None
             and all(n is None for n in self.num_logprobs)
         )
 

@@ -11,7 +11,7 @@ from radixserve import SamplingParams
 from radixserve.core.request import Request
 from radixserve.engine.tokenizer import load_hf_tokenizer
 from radixserve.executor.cuda.sampler import DeviceSampler
-from radixserve.executor.grammar import GrammarBatch, GrammarService
+from radixserve.executor.grammar import GrammarBatch, GrammarService, unpack_bitmask
 from radixserve.executor.sampler import Sampler
 
 VOCAB = 512
@@ -62,14 +62,23 @@ def test_only_constrained_rows_are_masked(service, sampler_cls):
     assert [s.num_accepted for s in batch.grammar.states] == [1, 1]
 
 
-def test_tensor_path_masks_like_the_cpu_kernel(service):
+def test_bit_unpacking_paths_agree_with_xgrammar(service):
+    import xgrammar as xgr
+
     reqs = [_constrained(service, "a", "[a-f]+"), _constrained(service, "b", "[0-9]+")]
     torch.manual_seed(1)
     logits = torch.randn(2, VOCAB)
-    cpu = GrammarBatch.of(reqs).apply(logits.clone())
-    bf16 = GrammarBatch.of(reqs).apply(logits.to(torch.bfloat16))  # not the CPU kernel
-    assert torch.equal(torch.isfinite(cpu), torch.isfinite(bf16.float()))
-    assert 0 < int(torch.isfinite(cpu).sum()) < 2 * VOCAB
+    ours = GrammarBatch.of(reqs).apply(logits)  # numpy unpacking (CPU)
+    bf16 = GrammarBatch.of(reqs).apply(logits.to(torch.bfloat16))
+    bm = xgr.allocate_token_bitmask(2, VOCAB)
+    for i, r in enumerate(reqs):
+        r.grammar.matcher.fill_next_token_bitmask(bm, i)
+    theirs = logits.clone()
+    xgr.apply_token_bitmask_inplace(theirs, bm, vocab_size=VOCAB)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(torch.isfinite(bf16.float()), torch.isfinite(theirs))
+    assert torch.equal(unpack_bitmask(bm, VOCAB), torch.isfinite(theirs))  # the device path
+    assert 0 < int(torch.isfinite(theirs).sum()) < 2 * VOCAB
 
 
 def test_refused_and_stop_tokens_mark_where_the_grammar_ended(service):
