@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, Stri
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # e.g. continuous_usage_stats: a 400
+
     include_usage: StrictBool = False
 
 
@@ -77,7 +79,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -85,7 +87,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
 
     tokens: list[StrictInt]
 
@@ -93,7 +95,7 @@ class DetokenizeRequest(BaseModel):
 class GenerateRequest(BaseModel):
     """The native ``/generate`` body (SGLang's shape): text or token ids, sampling params."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
 
     text: str | None = None
     input_ids: list[StrictInt] | None = None

@@ -176,6 +176,14 @@ def test_bad_specs_and_undeclared_fields_are_400s_naming_the_field(client, serve
         json={"prompt": "x", "max_tokens": 2, "guided_json": {"type": "object"}},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "x", "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+    err = _bad(
+        client,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    assert err.body["param"] == "stream_options.continuous_usage_stats"
     # harmless metadata is accepted
     ok = client.chat.completions.create(
         model=_model(client), messages=MESSAGES, max_tokens=2, user="u", metadata={"a": "b"}
