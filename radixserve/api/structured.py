@@ -126,6 +126,8 @@ class GrammarChecker:
                 400, _public_message(str(exc), source), param=_param_of(str(exc), source)
             ) from None
         assert key is not None
+        if self._service is None:  # the tokenizer's vocabulary scan (~0.1 s) off the loop
+            await asyncio.to_thread(self._get_service, vocab_size)
         service = self._get_service(vocab_size)
         future = asyncio.wrap_future(service.submit(key))
         done, _ = await asyncio.wait([future], timeout=self.timeout_s)
