@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,8 +108,13 @@ class GrammarChecker:
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
         self._service = None
+        self._lock = threading.Lock()
 
     def _get_service(self, vocab_size: int):
+        with self._lock:
+            return self._make_service(vocab_size)
+
+    def _make_service(self, vocab_size: int):
         if self._service is None:
             from radixserve.executor.grammar import GrammarService
 
