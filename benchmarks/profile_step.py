@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-W1 = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "w1_offline.jsonl"
+WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 
 
 def main() -> None:
@@ -29,15 +29,19 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--workload", default="w1_offline.jsonl", help="a file in ../shared/workloads (W1 default)"
+    )
     args = parser.parse_args()
 
     from radixserve import LLM, SamplingParams
 
     llm = LLM(args.model, dtype="bfloat16")
     engine = llm.engine
-    lines = [json.loads(x) for x in W1.read_text().splitlines() if x.strip()][: args.batch]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    path = WORKLOADS / args.workload
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()][: args.batch]
     for i, line in enumerate(lines):
+        params = SamplingParams(temperature=0, max_tokens=line["max_tokens"], ignore_eos=True)
         engine.add_request(f"p{i}", engine.tokenize(line["prompt"]), params)
 
     runner = engine.runner
@@ -54,6 +58,11 @@ def main() -> None:
             start = time.perf_counter()
             result = execute(step)
             decode_times.append(time.perf_counter() - start)
+            if args.kind == "prefill":
+                print(
+                    f"prefill step: {batch.num_tokens} tokens, {batch.num_requests} requests, "
+                    f"{1e3 * decode_times[-1]:.1f} ms"
+                )
             return result
         if not profiled:
             profiled.append(True)

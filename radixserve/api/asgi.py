@@ -60,12 +60,14 @@ class APIError(Exception):
 
 @dataclass
 class HTTPRequest:
-    """What a handler sees: method, path, lower-case headers and the whole body."""
+    """What a handler sees: method, path, lower-case headers, the whole body and the raw
+    query string (without ``?``)."""
 
     method: str
     path: str
     headers: dict[str, str]
     body: bytes
+    query: str = ""
 
 
 @dataclass
@@ -104,6 +106,7 @@ class Route:
     handler: Handler
     watch_disconnect: bool = False  # cancel the handler when the client goes away
     body_schema: dict | None = None  # JSON schema of the request body, for /openapi.json
+    in_schema: bool = True  # listed in /openapi.json (the console's static files are not)
 
 
 class ASGIApp:
@@ -171,6 +174,7 @@ class ASGIApp:
             scope["path"],
             {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]},
             b"",
+            scope.get("query_string", b"").decode("latin-1"),
         )
         error = self.authorize(request)
         if error is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import zmq.asyncio
 
 from radixserve.api import protocol as p
 from radixserve.api.output_processor import RequestOutputProcessor
+from radixserve.api.request_tracker import RequestTracker
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 
@@ -70,6 +72,9 @@ class EngineClient:
         self._pending: dict[str, _Pending] = {}
         self._outgoing: list[p.ToEngine] = []  # sent together at the end of this loop turn
         self._tasks: list[asyncio.Task] = []
+        self._queries: dict[int, asyncio.Future] = {}  # radix summaries asked for
+        self._query_ids = itertools.count()
+        self.tracker = RequestTracker()  # recent requests' timings, for /v1/engine/stats
         self.process: subprocess.Popen | None = None
         self.ready: p.Ready | None = None
         self.stats: p.EngineStats | None = None
@@ -155,6 +160,8 @@ class EngineClient:
         pending = _Pending(remaining=n)
         self._pending[request_id] = pending
         self._send(p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority))
+        tracker = self.tracker
+        tracker.start(request_id, len(prompt_token_ids), n)
         finished = False
         try:
             while True:
@@ -167,6 +174,7 @@ class EngineClient:
                     continue
                 if stopped_here:  # a stop string ended this sample: the engine can let go
                     self._send(p.AbortRequest(request_id, item.index))
+                tracker.observe(item)
                 yield item
                 if item.finished:
                     pending.remaining -= 1
@@ -174,9 +182,27 @@ class EngineClient:
                         finished = True
                         return
         finally:
+            tracker.close(request_id)
             self._pending.pop(request_id, None)
             if not finished and self.alive:
                 self._send(p.AbortRequest(request_id))
+
+    async def radix_summary(
+        self, max_nodes: int = 256, max_depth: int = 8, timeout_s: float = 10.0
+    ) -> p.RadixSummary:
+        """A bounded summary of the engine's radix tree (built between two engine steps)."""
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        query_id = next(self._query_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._queries[query_id] = future
+        self._send(p.RadixQuery(query_id, max_nodes, max_depth))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise EngineDead("the engine did not answer the radix query in time") from None
+        finally:
+            self._queries.pop(query_id, None)
 
     def _send(self, msg: p.ToEngine) -> None:
         """Queue ``msg``; everything queued in one event-loop turn leaves as one message."""
@@ -209,6 +235,10 @@ class EngineClient:
             pending = self._pending.get(msg.request_id)
             if pending is not None:
                 pending.queue.put_nowait(RequestRejected(msg.message, msg.overloaded))
+        elif isinstance(msg, p.RadixSummary):
+            future = self._queries.get(msg.query_id)
+            if future is not None and not future.done():
+                future.set_result(msg)
         elif isinstance(msg, p.Ready):
             self.ready = msg
 
@@ -223,3 +253,6 @@ class EngineClient:
     def _fail_all(self) -> None:
         for pending in self._pending.values():
             pending.queue.put_nowait(EngineDead("the engine process died"))
+        for future in self._queries.values():
+            if not future.done():
+                future.set_exception(EngineDead("the engine process died"))

@@ -9,6 +9,7 @@ import time
 import zmq
 
 from radixserve.api import protocol as p
+from radixserve.core.radix_summary import summarize
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.engine import Engine
@@ -32,6 +33,34 @@ def _stats(engine: Engine) -> p.EngineStats:
         cache_queried_tokens=cache.queried_tokens if cache else 0,
         preemptions=s.stats.num_preemptions,
         steps=engine.num_steps,
+        kv_pages_evictable=cache.evictable_pages if cache else 0,
+        kv_pages_protected=cache.protected_pages if cache else 0,
+        radix_nodes=cache.num_nodes if cache else 0,
+    )
+
+
+def _radix_summary(engine: Engine, query: p.RadixQuery) -> p.RadixSummary:
+    """A bounded summary of the prefix cache, timed (it runs on the engine loop)."""
+    started = time.perf_counter()
+    cache = engine.prefix_cache
+    if cache is None:
+        return p.RadixSummary(query.query_id, [], 0, 0, 0, 0, 0, engine.pool.page_size, False, 0.0)
+    try:
+        s = summarize(cache, max_nodes=query.max_nodes, max_depth=query.max_depth)
+    except ValueError as exc:
+        return p.RadixSummary(query.query_id, [], 0, 0, 0, 0, 0, 0, False, 0.0, str(exc))
+    cost_ms = (time.perf_counter() - started) * 1e3
+    return p.RadixSummary(
+        query.query_id,
+        s.nodes,
+        s.namespaces,
+        s.total_nodes,
+        s.total_tokens,
+        s.evictable_pages,
+        s.protected_pages,
+        s.page_size,
+        s.truncated,
+        cost_ms,
     )
 
 
@@ -84,6 +113,9 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
 def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
     if isinstance(msg, p.AbortRequest):
         engine.abort(msg.request_id, msg.index)
+        return
+    if isinstance(msg, p.RadixQuery):
+        push.send(p.encoder.encode(_radix_summary(engine, msg)))
         return
     try:
         params = SamplingParams(**msg.params)

@@ -20,6 +20,14 @@ class AbortRequest(msgspec.Struct, tag="abort"):
     index: int | None = None  # one sample of the request; None: all of them
 
 
+class RadixQuery(msgspec.Struct, tag="radix_query"):
+    """Ask for a bounded summary of the radix tree (see ``core.radix_summary``)."""
+
+    query_id: int
+    max_nodes: int = 256
+    max_depth: int = 8
+
+
 class Delta(msgspec.Struct, array_like=True):
     """One step's news for one sample (see ``engine.outputs.SequenceDelta``). From the
     engine process ``text`` is empty: the frontend detokenizes (``engine_client``)."""
@@ -49,6 +57,9 @@ class EngineStats(msgspec.Struct):
     cache_queried_tokens: int
     preemptions: int
     steps: int
+    kv_pages_evictable: int = 0  # held by the radix tree only: free on demand
+    kv_pages_protected: int = 0  # in the radix tree and in use by running requests
+    radix_nodes: int = 0
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -66,6 +77,23 @@ class Rejected(msgspec.Struct, tag="rejected"):
     overloaded: bool = False
 
 
+class RadixSummary(msgspec.Struct, tag="radix_summary"):
+    """The answer to a ``RadixQuery``; ``nodes`` rows as ``core.radix_summary.NodeRow``;
+    ``cost_ms``: what building it cost the engine loop."""
+
+    query_id: int
+    nodes: list[tuple[int, int, int, int, int, int, int, int, int, int, bytes]]
+    namespaces: int
+    total_nodes: int
+    total_tokens: int
+    evictable_pages: int
+    protected_pages: int
+    page_size: int
+    truncated: bool
+    cost_ms: float
+    error: str | None = None
+
+
 class Ready(msgspec.Struct, tag="ready"):
     model_name: str
     vocab_size: int
@@ -76,8 +104,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     stats: EngineStats
 
 
-ToEngine = GenerateRequest | AbortRequest
-FromEngine = Outputs | Rejected | Ready | Heartbeat
+ToEngine = GenerateRequest | AbortRequest | RadixQuery
+FromEngine = Outputs | Rejected | Ready | Heartbeat | RadixSummary
 
 encoder = msgspec.msgpack.Encoder()
 # the frontend sends what one event-loop turn produced as one message: a list

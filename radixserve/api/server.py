@@ -23,6 +23,7 @@ from radixserve.api.asgi import (
     error_response,
     json_response,
 )
+from radixserve.api.console import register_console
 from radixserve.api.engine_client import EngineClient, EngineDead, RequestRejected
 from radixserve.api.metrics import Metrics
 from radixserve.api.openai_protocol import (
@@ -360,6 +361,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         return None if ok else APIError(401, "invalid or missing API key", "authentication_error")
 
     app = ASGIApp(config.max_body_bytes, authorize, server.client.start, server.client.shutdown)
+    register_console(app, server)
 
     def engine_route(path: str, model: type[BaseModel]):
         """A POST route that runs the engine: aborted if the client goes away."""
@@ -554,6 +556,8 @@ def openapi_document(app: ASGIApp) -> dict:
     error = {"description": "an OpenAI-shaped error: {error: {message, type, param, code}}"}
     for path, methods in sorted(app.routes.items()):
         for method, route in methods.items():
+            if not route.in_schema:
+                continue
             op: dict[str, Any] = {
                 "operationId": f"{method.lower()}_{path.strip('/').replace('/', '_') or 'root'}",
                 "responses": {"200": {"description": "OK"}, "4XX": error, "503": error},

@@ -20,10 +20,20 @@ class RadixNode:
     Invariants: ``key`` is a view of a contiguous int32 token array; ``pages[i]`` holds the
     KV of tokens ``[i * page_size, (i + 1) * page_size)`` of ``key`` (the last page may be
     partly filled only in a leaf); a node starts at a page boundary; ``lock_count`` counts
-    the running requests that use this node or a descendant.
+    the running requests that use this node or a descendant; ``subtree_tokens`` is the
+    number of tokens on this edge and every edge below it.
     """
 
-    __slots__ = ("children", "first_tokens", "key", "last_access", "lock_count", "pages", "parent")
+    __slots__ = (
+        "children",
+        "first_tokens",
+        "key",
+        "last_access",
+        "lock_count",
+        "pages",
+        "parent",
+        "subtree_tokens",
+    )
 
     def __init__(self, key: np.ndarray, pages: np.ndarray, parent: RadixNode | None) -> None:
         self.key = key
@@ -35,6 +45,7 @@ class RadixNode:
         self.first_tokens: dict[int, int] = {}
         self.lock_count = 0
         self.last_access = 0
+        self.subtree_tokens = key.size
 
     @property
     def is_leaf(self) -> bool:
@@ -103,6 +114,7 @@ class RadixCache:
         self.evictable_pages = 0
         self.protected_pages = 0
         self.num_nodes = 0
+        self.last_stamp = 0  # the latest ``last_access`` stamp handed out
         self.hit_tokens = 0
         self.queried_tokens = 0
 
@@ -142,7 +154,7 @@ class RadixCache:
 
     def _touch(self, node: RadixNode) -> None:
         """Mark ``node`` and its ancestors used now."""
-        now = next(self._clock)
+        now = self.last_stamp = next(self._clock)
         leaf = node
         while node.parent is not None:
             node.last_access = now
@@ -226,6 +238,7 @@ class RadixCache:
             if child is None:
                 child = RadixNode(tokens[pos:], pages[pos // ps :], node)
                 self._add_child(node, key, child)
+                self._add_subtree_tokens(node, child.key.size)
                 self.pool.incref(child.pages)
                 self.num_nodes += 1
                 self.evictable_pages += child.pages.size  # pushed on the heap by _touch below
@@ -258,6 +271,13 @@ class RadixCache:
             first = int(child.key[0])
             parent.first_tokens[first] = parent.first_tokens.get(first, 0) + 1
 
+    @staticmethod
+    def _add_subtree_tokens(node: RadixNode | None, count: int) -> None:
+        """Add ``count`` to the subtree totals of ``node`` and its ancestors (root included)."""
+        while node is not None:
+            node.subtree_tokens += count
+            node = node.parent
+
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut ``child`` at token ``at`` (a page boundary); returns the new upper node."""
         ps = self.page_size
@@ -266,6 +286,8 @@ class RadixCache:
         upper = RadixNode(child.key[:at], child.pages[: at // ps], parent)
         upper.lock_count = child.lock_count
         upper.last_access = child.last_access
+        upper.subtree_tokens = child.subtree_tokens
+        child.subtree_tokens -= at
         parent.children[self._child_key(child.key, 0)] = upper
         child.key = child.key[at:]
         child.pages = child.pages[at // ps :]
@@ -320,6 +342,7 @@ class RadixCache:
             else:
                 parent.first_tokens[first] -= 1
         node.parent = None
+        self._add_subtree_tokens(parent, -node.key.size)
         self.num_nodes -= 1
         self.evictable_pages -= node.pages.size
         self._pending_free.append(node.pages)

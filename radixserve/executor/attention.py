@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.native import (
+    SharedPrefix,
     load_paged_decode,
     load_paged_prefill,
+    make_shared_prefix,
     paged_decode,
     paged_decode_supports,
     paged_prefill,
@@ -41,12 +43,15 @@ class _DecodeGroup:
     """Requests with one query token each: ``token_index[b]`` is the flat index of request b's
     token, ``page_tables`` [b, max_pages] (int32) its pages, ``seq_lens`` [b] (int32) its KV
     length. For the PyTorch path only, ``bias`` [b, max_pages, 1, 1, page_size] is 0 where a
-    kv position is < seq_len and -inf beyond (None when every row is full, or natively)."""
+    kv position is < seq_len and -inf beyond (None when every row is full, or natively).
+    ``prefix``: the leading pages every request shares, attended once for all (native
+    AVX-512 BF16 path only; None otherwise)."""
 
     token_index: torch.Tensor
     page_tables: torch.Tensor
     seq_lens: torch.Tensor
     bias: torch.Tensor | None
+    prefix: SharedPrefix | None = None
 
 
 @dataclass
@@ -132,6 +137,8 @@ class TorchNativeAttention:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        # decode batches whose requests share leading pages attend them once (two passes)
+        self.shared_prefix = True
         self._masks: dict[torch.dtype, torch.Tensor] = {}
 
     # -- per step -------------------------------------------------------------------------
@@ -188,11 +195,27 @@ class TorchNativeAttention:
             bias = torch.zeros(beyond.shape, dtype=torch.float32)
             bias.masked_fill_(torch.from_numpy(beyond), float("-inf"))
             bias = bias.view(len(idx), max_pages, 1, 1, batch.page_size)
+        page_tables = batch.page_tables[idx, :max_pages].astype(np.int32)
+        prefix = None
+        if self.native is not None and self.shared_prefix:
+            k = self.kv_cache.k
+            *_, kv_heads, page_size, head_dim = k.shape
+            prefix = make_shared_prefix(
+                self.native,
+                page_tables,
+                seq_lens,
+                page_size,
+                kv_heads,
+                head_dim,
+                self.num_heads // kv_heads,
+                k.dtype,
+            )
         return _DecodeGroup(
             token_index=torch.from_numpy(batch.query_start_loc[idx]),
-            page_tables=torch.from_numpy(batch.page_tables[idx, :max_pages].astype(np.int32)),
+            page_tables=torch.from_numpy(page_tables),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
             bias=bias,
+            prefix=prefix,
         )
 
     @staticmethod
@@ -337,7 +360,14 @@ class TorchNativeAttention:
         if self.native is not None:
             queries = q[g.token_index]  # [b, heads, d], contiguous
             return paged_decode(
-                self.native, queries, k_cache, v_cache, g.page_tables, g.seq_lens, self.scale
+                self.native,
+                queries,
+                k_cache,
+                v_cache,
+                g.page_tables,
+                g.seq_lens,
+                self.scale,
+                g.prefix,
             )
         b = g.token_index.shape[0]
         kv_heads = k_cache.shape[1]

@@ -1,4 +1,5 @@
-"""Row-wise decoder-layer ops: SiLU-and-multiply and RMSNorm with the residual add folded in.
+"""Row-wise decoder-layer ops: SiLU-and-multiply, RMSNorm with the residual add folded in,
+and rotary embeddings (in place).
 
 Each uses the fused C kernel (``native/elementwise.c``) for contiguous CPU tensors in
 bfloat16 or float32, and plain PyTorch otherwise; both compute the same function.
@@ -71,5 +72,26 @@ class LayerOps:
         return out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, heads, d] rotated by the tables of ``RotaryEmbedding.tables``."""
-        return apply_rotary(x, cos, sin_signed)
+        """``x`` [T, heads, d] rotated by the tables of ``RotaryEmbedding.tables``. The native
+        kernel rotates in place (x may be a view into a fused qkv row) and returns ``x``."""
+        kernel = self._kernel("rotary", cos, sin_signed) if x.dtype == cos.dtype else None
+        rows, heads, d = x.shape
+        if (
+            kernel is None
+            or x.device.type != "cpu"
+            or x.stride(2) != 1
+            or x.stride(1) != d
+            or cos.shape != (rows, 1, d)
+        ):
+            return apply_rotary(x, cos, sin_signed)
+        kernel(
+            x.data_ptr(),
+            rows,
+            heads,
+            d,
+            x.stride(0),
+            cos.data_ptr(),
+            sin_signed.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return x

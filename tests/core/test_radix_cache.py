@@ -102,6 +102,16 @@ class RadixMachine(RuleBasedStateMachine):
         in_tree = self.cache.held_page_ids().size - self.cache.num_pending_free
         assert self.cache.evictable_pages + self.cache.protected_pages == in_tree
 
+    @invariant()
+    def subtree_token_counts(self):
+        def total(node) -> int:
+            count = node.key.size + sum(total(c) for c in node.children.values())
+            assert node.subtree_tokens == count
+            return count
+
+        for root in self.cache._roots.values():
+            total(root)
+
 
 TestRadixCache = RadixMachine.TestCase
 TestRadixCache.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)

@@ -17,6 +17,7 @@ from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.native import (
     load_paged_decode,
     load_paged_prefill,
+    make_shared_prefix,
     paged_decode,
     paged_decode_supports,
     paged_prefill,
@@ -141,6 +142,114 @@ def test_bfloat16_decode_uses_avx512_bf16_where_the_cpu_has_it():
     with open("/proc/cpuinfo") as f:
         has_bf16 = "avx512_bf16" in f.read()
     assert lib.paged_decode_has_avx512_bf16() == int(has_bf16)
+
+
+def _shared_prefix_case(seed, prefix_pages, suffix_lens, heads, kv_heads, d, page_size):
+    """bfloat16 decode rows that all start with the same `prefix_pages` pages (shuffled page
+    ids, as the radix cache hands them out), then pages of their own."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(suffix_lens)
+    own = max(-(-s // page_size) for s in suffix_lens)
+    num_pages = prefix_pages + b * own + 2
+    k = torch.randn(num_pages, kv_heads, page_size, d, generator=g).bfloat16()
+    v = torch.randn(num_pages, kv_heads, page_size, d, generator=g).bfloat16()
+    q = (2 * torch.randn(b, heads, d, generator=g)).bfloat16()  # sharper softmax
+    perm = torch.randperm(num_pages, generator=g)
+    tables = torch.empty(b, prefix_pages + own, dtype=torch.int64)
+    tables[:, :prefix_pages] = perm[:prefix_pages]
+    tables[:, prefix_pages:] = perm[prefix_pages : prefix_pages + b * own].view(b, own)
+    lens = torch.tensor([prefix_pages * page_size + s for s in suffix_lens])
+    return q, k, v, tables, lens
+
+
+SHARED_CASES = [
+    # prefix pages, suffix lengths, heads, kv_heads, head_dim, page_size
+    (64, [1, 2, 15, 16, 17, 40, 1, 9], 9, 3, 64, 16),  # SmolLM2's shape, ragged suffixes
+    (8, [3, 3, 3, 3, 3], 8, 2, 128, 16),  # GQA 4, head_dim 128, exactly 128 shared keys
+    (300, [1, 5, 70, 2], 8, 1, 128, 1),  # page size 1: prefix cut to a multiple of 16
+    (20, [7, 1, 33, 4], 10, 2, 64, 8),  # group 5, 160 keys: a chunk and a part-chunk
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_shared_prefix_decode_matches_dense_reference(case):
+    """Two-pass decode (the shared prefix once for all rows, then each row's own pages from
+    that partial state) against float64, and against the one-pass kernel."""
+    lib = load_paged_decode()
+    if lib is None or not lib.paged_decode_has_avx512_bf16():
+        pytest.skip("needs the AVX-512 BF16 decode path")
+    prefix_pages, suffix_lens, heads, kv_heads, d, page_size = case
+    q, k, v, tables, lens = _shared_prefix_case(
+        3, prefix_pages, suffix_lens, heads, kv_heads, d, page_size
+    )
+    prefix = make_shared_prefix(
+        lib,
+        tables.int().numpy(),
+        lens.numpy(),
+        page_size,
+        kv_heads,
+        d,
+        heads // kv_heads,
+        torch.bfloat16,
+    )
+    assert prefix is not None and prefix.length >= 128
+    assert prefix.length % 16 == 0 and prefix.length <= prefix_pages * page_size
+    two_pass = paged_decode(lib, q, k, v, tables.int(), lens.int(), d**-0.5, prefix)
+    one_pass = paged_decode(lib, q, k, v, tables.int(), lens.int(), d**-0.5)
+    ref = _dense_reference(q, k, v, tables, lens)
+    torch.testing.assert_close(two_pass.double(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(two_pass.double(), one_pass.double(), atol=1.6e-2, rtol=1e-2)
+
+
+@needs_compiler
+def test_backend_decode_of_rows_sharing_a_prefix_takes_the_two_pass_kernel():
+    """A decode batch whose rows share their leading pages (as after a radix-cache hit) goes
+    through the two-pass path inside the backend, new K/V written first, and matches float64."""
+    heads, kv_heads, d, page_size = 9, 3, 64, 16
+    suffix_lens = [1, 4, 17, 30, 2]
+    q, k, v, tables, lens = _shared_prefix_case(4, 12, suffix_lens, heads, kv_heads, d, page_size)
+    b = len(suffix_lens)
+    new_k = torch.randn(b, kv_heads, d).bfloat16()
+    new_v = torch.randn(b, kv_heads, d).bfloat16()
+    last = lens - 1
+    slots = tables[torch.arange(b), last // page_size] * page_size + last % page_size
+    batch = ForwardBatch(
+        input_ids=np.zeros(b, dtype=np.int64),
+        positions=last.numpy(),
+        q_lens=np.ones(b, dtype=np.int64),
+        seq_lens=lens.numpy(),
+        query_start_loc=np.arange(b + 1),
+        page_tables=tables.numpy(),
+        slot_mapping=slots.numpy(),
+        logits_indices=np.arange(b),
+        page_size=page_size,
+    )
+    backend = TorchNativeAttention(_Cache(k, v), heads, d)
+    if backend.native is None or not backend.native.paged_decode_has_avx512_bf16():
+        pytest.skip("needs the AVX-512 BF16 decode path")
+    meta = backend.prepare(batch)
+    assert meta.decode.prefix is not None and meta.decode.prefix.length == 12 * page_size
+    out = backend.forward(0, q, new_k, new_v, meta).view(b, heads, d)
+    ref = _dense_reference(q, k, v, tables, lens)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    backend.shared_prefix = False  # the one-pass kernel: the switch really changes the path
+    assert backend.prepare(batch).decode.prefix is None
+
+
+def test_shared_prefix_is_only_the_pages_every_row_holds_before_its_last_token():
+    from radixserve.executor.native import shared_prefix_length
+
+    tables = np.array([[4, 9, 2, 7, 1], [4, 9, 2, 7, 3], [4, 9, 2, 8, 5]])
+    # rows share 3 pages (48 tokens at page size 16)
+    assert shared_prefix_length(tables, np.array([80, 80, 80]), 16) == 48
+    # a row whose last token lies in the third page keeps only 2 pages shared
+    assert shared_prefix_length(tables, np.array([80, 40, 80]), 16) == 32
+    # page size 4: 3 pages are 12 tokens, cut to a multiple of 16 -> 0
+    assert shared_prefix_length(tables, np.array([80, 80, 80]), 4) == 0
+    assert shared_prefix_length(tables[:, :0], np.array([1, 1, 1]), 16) == 0
+    # one row: all of its full pages before the last token
+    assert shared_prefix_length(tables[:1], np.array([66]), 16) == 64
 
 
 def test_unsupported_shapes_take_the_torch_path():

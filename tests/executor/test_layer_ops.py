@@ -72,3 +72,35 @@ def test_unusable_cache_directory_falls_back_to_torch(tmp_path, monkeypatch):
     blocker.write_text("")  # the cache "directory" is a file: building must fail cleanly
     monkeypatch.setenv("RADIXSERVE_CACHE", str(blocker))
     assert native._load(native._SOURCE.with_name("elementwise.c")) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_on_a_fused_qkv_view(ops, dtype, head_dim):
+    """q and k rotated as one strided view into a fused [T, (q + k + v) heads * d] row, as the
+    model does; v (the rest of the row) must be left alone. Against float64 rotate-half."""
+    from radixserve.executor.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(head_dim)
+    tokens, q_heads, kv_heads = 37, 6, 2
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    original = qkv.clone()
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    cos, sin = rope.tables(positions)
+    qk = qkv[:, : (q_heads + kv_heads) * head_dim].view(tokens, q_heads + kv_heads, head_dim)
+    out = ops.rotary(qk, cos, sin)
+
+    x = original[:, : (q_heads + kv_heads) * head_dim].view(tokens, -1, head_dim).double()
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    c = cos.double()
+    s = torch.cat((sin[..., half:], sin[..., half:]), dim=-1).double()  # +sin, full width
+    expected = x * c + rotated * s
+    torch.testing.assert_close(out.double(), expected, atol=TOL[dtype], rtol=TOL[dtype])
+    # v untouched; the native kernel works in place on the view, the torch path copies
+    assert torch.equal(
+        qkv[:, (q_heads + kv_heads) * head_dim :], original[:, (q_heads + kv_heads) * head_dim :]
+    )
+    if ops.native is not None:
+        assert out.data_ptr() == qk.data_ptr()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -20,6 +21,7 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,13 @@ def load_paged_decode() -> ctypes.CDLL | None:
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     for name in ("paged_decode_bf16", "paged_decode_f32"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, p, p, p, p, i, i, i, i, i, i, f, i, p]
+        fn.argtypes = [p, p, p, p, p, i, i, i, i, i, i, f, i, p, p, i]
+        fn.restype = i
+    lib.paged_decode_has_avx512_bf16.argtypes = []
+    lib.paged_decode_has_avx512_bf16.restype = i
+    if lib.paged_decode_has_avx512_bf16():
+        fn = lib.paged_decode_prefix_bf16
+        fn.argtypes = [p, p, p, p, i, i, i, i, i, i, f, i, p, p]
         fn.restype = i
     return lib
 
@@ -143,6 +151,9 @@ def load_elementwise() -> ctypes.CDLL | None:
         norm = getattr(lib, f"add_rms_norm_{suffix}")
         norm.argtypes = [p, p, p, p, i64, i64, f, i]
         norm.restype = None
+        rotary = getattr(lib, f"rotary_{suffix}")
+        rotary.argtypes = [p, i64, i64, i64, i64, p, p, i]
+        rotary.restype = None
     return lib
 
 
@@ -169,13 +180,18 @@ def paged_decode(
     page_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    prefix: SharedPrefix | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its pages.
 
     q [b, heads, d] and the caches [num_pages, kv_heads, page_size, d] share a dtype and
     are contiguous CPU tensors; page_tables [b, max_pages] and seq_lens [b] are int32.
     Returns [b, heads, d]. Shapes must pass ``paged_decode_supports`` (ValueError
-    otherwise)."""
+    otherwise).
+
+    ``prefix``: the first ``prefix.length`` keys of every sequence are the same pages
+    (``shared_prefix_length`` finds them); they are attended once for all sequences
+    (``paged_decode_prefix_bf16``) and each sequence's own kernel continues from there."""
     b, heads, d = q.shape
     _, kv_heads, page_size, _ = k_cache.shape
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -190,6 +206,10 @@ def paged_decode(
     assert page_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     entry = _ENTRY[q.dtype]
     out = torch.empty_like(q)
+    state, skip = None, 0
+    if prefix is not None:
+        state = _prefix_state(lib, q, k_cache, v_cache, page_tables, prefix, scale)
+        skip = prefix.length
     rc = getattr(lib, entry)(
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -205,10 +225,110 @@ def paged_decode(
         scale,
         torch.get_num_threads(),
         out.data_ptr(),
+        None if state is None else state.data_ptr(),
+        skip,
     )
     if rc != 0:  # the checks above mirror the kernel's, so this is a bug
         raise RuntimeError(f"{entry} refused its arguments ({rc})")
     return out
+
+
+# a shared prefix shorter than this is attended by each sequence's own kernel: below it the
+# second pass costs more than the shared reads save
+MIN_SHARED_PREFIX = 128
+MIN_SHARED_BATCH = 4
+
+
+class SharedPrefix:
+    """The keys every sequence of a decode batch holds in the same pages. Invariant:
+    ``length`` is a positive multiple of 16 and of the page size, and strictly below every
+    sequence's length (each sequence has at least its own last key after it); ``scratch``
+    holds the repacked keys and values of one layer (reused layer after layer)."""
+
+    __slots__ = ("length", "pages", "scratch")
+
+    def __init__(self, length: int, pages: torch.Tensor, scratch: torch.Tensor) -> None:
+        self.length = length
+        self.pages = pages
+        self.scratch = scratch
+
+
+def shared_prefix_length(page_tables: np.ndarray, seq_lens: np.ndarray, page_size: int) -> int:
+    """The longest run of leading pages that every row shares, in tokens, cut to full pages
+    before each row's last token and to a multiple of 16 and of the page size (0: none)."""
+    if page_tables.shape[0] == 0 or page_tables.shape[1] == 0:
+        return 0
+    differs = (page_tables != page_tables[0]).any(axis=0)
+    common = int(np.argmax(differs)) if differs.any() else page_tables.shape[1]
+    common = min(common, int((seq_lens.min() - 1) // page_size))
+    unit = math.lcm(16, page_size)
+    return max(0, common * page_size // unit * unit)
+
+
+def make_shared_prefix(
+    lib: ctypes.CDLL | None,
+    page_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    page_size: int,
+    kv_heads: int,
+    head_dim: int,
+    group: int,
+    dtype: torch.dtype,
+) -> SharedPrefix | None:
+    """A SharedPrefix for this decode batch when the two-pass kernel applies and pays off."""
+    if (
+        lib is None
+        or dtype != torch.bfloat16
+        or head_dim not in (64, 128)
+        or group > _MAX_GROUP
+        or page_tables.shape[0] < MIN_SHARED_BATCH
+        or not lib.paged_decode_has_avx512_bf16()
+    ):
+        return None
+    length = shared_prefix_length(page_tables, seq_lens, page_size)
+    if length < MIN_SHARED_PREFIX:
+        return None
+    pages = torch.from_numpy(np.ascontiguousarray(page_tables[0, : length // page_size]))
+    # 64-byte aligned scratch for the repacked K and V of every kv head
+    raw = torch.empty(kv_heads * length * head_dim * 2 + 32, dtype=torch.bfloat16)
+    offset = (-raw.data_ptr() % 64) // 2
+    scratch = raw[offset : offset + kv_heads * length * head_dim * 2]
+    return SharedPrefix(length, pages.to(torch.int32), scratch)
+
+
+def _prefix_state(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    prefix: SharedPrefix,
+    scale: float,
+) -> torch.Tensor:
+    b, heads, d = q.shape
+    _, kv_heads, page_size, _ = k_cache.shape
+    if q.dtype != torch.bfloat16 or not lib.paged_decode_has_avx512_bf16():
+        raise ValueError("the shared-prefix decode runs on the AVX-512 BF16 path only")
+    state = torch.empty(b, heads, d + 2, dtype=torch.float32)
+    rc = lib.paged_decode_prefix_bf16(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        prefix.pages.data_ptr(),
+        prefix.length,
+        b,
+        kv_heads,
+        heads // kv_heads,
+        page_size,
+        d,
+        scale,
+        torch.get_num_threads(),
+        state.data_ptr(),
+        prefix.scratch.data_ptr(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"paged_decode_prefix_bf16 refused its arguments ({rc})")
+    return state
 
 
 # Flags of the portable build of the prefill kernel (no AVX-512 at all): what a machine

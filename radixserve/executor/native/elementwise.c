@@ -71,7 +71,87 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
         }                                                                             \
     }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+/* exp(x) for x <= 88 (a Cephes-style polynomial on x - n ln2, then 2^n by scalef) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p, __mmask16 m) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* silu(g) * u; -g clamped at 80: exp(80) is finite, so the division never meets inf */
+static inline __m512 silu_mul16(__m512 g, __m512 u) {
+    const __m512 e = exp16(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(80.0f)));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f))), u);
+}
+
+/* bfloat16 SiLU-and-multiply, 16 lanes at a time (a vectorised exp; the scalar loop's expf
+ * does not vectorise) */
+void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t d,
+                       int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * 2 * d, *up = gate + d;
+        uint16_t *o = out + r * d;
+        int64_t i = 0;
+        for (; i + 16 <= d; i += 16) { /* full vectors: plain loads and stores */
+            const __m512 g = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i))), 16));
+            const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i))), 16));
+            _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(silu_mul16(g, u)));
+        }
+        if (i < d) { /* the tail, masked */
+            const __mmask16 m = (__mmask16)((1u << (d - i)) - 1u);
+            const __m512 g = load_bf16x16(gate + i, m), u = load_bf16x16(up + i, m);
+            _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(silu_mul16(g, u)));
+        }
+    }
+}
+#else
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+#endif
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, IDENTITY, IDENTITY)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, IDENTITY, IDENTITY)
+
+/* Rotary embedding (Hugging Face's rotate-half layout), in place: x holds `rows` tokens of
+ * `heads` heads of size d, token r at x + r * row_stride (q and k of a fused qkv row);
+ * cos and sin_signed are that token's full-width tables [rows, d] (sin_signed = [-sin, sin]).
+ * x[i] <- x[i] cos[i] + x[i +- d/2] sin_signed[i], in float32, rounded once. */
+#define DEFINE_ROTARY(NAME, T, LOAD, STORE)                                           \
+    void NAME(T *x, int64_t rows, int64_t heads, int64_t d, int64_t row_stride,       \
+              const T *cos, const T *sin_signed, int num_threads) {                   \
+        const int64_t half = d / 2;                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")         \
+        for (int64_t r = 0; r < rows; r++) {                                          \
+            const T *c = cos + r * d, *s = sin_signed + r * d;                        \
+            for (int64_t h = 0; h < heads; h++) {                                     \
+                T *v = x + r * row_stride + h * d;                                    \
+                for (int64_t i = 0; i < half; i++) {                                  \
+                    const float a = LOAD(v[i]), b = LOAD(v[i + half]);                \
+                    v[i] = STORE(a * LOAD(c[i]) + b * LOAD(s[i]));                    \
+                    v[i + half] = STORE(b * LOAD(c[i + half]) + a * LOAD(s[i + half])); \
+                }                                                                     \
+            }                                                                         \
+        }                                                                             \
+    }
+
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ROTARY(rotary_f32, float, IDENTITY, IDENTITY)

@@ -139,7 +139,7 @@ static const uint16_t zero_row[MAX_HEAD_DIM]; /* the partner of an odd block's l
 static inline __attribute__((always_inline)) void task_bf16_avx512(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *pages,
     int32_t seq_len, int kv_heads, int h, int group, int page_size, int d, float scale,
-    uint16_t *out) {
+    const float *state, uint16_t *out) {
     const int nq = d / 32, nv = d / 16; /* bf16 pairs per q row; float32 vectors per row */
     __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32];
     __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16], dots[MAX_GROUP][16];
@@ -149,9 +149,16 @@ static inline __attribute__((always_inline)) void task_bf16_avx512(
         const uint16_t *qr = q + (size_t)(h * group + g) * d;
         for (int c = 0; c < nq; c++)
             qv[g][c] = (__m512bh)_mm512_loadu_si512((const void *)(qr + 32 * c));
-        for (int c = 0; c < nv; c++) acc[g][c] = _mm512_setzero_ps();
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+        if (state != NULL) { /* continue from a shared prefix's partial result */
+            const float *st = state + (size_t)(h * group + g) * (d + 2);
+            for (int c = 0; c < nv; c++) acc[g][c] = _mm512_loadu_ps(st + 16 * c);
+            m[g] = st[d];
+            l[g] = st[d + 1];
+        } else {
+            for (int c = 0; c < nv; c++) acc[g][c] = _mm512_setzero_ps();
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
+        }
     }
     const size_t page_stride = (size_t)kv_heads * page_size * d;
     int page = 0, off = 0; /* position of the next key whose rows are located */
@@ -250,6 +257,123 @@ static inline __attribute__((always_inline)) void task_bf16_avx512(
     }
 #undef LOCATE
 }
+
+/* ---- shared-prefix ("cascade") decode ------------------------------------------------
+ * When every sequence of a decode batch starts with the same pages (a shared system prompt,
+ * a few-shot prefix, n > 1 samples), the per-sequence tasks above would each read those keys
+ * and pay the per-key reductions again. Here the prefix is attended once per kv head for all
+ * the batch's query rows at once, as small matrix products: keys are repacked into "VNNI"
+ * order (lane j of vector c = the bf16 pair (k[j][2c], k[j][2c+1]) of key j), so a query
+ * pair broadcast and one vdpbf16ps give 16 keys' partial scores with no horizontal sum, and
+ * value rows are interleaved in key pairs the way the p.v loop above does. The softmax is
+ * online over chunks of PREFIX_CHUNK keys. The result per (sequence, query head) is a
+ * partial state: acc[d] (the p.v loop's pair-interleaved order), m, l; the per-sequence
+ * kernel starts from it and attends the rest of the sequence (see `state` above). */
+#define PREFIX_CHUNK 256
+
+/* keys [prefix_len] of kv head h -> kt [prefix_len/16][d/2][16] uint32 (16-key blocks);
+ * values -> vi [prefix_len/2][d/16] vectors (per 32-dim chunk: the lo then hi unpack) */
+static void repack_prefix(const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *pages, int prefix_len, int kv_heads, int h,
+                          int page_size, int d, uint32_t *kt, __m512i *vi) {
+    const size_t page_stride = (size_t)kv_heads * page_size * d;
+    const int half = d / 2, nq = d / 32;
+#define ROW(cache, t)                                                                        \
+    ((cache) + (size_t)pages[(t) / page_size] * page_stride +                               \
+     ((size_t)h * page_size + (t) % page_size) * d)
+    for (int blk = 0; blk < prefix_len / 16; blk++) {
+        uint32_t *dst = kt + (size_t)blk * half * 16;
+        for (int j = 0; j < 16; j++) {
+            const uint32_t *src = (const uint32_t *)ROW(k_cache, blk * 16 + j);
+            for (int c = 0; c < half; c++) dst[c * 16 + j] = src[c];
+        }
+    }
+    for (int t = 0; t < prefix_len; t += 2) {
+        const uint16_t *v0 = ROW(v_cache, t), *v1 = ROW(v_cache, t + 1);
+        __m512i *dst = vi + (size_t)(t / 2) * (2 * nq);
+        for (int c = 0; c < nq; c++) {
+            const __m512i a = _mm512_loadu_si512((const void *)(v0 + 32 * c));
+            const __m512i b = _mm512_loadu_si512((const void *)(v1 + 32 * c));
+            dst[2 * c] = _mm512_unpacklo_epi16(a, b);
+            dst[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+    }
+#undef ROW
+}
+
+/* RB query rows (row r: sequence rows[r] / group, head h * group + rows[r] % group) of kv
+ * head h over the repacked prefix; RB * D == 256 keeps the accumulators in registers */
+static inline __attribute__((always_inline)) void prefix_rows(
+    const uint16_t *q, int heads, int group, int h, const int *rows, int nrows,
+    const uint32_t *kt, const __m512i *vi, int prefix_len, float scale, float *state,
+    const int D, const int RB) {
+    const int half = D / 2, nv = D / 16;
+    const uint32_t *qp[16];
+    __m512 acc[16][16];
+    float m[16], l[16];
+    __attribute__((aligned(64))) float s[16][PREFIX_CHUNK];
+    __attribute__((aligned(64))) uint32_t p[16][PREFIX_CHUNK / 2];
+    for (int r = 0; r < RB; r++) {
+        const int row = rows[r < nrows ? r : 0];
+        qp[r] = (const uint32_t *)(q + ((size_t)(row / group) * heads + h * group + row % group) * D);
+        for (int c = 0; c < nv; c++) acc[r][c] = _mm512_setzero_ps();
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int start = 0; start < prefix_len; start += PREFIX_CHUNK) {
+        const int n = prefix_len - start < PREFIX_CHUNK ? prefix_len - start : PREFIX_CHUNK;
+        /* scores: 16 keys per vector, no horizontal sums */
+        for (int b = 0; b < n / 16; b++) {
+            const uint32_t *kb = kt + (size_t)(start / 16 + b) * half * 16;
+            __m512 sc[16];
+            for (int r = 0; r < RB; r++) sc[r] = _mm512_setzero_ps();
+            for (int c = 0; c < half; c++) {
+                const __m512bh kv = (__m512bh)_mm512_load_si512((const void *)(kb + 16 * c));
+                for (int r = 0; r < RB; r++)
+                    sc[r] = _mm512_dpbf16_ps(sc[r], (__m512bh)_mm512_set1_epi32((int)qp[r][c]), kv);
+            }
+            for (int r = 0; r < RB; r++) _mm512_store_ps(s[r] + 16 * b, _mm512_mul_ps(sc[r], vscale));
+        }
+        /* online softmax over the chunk; weights rounded to bf16 pairs for p.v */
+        for (int r = 0; r < RB; r++) {
+            __m512 mx = _mm512_load_ps(s[r]);
+            for (int b = 1; b < n / 16; b++) mx = _mm512_max_ps(mx, _mm512_load_ps(s[r] + 16 * b));
+            const float chunk_max = _mm512_reduce_max_ps(mx);
+            const float new_m = chunk_max > m[r] ? chunk_max : m[r];
+            const float rescale = expf(m[r] - new_m);
+            const __m512 vm = _mm512_set1_ps(new_m);
+            __m512 sum = _mm512_setzero_ps();
+            for (int b = 0; b < n / 16; b++) {
+                const __m256bh eb =
+                    _mm512_cvtneps_pbh(exp16(_mm512_sub_ps(_mm512_load_ps(s[r] + 16 * b), vm)));
+                _mm256_store_si256((__m256i *)(p[r] + 8 * b), (__m256i)eb);
+                sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
+            }
+            l[r] = l[r] * rescale + _mm512_reduce_add_ps(sum);
+            m[r] = new_m;
+            if (rescale != 1.0f)
+                for (int c = 0; c < nv; c++)
+                    acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(rescale));
+        }
+        /* p.v: two keys per step, their values pre-interleaved */
+        for (int t = 0; t < n / 2; t++) {
+            const __m512i *vt = vi + (size_t)(start / 2 + t) * nv;
+            for (int r = 0; r < RB; r++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)p[r][t]);
+                for (int c = 0; c < nv; c++)
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], w, (__m512bh)_mm512_load_si512(vt + c));
+            }
+        }
+    }
+    for (int r = 0; r < nrows; r++) {
+        const int row = rows[r];
+        float *st = state + ((size_t)(row / group) * heads + h * group + row % group) * (D + 2);
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(st + 16 * c, acc[r][c]);
+        st[D] = m[r];
+        st[D + 1] = l[r];
+    }
+}
 #endif
 
 #define IDENTITY(x) (x)
@@ -261,8 +385,11 @@ DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
 #define DEFINE_ENTRY(NAME, T, TASK, FAST, FAST_TASK)                                                          \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *page_tables,     \
              const int32_t *seq_lens, int batch, int max_pages, int kv_heads, int group,     \
-             int page_size, int d, float scale, int num_threads, T *out) {                   \
+             int page_size, int d, float scale, int num_threads, T *out,                     \
+             const float *state, int skip) {                                                 \
         if (group > MAX_GROUP || d > MAX_HEAD_DIM || page_size > MAX_PAGE) return -1;        \
+        /* a shared-prefix state (see paged_decode_prefix_bf16) needs the fast path */       \
+        if ((state != NULL || skip != 0) && (!FAST(d) || skip % page_size != 0)) return -2;  \
         const int heads = kv_heads * group;                                                  \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")            \
         for (int task = 0; task < batch * kv_heads; task++) {                                \
@@ -271,8 +398,9 @@ DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
             T *ob = out + (size_t)b * heads * d;                                             \
             const int32_t *pages = page_tables + (size_t)b * max_pages;                      \
             if (FAST(d))                                                                     \
-                FAST_TASK(qb, k_cache, v_cache, pages, seq_lens[b], kv_heads, h, group,      \
-                          page_size, d, scale, ob);                                          \
+                FAST_TASK(qb, k_cache, v_cache, pages + skip / page_size, seq_lens[b] - skip, \
+                          kv_heads, h, group, page_size, d, scale,                           \
+                          state ? state + (size_t)b * heads * (d + 2) : NULL, ob);           \
             else if (d == 64)                                                                \
                 TASK(qb, k_cache, v_cache, pages, seq_lens[b], kv_heads, h, group,           \
                      page_size, 64, scale, ob);                                              \
@@ -287,12 +415,13 @@ DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
     }
 
 #define NEVER(d) 0
+#define NO_FAST_TASK(...) ((void)0)
 #ifdef HAVE_AVX512_BF16
 #define AVX512_D(d) ((d) % 32 == 0)
 /* group and head_dim as compile-time constants for the common shapes, so that the
  * accumulators live in registers */
 #define AVX512_CASE(G, D)                                                                    \
-    task_bf16_avx512(q, k, v, pg, n, kvh, h, G, ps, D, sc, o)
+    task_bf16_avx512(q, k, v, pg, n, kvh, h, G, ps, D, sc, st, o)
 #define AVX512_GROUPS(D)                                                                     \
     switch (g) {                                                                             \
     case 1: AVX512_CASE(1, D); break;                                                        \
@@ -307,7 +436,7 @@ DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
     }
 static void task_bf16_avx512_dispatch(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                       const int32_t *pg, int32_t n, int kvh, int h, int g,
-                                      int ps, int d, float sc, uint16_t *o) {
+                                      int ps, int d, float sc, const float *st, uint16_t *o) {
     if (d == 64) {
         AVX512_GROUPS(64)
     } else if (d == 128) {
@@ -319,9 +448,52 @@ static void task_bf16_avx512_dispatch(const uint16_t *q, const uint16_t *k, cons
 #define AVX512_TASK task_bf16_avx512_dispatch
 DEFINE_ENTRY(paged_decode_bf16, uint16_t, task_bf16, AVX512_D, AVX512_TASK)
 #else
-DEFINE_ENTRY(paged_decode_bf16, uint16_t, task_bf16, NEVER, task_bf16)
+DEFINE_ENTRY(paged_decode_bf16, uint16_t, task_bf16, NEVER, NO_FAST_TASK)
 #endif
-DEFINE_ENTRY(paged_decode_f32, float, task_f32, NEVER, task_f32)
+DEFINE_ENTRY(paged_decode_f32, float, task_f32, NEVER, NO_FAST_TASK)
+
+#ifdef HAVE_AVX512_BF16
+/* Part one of a shared-prefix decode: the queries q [batch, kv_heads * group, d] of every
+ * sequence attend the first prefix_len keys, which all of them hold in the same `pages`;
+ * writes state [batch, kv_heads * group, d + 2] (acc, m, l) for paged_decode_bf16's `state`
+ * with skip = prefix_len. scratch: kv_heads * prefix_len * d * 2 bf16, 64-byte aligned.
+ * Returns 0, or -1 for shapes it does not handle (prefix_len a multiple of 16 and of the
+ * page size, d 64 or 128, group <= MAX_GROUP). */
+int paged_decode_prefix_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int32_t *pages, int prefix_len, int batch, int kv_heads,
+                             int group, int page_size, int d, float scale, int num_threads,
+                             float *state, void *scratch) {
+    if ((d != 64 && d != 128) || group > MAX_GROUP || prefix_len % 16 != 0 ||
+        prefix_len % page_size != 0 || prefix_len <= 0 || ((uintptr_t)scratch & 63) != 0)
+        return -1;
+    const int heads = kv_heads * group, rb = 256 / d, nrows = batch * group;
+    const size_t per_head = (size_t)prefix_len * d; /* bf16 elements per head, K or V */
+    uint16_t *base = (uint16_t *)scratch;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int h = 0; h < kv_heads; h++)
+            repack_prefix(k_cache, v_cache, pages, prefix_len, kv_heads, h, page_size, d,
+                          (uint32_t *)(base + 2 * h * per_head),
+                          (__m512i *)(base + (2 * h + 1) * per_head));
+        const int blocks = (nrows + rb - 1) / rb;
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int task = 0; task < kv_heads * blocks; task++) {
+            const int h = task / blocks, first = (task % blocks) * rb;
+            int rows[16];
+            const int n = nrows - first < rb ? nrows - first : rb;
+            for (int r = 0; r < n; r++) rows[r] = first + r;
+            const uint32_t *kt = (const uint32_t *)(base + 2 * h * per_head);
+            const __m512i *vi = (const __m512i *)(base + (2 * h + 1) * per_head);
+            if (d == 64)
+                prefix_rows(q, heads, group, h, rows, n, kt, vi, prefix_len, scale, state, 64, 4);
+            else
+                prefix_rows(q, heads, group, h, rows, n, kt, vi, prefix_len, scale, state, 128, 2);
+        }
+    }
+    return 0;
+}
+#endif
 
 /* 1 when the bfloat16 entry uses the AVX-512 BF16 path (for tests and start-up logs) */
 int paged_decode_has_avx512_bf16(void) {
