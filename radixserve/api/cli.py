@@ -185,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--grpc-port", type=int, default=None, help="also serve the gRPC API on this port (off)"
     )
+    srv.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes", "llama3_json"],
+        help="how tool calls are read from chat output: <tool_call> tags or Llama 3 JSON",
+    )
+    srv.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a structured-output grammar may take to compile (longer: a 400)",
+    )
     add_engine_args(srv)
 
     sim = sub.add_parser(
@@ -329,6 +341,8 @@ def run_serve(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             max_logprobs=args.max_logprobs,
             max_body_bytes=int(args.max_body_mb * 2**20),
+            tool_call_parser=args.tool_call_parser,
+            grammar_compile_timeout_s=args.grammar_compile_timeout,
         ),
         host=args.host,
         port=args.port,

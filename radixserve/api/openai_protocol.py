@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # e.g. continuous_usage_stats: a 400
+
     include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras)."""
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras).
+    Undeclared fields are kept (``model_extra``) so that the server answers 400 naming
+    them instead of ignoring them (``api.structured.reject_unknown_fields``)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: StrictInt | None = None
@@ -41,6 +45,9 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: StrictBool = False
     priority: StrictInt = 0
     cache_salt: str | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs extra
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -53,6 +60,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: calls it made
+    tool_call_id: str | None = None  # tool: the call this answers
 
 
 class ChatCompletionRequest(_Sampling):
@@ -62,10 +72,14 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    _tool_context: Any = PrivateAttr(default=None)  # set by the server (api.structured)
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -73,7 +87,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
 
     tokens: list[StrictInt]
 
@@ -81,7 +95,7 @@ class DetokenizeRequest(BaseModel):
 class GenerateRequest(BaseModel):
     """The native ``/generate`` body (SGLang's shape): text or token ids, sampling params."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
 
     text: str | None = None
     input_ids: list[StrictInt] | None = None

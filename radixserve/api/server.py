@@ -35,6 +35,15 @@ from radixserve.api.openai_protocol import (
     body_schema,
 )
 from radixserve.api.protocol import Delta
+from radixserve.api.structured import (
+    GrammarChecker,
+    ToolStreamer,
+    apply_structured,
+    parse_tool_calls,
+    reject_unknown_fields,
+    template_message,
+    tool_context,
+)
 from radixserve.api.tokenize_batcher import TokenizeBatcher
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
@@ -54,6 +63,8 @@ class ServerConfig:
     max_n: int = 16
     max_logprobs: int = 20
     max_stop: int = 16
+    tool_call_parser: str = "hermes"  # hermes | llama3_json
+    grammar_compile_timeout_s: float = 10.0  # longer: the request is a 400
 
 
 def _sse(obj: Any) -> bytes:
@@ -81,6 +92,7 @@ class OpenAIServer:
         self.model_name = config.served_model_name or source_name
         self.metrics = Metrics(lambda: self.client.stats)
         self._token_texts: dict[int, str] = {}
+        self.grammar = GrammarChecker(self.tokenizer, config.grammar_compile_timeout_s)
         self.created = int(time.time())
 
     # -- request parsing ------------------------------------------------------------------
@@ -95,11 +107,13 @@ class OpenAIServer:
         if not isinstance(data, dict):
             raise APIError(400, "the JSON body must be an object")
         try:
-            return model.model_validate(data)
+            body = model.model_validate(data)
         except ValidationError as exc:
             err = exc.errors()[0]
             param = ".".join(str(x) for x in err.get("loc", ())) or None
             raise APIError(400, f"{param}: {err.get('msg')}", param=param) from None
+        reject_unknown_fields(body)
+        return body
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -399,7 +413,10 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     async def tokenize(request: HTTPRequest) -> Response:
         body = server.parse(request, TokenizeRequest)
         if body.messages is not None:
-            messages = [m.model_dump() for m in body.messages]
+            messages = [
+                template_message(m, i, _message(m, i)["content"])
+                for i, m in enumerate(body.messages)
+            ]
             ids = await _render_chat(server, messages, True, False, {})
         elif body.prompt is not None:
             ids = await server.tokenize.encode(body.prompt, body.add_special_tokens)
@@ -426,6 +443,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         fields, n = server.sampling(body, max_tokens)
         for ids in prompts:
             server.check_prompt(ids, max_tokens)
+        await apply_structured(server.grammar, body, fields, server.vocab_size)
         if body.echo:  # echo token-id prompts as their text; logprobs cover the prompt too
             texts = [
                 t if t is not None else server.tokenizer.decode(ids)
@@ -442,18 +460,25 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     async def chat_completions(request: HTTPRequest) -> Response | StreamResponse:
         body: ChatCompletionRequest = server.parse(request, ChatCompletionRequest)
         server.check_model(body.model)
-        messages = [_message(m, i) for i, m in enumerate(body.messages)]
+        tools = body._tool_context = tool_context(body, server.config.tool_call_parser)
+        messages = [
+            template_message(m, i, _message(m, i)["content"]) for i, m in enumerate(body.messages)
+        ]
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if tools.active:  # the template shows the model the tools it may call
+            template_kwargs["tools"] = tools.tools
         ids = await _render_chat(
             server,
             messages,
             body.add_generation_prompt and not body.continue_final_message,
             body.continue_final_message,
-            body.chat_template_kwargs or {},
+            template_kwargs,
         )
         requested = body.max_completion_tokens or body.max_tokens
         max_tokens = requested if requested is not None else max(1, server.max_model_len - len(ids))
         fields, n = server.sampling(body, max_tokens)
         server.check_prompt(ids, max_tokens)
+        await apply_structured(server.grammar, body, fields, server.vocab_size, tools)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return StreamResponse(_stream_chat(server, rid, ids, fields, n, body))
@@ -474,6 +499,10 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         except (TypeError, ValueError) as exc:
             raise APIError(400, str(exc), param="sampling_params") from None
         server.check_prompt(ids, params.max_tokens)
+        if params.structured_output is not None:
+            await server.grammar.check(
+                params.structured_output, server.vocab_size, "sampling_params"
+            )
         fields = {**sp, "n": 1}
         gen = server.run([ids], fields, 1, body.cache_salt, body.priority)
         if body.stream:
@@ -660,10 +689,17 @@ async def _complete(server, rid, texts, prompts, fields, n, body, chat: bool) ->
         o = outs[idx]
         wants = fields.get("logprobs") is not None
         if chat:
+            message: dict[str, Any] = {"role": "assistant", "content": o["text"]}
+            tools = body._tool_context
+            if tools is not None and tools.active:
+                content, calls = parse_tool_calls(o["text"], tools)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    o["reason"] = "tool_calls"
             choices.append(
                 {
                     "index": idx,
-                    "message": {"role": "assistant", "content": o["text"]},
+                    "message": message,
                     "logprobs": server.chat_logprobs(o["logprobs"]) if wants else None,
                     "finish_reason": o["reason"],
                 }
@@ -706,7 +742,9 @@ async def _stream_events(server, prompts, fields, n, body, on_delta, on_finish, 
             idx = i * n + d.index
             timer.delta(idx, d)
             if d.text or d.logprobs:
-                yield on_delta(idx, d)
+                frame = on_delta(idx, d)
+                if frame:  # empty: held back (a tool call being generated)
+                    yield frame
             if d.finished:
                 cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
                 if d.finish_reason == "error":
@@ -795,18 +833,55 @@ def _stream_chat(server, rid, ids, fields, n, body):
                 }
             )
 
+    tools = body._tool_context
+    streamers: dict[int, ToolStreamer] = {}
+
     def on_delta(idx, d):
         logprobs = server.chat_logprobs(d.logprobs) if d.logprobs else None
+        text = d.text
+        if tools is not None and tools.active:  # tool calls are held back until complete
+            text = streamers.setdefault(idx, ToolStreamer(tools)).feed(text)
+            if not text and not logprobs:
+                return b""
         choice = {
             "index": idx,
-            "delta": {"content": d.text},
+            "delta": {"content": text},
             "logprobs": logprobs,
             "finish_reason": None,
         }
         return _sse({**base, "choices": [choice]})
 
     def on_finish(idx, reason):
-        return _sse(
+        frames = b""
+        streamer = streamers.pop(idx, None)
+        if streamer is not None:
+            rest, calls = streamer.finish()
+            if rest:
+                frames += _sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": idx,
+                                "delta": {"content": rest},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
+            if calls:
+                reason = "tool_calls"
+                delta = {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
+                frames += _sse(
+                    {
+                        **base,
+                        "choices": [
+                            {"index": idx, "delta": delta, "logprobs": None, "finish_reason": None}
+                        ],
+                    }
+                )
+        return frames + _sse(
             {
                 **base,
                 "choices": [{"index": idx, "delta": {}, "logprobs": None, "finish_reason": reason}],

@@ -1,4 +1,5 @@
-"""A request and its state machine: NEW → PREFILL → DECODE → FINISHED/ABORTED, PREEMPTED between."""
+"""A request and its state machine: NEW → PREFILL → DECODE → FINISHED/ABORTED, PREEMPTED between;
+a constrained request waits in WAITING_FOR_GRAMMAR (before NEW) while its grammar compiles."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from radixserve.core.sampling_params import SamplingParams
 
 class RequestState(enum.Enum):
     NEW = "new"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # outside the scheduler, holds nothing
     PREFILL = "prefill"
     DECODE = "decode"
     PREEMPTED = "preempted"
@@ -21,7 +23,16 @@ class RequestState(enum.Enum):
 
 _ALLOWED: dict[RequestState, frozenset[RequestState]] = {
     RequestState.NEW: frozenset(
-        {RequestState.PREFILL, RequestState.FINISHED, RequestState.ABORTED}
+        {
+            RequestState.WAITING_FOR_GRAMMAR,
+            RequestState.PREFILL,
+            RequestState.FINISHED,
+            RequestState.ABORTED,
+        }
+    ),
+    # compiled: queued as NEW; compile failed or timed out: FINISHED (error); or aborted
+    RequestState.WAITING_FOR_GRAMMAR: frozenset(
+        {RequestState.NEW, RequestState.FINISHED, RequestState.ABORTED}
     ),
     RequestState.PREFILL: frozenset(
         {
@@ -80,6 +91,7 @@ class Request:
         "error",
         "finish_reason",
         "first_scheduled_time",
+        "grammar",
         "group_id",
         "last_step",
         "num_cached_tokens",
@@ -142,6 +154,9 @@ class Request:
         self.state = RequestState.NEW
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        # constrained decoding: the executor's grammar matcher of this sample (None: free);
+        # it has accepted every sampled token of this request, placeholders included
+        self.grammar: object | None = None
 
     # -- tokens ---------------------------------------------------------------------------
     @property

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+# structured_output kinds (vLLM's ``structured_outputs`` names) and the type of their value
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "grammar", "choice")
 
 
 def _require(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -40,6 +45,9 @@ class SamplingParams:
     logprobs: int | None = None  # return the chosen token's logprob and this many top ones
     # the same for every prompt token but the first (computed, so never a prefix-cache hit)
     prompt_logprobs: int | None = None
+    # constrained decoding: exactly one of {"json": schema (dict or JSON text),
+    # "json_object": True, "regex": str, "grammar": EBNF str, "choice": [str, ...]}
+    structured_output: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +124,55 @@ class SamplingParams:
             )
         for s in self.stop:
             _require(isinstance(s, str) and s != "", "stop", "a list of non-empty strings", s)
+        if self.structured_output is not None:
+            self.grammar_key()  # raises ValueError naming the field
+
+    def grammar_key(self) -> tuple[str, str] | None:
+        """(kind, text) of ``structured_output`` (the compile cache key), or None when free.
+        ``ValueError`` naming the field when its shape is wrong (the grammar itself is
+        checked when it compiles)."""
+        so = self.structured_output
+        if so is None:
+            return None
+        name = "structured_output"
+        given = (
+            [k for k in STRUCTURED_OUTPUT_KINDS if so.get(k) is not None]
+            if isinstance(so, dict)
+            else []
+        )
+        _require(
+            isinstance(so, dict) and len(given) == 1 and len(so) == 1,
+            name,
+            f"a dict with exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+            so,
+        )
+        kind = given[0]
+        value = so[kind]
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise ValueError(f"{name}.json: not valid JSON: {value[:200]!r}") from None
+            _require(isinstance(value, dict | bool), f"{name}.json", "a JSON schema object", value)
+            return kind, json.dumps(value)
+        if kind == "json_object":
+            _require(value is True, f"{name}.json_object", "true", value)
+            return kind, ""
+        if kind == "choice":
+            _require(
+                isinstance(value, list)
+                and bool(value)
+                and all(isinstance(c, str) and c for c in value),
+                f"{name}.choice",
+                "a non-empty list of non-empty strings",
+                value,
+            )
+            return kind, json.dumps(value)
+        _require(
+            isinstance(value, str) and bool(value), f"{name}.{kind}", "a non-empty string", value
+        )
+        return kind, value
 
     @property
     def greedy(self) -> bool:

@@ -62,6 +62,8 @@ class EngineConfig:
     # Total memory for weights + KV cache: the KV cache gets what the weights leave (None:
     # the KV cache gets kv_cache_memory_gb).
     memory_budget_gb: float | None = None
+    # structured output: a grammar that takes longer to compile fails its request
+    grammar_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.simulated_device_time:
@@ -104,6 +106,10 @@ class EngineConfig:
             raise ValueError(f"quantization {self.quantization!r} runs on the CPU only")
         if self.memory_budget_gb is not None and not self.memory_budget_gb > 0:
             raise ValueError(f"memory_budget_gb must be > 0, got {self.memory_budget_gb}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -21,6 +21,7 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.model_source import ModelSource, resolve_model
 from radixserve.engine.outputs import SequenceDelta
+from radixserve.engine.structured import GrammarWaitList
 from radixserve.engine.tokenizer import (
     MissingTokenizer,
     has_tokenizer_files,
@@ -36,6 +37,7 @@ from radixserve.executor.device import (
     ThreadDevice,
     TimedDevice,
 )
+from radixserve.executor.grammar import GrammarService
 from radixserve.executor.kv_cache import KVCache, bytes_per_page
 from radixserve.executor.loader import Checkpoint, load_checkpoint
 from radixserve.executor.loader.dummy import dummy_weights
@@ -176,6 +178,11 @@ class Engine:
         self._children: dict[str, list[str]] = {}
         self._pending: list[SequenceDelta] = []
         self.num_steps = 0
+        # constrained requests wait here (WAITING_FOR_GRAMMAR) while their grammar compiles
+        self.grammars = GrammarWaitList(
+            lambda: GrammarService(self.tokenizer, self.vocab_size, list(self.eos_token_ids)),
+            config.grammar_compile_timeout_s,
+        )
 
     def _make_device(self, config: EngineConfig) -> Device:
         def run(step: PreparedStep) -> StepResult:
@@ -191,6 +198,7 @@ class Engine:
         """Finish the step in flight and stop the device's worker (if any)."""
         self.drain()
         self.device.close()
+        self.grammars.close()
 
     def _load_model(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
         """Weights, tokenizer and KV sizing of a real model; returns (KV pages, the
@@ -345,7 +353,13 @@ class Engine:
             )
             for i, sid in enumerate(seq_ids)
         ]
-        self.scheduler.add_group(requests)
+        grammar_key = params.grammar_key()
+        if grammar_key is None:
+            self.scheduler.add_group(requests)
+        elif self.config.simulated_device:
+            raise ValueError("structured_output needs a model (not a simulated device)")
+        else:
+            self.grammars.add(requests, grammar_key)  # scheduled once compiled
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         )
@@ -376,15 +390,22 @@ class Engine:
             samples = samples[index : index + 1]
         for sid in samples:
             req = self.scheduler.abort(sid)
+            if req is None and (req := self.grammars.remove(sid)) is not None:
+                req.finish(FinishReason.ABORT)
             if req is not None:
                 self._pending.append(self._final(req))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._pending)
+            or self._in_flight is not None
+            or len(self.grammars) > 0
+        )
 
     @property
     def num_unfinished(self) -> int:
-        return self.scheduler.num_unfinished
+        return self.scheduler.num_unfinished + len(self.grammars)
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
@@ -392,6 +413,7 @@ class Engine:
         one (serial). Returns the deltas of the processed step and of requests that ended
         meanwhile (aborts, failures)."""
         outputs, self._pending = self._pending, []
+        self.grammars.poll(self._admit_compiled, lambda r, m: outputs.append(self._fail(r, m)))
         batch = self.scheduler.schedule()
         outputs.extend(self._final(req) for req in batch.failed)
         launched = None if batch.is_empty else self._launch(batch, outputs)
@@ -406,7 +428,22 @@ class Engine:
             wake = self.scheduler.next_wakeup()
             if wake is not None and not outputs:  # batch wait: doze instead of spinning
                 time.sleep(min(max(0.0, wake - time.monotonic()), _IDLE_POLL_S))
+            elif not outputs and not self.scheduler.has_unfinished():
+                self.grammars.wait(_IDLE_POLL_S)  # only compiles pending: doze on them
         return outputs
+
+    def _admit_compiled(self, requests: list[Request]) -> None:
+        """Samples whose grammar compiled go to the scheduler (or fail if it is full)."""
+        try:
+            self.scheduler.add_group(requests)
+        except Exception as exc:
+            for req in requests:
+                self._pending.append(self._fail(req, str(exc)))
+
+    def _fail(self, req: Request, message: str) -> SequenceDelta:
+        """End a request the scheduler never saw (its grammar failed) with an error."""
+        req.finish(FinishReason.ERROR, message)
+        return self._final(req)
 
     def drain(self) -> list[SequenceDelta]:
         """Wait for the step in flight (overlapped loop) and process it."""
@@ -472,7 +509,16 @@ class Engine:
         detok = seq.detokenizer
         params = req.sampling_params
         reason: FinishReason | None = None
-        if token in seq.stop_token_ids and num_output > params.min_tokens - 1:
+        grammar = req.grammar
+        if grammar is not None and grammar.ends_at(num_output):  # type: ignore[attr-defined]
+            if grammar.failed:  # type: ignore[attr-defined]
+                message = f"the grammar refused token {token} (an internal error)"
+                self.scheduler.finish(req, FinishReason.ERROR, message)
+                return self._final(req)
+            reason = FinishReason.STOP  # the output is complete: it took a stop token
+        if reason is not None:
+            pass
+        elif token in seq.stop_token_ids and num_output > params.min_tokens - 1:
             reason = FinishReason.STOP
         else:
             if detok is not None:

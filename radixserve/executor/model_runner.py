@@ -153,6 +153,8 @@ class ModelRunner:
             sampled = self.sampler(logits, sampling, self.future.resolve)
             sampled_np = sampled.numpy()
             self.future.store(inputs.slots, sampled_np)
+            if sampling.grammar is not None:  # before the next step fills its masks
+                sampling.grammar.accept(sampled_np)
             tokens[inputs.sample] = sampled_np
             for rid, lp in zip(
                 inputs.sampled_ids, self.sampler.logprobs_of(sampled, sampling), strict=True

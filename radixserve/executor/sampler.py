@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from radixserve.core.request import Request
+from radixserve.executor.grammar import GrammarBatch
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,12 @@ class SamplingBatch:
     output_ids: list[np.ndarray] | None = None
     prompt_ids: list[np.ndarray | None] | None = None
     blocked: list[list[int]] | None = None  # min_tokens: per row, ids that cannot be drawn
+    grammar: GrammarBatch | None = None  # constrained rows (None: no row is constrained)
 
     @property
     def argmax_only(self) -> bool:
-        """Every row is plain greedy: the token is the argmax of the raw logits."""
+        """Every row is plain greedy: the token is the argmax of the raw logits (of the
+        grammar-masked logits for constrained rows; masking needs no float32)."""
         return (
             self.all_greedy
             and not (self.needs_bias or self.needs_penalties or self.needs_min_tokens)
@@ -123,13 +126,14 @@ class Sampler:
             if needs_penalties
             else None,
             blocked=[self._blocked_ids(r) for r in requests] if needs_min_tokens else None,
+            grammar=GrammarBatch.of(requests),
         )
 
     def _blocked_ids(self, r: Request) -> list[int]:
         """Before min_tokens outputs, EOS and stop_token_ids cannot be drawn."""
         p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens:
-            return []
+        if r.num_output_tokens >= p.min_tokens or r.grammar is not None:
+            return []  # a grammar decides alone when a constrained output may end
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
     def __call__(
@@ -147,6 +151,8 @@ class Sampler:
             logits = self._apply_penalties(logits, batch, resolve)
         if batch.needs_min_tokens:
             logits = self._block_stop_tokens(logits, batch)
+        if batch.grammar is not None:
+            logits = batch.grammar.apply(logits, inplace=logits is not self.raw_logits)
         # max(...).indices: the first maximal index, like argmax, but a vectorised kernel
         # for bfloat16 too (argmax on bf16 is ~4x slower on CPU).
         greedy_tokens = logits.max(dim=-1).indices

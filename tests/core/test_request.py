@@ -13,6 +13,10 @@ from radixserve.core.request import (
 )
 
 EXPECTED_EDGES = {
+    (RequestState.NEW, RequestState.WAITING_FOR_GRAMMAR),
+    (RequestState.WAITING_FOR_GRAMMAR, RequestState.NEW),
+    (RequestState.WAITING_FOR_GRAMMAR, RequestState.FINISHED),
+    (RequestState.WAITING_FOR_GRAMMAR, RequestState.ABORTED),
     (RequestState.NEW, RequestState.PREFILL),
     (RequestState.NEW, RequestState.FINISHED),
     (RequestState.NEW, RequestState.ABORTED),
@@ -33,6 +37,7 @@ def _request_in(state: RequestState) -> Request:
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=4))
     path = {
         RequestState.NEW: [],
+        RequestState.WAITING_FOR_GRAMMAR: [RequestState.WAITING_FOR_GRAMMAR],
         RequestState.PREFILL: [RequestState.PREFILL],
         RequestState.DECODE: [RequestState.PREFILL, RequestState.DECODE],
         RequestState.PREEMPTED: [RequestState.PREFILL, RequestState.PREEMPTED],

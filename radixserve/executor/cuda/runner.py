@@ -171,6 +171,8 @@ class CudaModelRunner(ModelRunner):
                 events[1].record()
             sampled_np = sampled.cpu().numpy()  # the step's one synchronisation
             self.future.store(inputs.slots, sampled_np)
+            if sampling.grammar is not None:  # before the next step fills its masks
+                sampling.grammar.accept(sampled_np)
             tokens[inputs.sample] = sampled_np
             for rid, lp in zip(
                 inputs.sampled_ids, self.sampler.logprobs_of(sampled, sampling), strict=True

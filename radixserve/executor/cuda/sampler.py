@@ -80,6 +80,8 @@ class DeviceSampler(Sampler):
             logits = self._device_penalties(logits, batch, resolve)
         if batch.needs_min_tokens:
             logits = self._device_block(logits, batch)
+        if batch.grammar is not None:
+            logits = batch.grammar.apply(logits, inplace=logits is not self.raw_logits)
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy_tokens

@@ -1,0 +1,358 @@
+"""Structured output and tool calling through the live server with the official openai
+client: constrained output of a random-weight model parses and validates; bad specs and
+undeclared fields are 400s naming the field, and the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from radixserve.api.asgi import APIError
+from radixserve.api.structured import GrammarChecker, ToolContext, ToolStreamer, parse_tool_calls
+from radixserve.engine.tokenizer import load_hf_tokenizer
+from tests.api.server_helpers import ServerProcess
+
+
+class Item(BaseModel):
+    sku: str = Field(pattern=r"^[A-Z]{2}[0-9]{3}$")
+    qty: int = Field(ge=1, le=50)
+
+
+class Order(BaseModel):
+    customer: str = Field(pattern=r"^[A-Z][a-z]{1,8}$")
+    status: Literal["new", "paid", "shipped"]
+    total: float = Field(ge=0, le=1000)
+    items: list[Item] = Field(min_length=1, max_length=3)
+    rush: bool
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,10}$"},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "cet"]}},
+            "required": ["zone"],
+        },
+    },
+}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_parse_with_a_pydantic_model_on_a_random_model(client):
+    model = _model(client)
+    for seed in range(3):
+        done = client.chat.completions.parse(
+            model=model,
+            messages=[{"role": "user", "content": "an order please"}],
+            response_format=Order,
+            max_tokens=400,
+            temperature=1.0,
+            seed=seed,
+        )
+        msg = done.choices[0].message
+        assert isinstance(msg.parsed, Order), msg.content
+        assert done.choices[0].finish_reason == "stop"
+
+
+def test_completions_json_schema_regex_and_choice(client):
+    model = _model(client)
+    out = client.completions.create(
+        model=model,
+        prompt="Order:",
+        max_tokens=400,
+        temperature=1.0,
+        seed=5,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "order", "schema": Order.model_json_schema()},
+            }
+        },
+    )
+    Order.model_validate_json(out.choices[0].text)
+    for seed in range(3):
+        chat = client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            max_tokens=40,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"structured_outputs": {"regex": r"\d{3}-[a-z]{2,5}"}},
+        )
+        assert re.fullmatch(r"\d{3}-[a-z]{2,5}", chat.choices[0].message.content)
+        comp = client.completions.create(
+            model=model,
+            prompt="Pick:",
+            max_tokens=20,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}},
+        )
+        assert comp.choices[0].text in ("red", "green", "blue")
+
+
+def _bad(client, status: int = 400, **kwargs) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(
+            model=_model(client), messages=MESSAGES, max_tokens=8, **kwargs
+        )
+    assert info.value.status_code == status
+    return info.value
+
+
+def test_bad_specs_and_undeclared_fields_are_400s_naming_the_field(client, server):
+    err = _bad(
+        client,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+        },
+    )
+    assert err.body["param"] == "response_format.json_schema.schema"
+    assert "nonsense" in err.body["message"]
+    err = _bad(client, extra_body={"structured_outputs": {"regex": "a(b"}})
+    assert err.body["param"] == "structured_outputs.regex"
+    err = _bad(client, extra_body={"structured_outputs": {"grammar": "root ::= foo"}})
+    assert err.body["param"] == "structured_outputs.grammar"
+    err = _bad(client, extra_body={"structured_outputs": {"json": 3}})
+    assert err.body["param"] == "structured_outputs.json"
+    err = _bad(client, response_format={"type": "xml"})
+    assert err.body["param"] == "response_format.type"
+    err = _bad(client, tool_choice="required")
+    assert err.body["param"] == "tool_choice"
+    err = _bad(client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}})
+    assert err.body["param"] == "tool_choice"
+    err = _bad(
+        client,
+        response_format={"type": "json_object"},
+        extra_body={"structured_outputs": {"regex": "a"}},
+    )
+    assert "cannot be combined" in err.body["message"]
+    for field, value in [("functions", [{"name": "f"}]), ("best_of", 2), ("suffix", "x")]:
+        err = _bad(client, extra_body={field: value})
+        assert err.body["param"] == field and "not supported" in err.body["message"]
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 2, "guided_json": {"type": "object"}},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "x", "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+    err = _bad(
+        client,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    assert err.body["param"] == "stream_options.continuous_usage_stats"
+    # harmless metadata is accepted
+    ok = client.chat.completions.create(
+        model=_model(client), messages=MESSAGES, max_tokens=2, user="u", metadata={"a": "b"}
+    )
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    r = httpx.post(
+        server.url + "/generate",
+        json={
+            "text": "x",
+            "sampling_params": {"max_tokens": 4, "structured_output": {"regex": "("}},
+        },
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "sampling_params.structured_output.regex"
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def _call_args(call) -> dict:
+    return json.loads(call.function.arguments)
+
+
+def test_tool_choice_required_and_named_always_give_valid_calls(client):
+    model = _model(client)
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            args = _call_args(call)
+            if call.function.name == "get_weather":
+                assert re.fullmatch(r"[A-Z][a-z]{1,10}", args["city"]) and args["unit"] in "cf"
+            else:
+                assert call.function.name == "get_time" and args["zone"] in ("utc", "cet")
+    named = client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+        max_tokens=100,
+        temperature=1.0,
+        seed=1,
+    )
+    calls = named.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_time"]
+    assert _call_args(calls[0])["zone"] in ("utc", "cet")
+
+
+def _streamed(client, **kwargs) -> tuple[str, list[tuple[str, str]], str | None]:
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for tc in ch.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, ["", ""])
+                entry[0] += tc.function.name or ""
+                entry[1] += tc.function.arguments or ""
+            reason = ch.finish_reason or reason
+    return content, [tuple(calls[i]) for i in sorted(calls)], reason
+
+
+def test_streamed_tool_calls_equal_the_non_streamed_ones(client):
+    base = dict(
+        model=_model(client),
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        max_tokens=200,
+        temperature=0,
+    )
+    # required (grammar) and auto with a Hermes-format call forced by a regex
+    hermes = (
+        r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
+        r'\{"city": "[A-Z][a-z]{2,6}", "unit": "[cf]"\}\}</tool_call>'
+    )
+    for extra in (
+        {"tool_choice": "required"},
+        {"extra_body": {"structured_outputs": {"regex": hermes}}},
+    ):
+        full = client.chat.completions.create(**base, **extra)
+        msg = full.choices[0].message
+        assert full.choices[0].finish_reason == "tool_calls"
+        want = [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+        content, calls, reason = _streamed(client, **base, **extra)
+        assert calls == want and reason == "tool_calls"
+        assert content == (msg.content or "")
+    assert msg.content == "Sure. " and want[0][0] == "get_weather"
+
+
+def test_tool_history_goes_through_the_template(client):
+    out = client.chat.completions.create(
+        model=_model(client),
+        messages=[
+            *MESSAGES,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        tools=[WEATHER],
+        max_tokens=4,
+    )
+    assert out.choices[0].message.role == "assistant"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=_model(client),
+            messages=[
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}
+                    ],
+                }
+            ],
+            max_tokens=4,
+        )
+    assert info.value.body["param"] == "messages.0.tool_calls.0.function.arguments"
+
+
+def test_grammar_compile_timeout_is_a_400(tiny_llama):
+    checker = GrammarChecker(load_hf_tokenizer(tiny_llama), timeout_s=1e-6)
+    spec = {"regex": "(" + "|".join(f"w{i}[a-z]{{1,9}}" for i in range(400)) + ")+"}
+    with pytest.raises(APIError) as info:
+        asyncio.run(checker.check(spec, 512, "structured_outputs"))
+    assert info.value.status == 400 and info.value.param == "structured_outputs.regex"
+    assert "did not compile within" in info.value.message
+    checker.close()
+
+
+def test_tool_call_parsers_on_fixed_text():
+    ctx = ToolContext(tools=[WEATHER], functions={"get_weather": {}}, mode="auto")
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text, ctx)
+    assert content == "Let me check.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    # streamed in small pieces: content before the marker streams, the call is held back
+    streamer = ToolStreamer(ctx)
+    streamed = "".join(streamer.feed(text[i : i + 3]) for i in range(0, len(text), 3))
+    rest, scalls = streamer.finish()
+    assert streamed + rest == content and len(scalls) == 1
+    assert parse_tool_calls("no call here <tool", ctx) == ("no call here <tool", [])
+    assert parse_tool_calls('<tool_call>{"name": "nope"}</tool_call>', ctx)[1] == []
+    llama = ToolContext(
+        tools=[WEATHER], functions={"get_weather": {}}, mode="auto", parser="llama3_json"
+    )
+    content, calls = parse_tool_calls(
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+        '{"name": "get_weather", "parameters": {"city": "Bern"}}',
+        llama,
+    )
+    assert content is None
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Rome", "Bern"]
+    assert parse_tool_calls("Hello there", llama) == ("Hello there", [])
