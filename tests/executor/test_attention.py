@@ -73,6 +73,24 @@ def _dense_reference(q, k, v, page_tables, seq_lens):
     return out
 
 
+def _decode_batch(tables: torch.Tensor, lens: torch.Tensor, page_size: int) -> ForwardBatch:
+    """One decode row per sequence: its new token at position len - 1, in its last page."""
+    b = len(lens)
+    last = lens - 1
+    slots = tables[torch.arange(b), last // page_size] * page_size + last % page_size
+    return ForwardBatch(
+        input_ids=np.zeros(b, dtype=np.int64),
+        positions=last.numpy(),
+        q_lens=np.ones(b, dtype=np.int64),
+        seq_lens=lens.numpy(),
+        query_start_loc=np.arange(b + 1),
+        page_tables=tables.numpy(),
+        slot_mapping=slots.numpy(),
+        logits_indices=np.arange(b),
+        page_size=page_size,
+    )
+
+
 CASES = [
     # seq_lens, heads, kv_heads, head_dim, page_size
     ([1, 16, 17, 300, 33], 9, 3, 64, 16),
@@ -110,20 +128,8 @@ def test_decode_through_backend_matches_dense_reference(use_native, dtype):
     q, k, v, tables, lens = _case(2, seq_lens, heads, kv_heads, d, page_size, dtype)
     new_k = torch.randn(len(seq_lens), kv_heads, d).to(dtype)
     new_v = torch.randn(len(seq_lens), kv_heads, d).to(dtype)
-    last = lens - 1
-    slots = tables[torch.arange(len(seq_lens)), last // page_size] * page_size + last % page_size
     b = len(seq_lens)
-    batch = ForwardBatch(
-        input_ids=np.zeros(b, dtype=np.int64),
-        positions=last.numpy(),
-        q_lens=np.ones(b, dtype=np.int64),
-        seq_lens=lens.numpy(),
-        query_start_loc=np.arange(b + 1),
-        page_tables=tables.numpy(),
-        slot_mapping=slots.numpy(),
-        logits_indices=np.arange(b),
-        page_size=page_size,
-    )
+    batch = _decode_batch(tables, lens, page_size)
     backend = TorchNativeAttention(_Cache(k, v), heads, d, use_native=use_native)
     if use_native and backend.native is None:
         pytest.skip("native kernel unavailable")
@@ -212,19 +218,7 @@ def test_backend_decode_of_rows_sharing_a_prefix_takes_the_two_pass_kernel():
     b = len(suffix_lens)
     new_k = torch.randn(b, kv_heads, d).bfloat16()
     new_v = torch.randn(b, kv_heads, d).bfloat16()
-    last = lens - 1
-    slots = tables[torch.arange(b), last // page_size] * page_size + last % page_size
-    batch = ForwardBatch(
-        input_ids=np.zeros(b, dtype=np.int64),
-        positions=last.numpy(),
-        q_lens=np.ones(b, dtype=np.int64),
-        seq_lens=lens.numpy(),
-        query_start_loc=np.arange(b + 1),
-        page_tables=tables.numpy(),
-        slot_mapping=slots.numpy(),
-        logits_indices=np.arange(b),
-        page_size=page_size,
-    )
+    batch = _decode_batch(tables, lens, page_size)
     backend = TorchNativeAttention(_Cache(k, v), heads, d)
     if backend.native is None or not backend.native.paged_decode_has_avx512_bf16():
         pytest.skip("needs the AVX-512 BF16 decode path")

@@ -73,7 +73,10 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-/* exp(x) for x <= 88 (a Cephes-style polynomial on x - n ln2, then 2^n by scalef) */
+/* exp(x) for x <= 88 (a Cephes-style polynomial on x - n ln2, then 2^n by scalef). The same
+ * function as paged_decode.c's exp16, copied on purpose: each kernel is one self-contained
+ * source, and the build cache (native/__init__.py) is keyed by that one file's bytes, so a
+ * shared header could change without triggering a rebuild. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
