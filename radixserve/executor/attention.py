@@ -85,8 +85,7 @@ class _NativePrefillGroup:
 
 @dataclass
 class TorchNativeMetadata:
-    slot_pages: torch.Tensor  # [T] page of each new token's KV
-    slot_offsets: torch.Tensor  # [T] its slot within the page
+    slots: torch.Tensor  # [T] int64: the KV slot of each new token
     num_tokens: int
     decode: _DecodeGroup | None
     fresh_spans: list[tuple[int, int]]  # prompts with no prior KV: [start, end) flat spans
@@ -146,8 +145,7 @@ class TorchNativeAttention:
         is_decode = batch.q_lens == 1
         if self.native_prefill is not None:
             return TorchNativeMetadata(
-                slot_pages=torch.from_numpy(batch.slot_mapping // batch.page_size),
-                slot_offsets=torch.from_numpy(batch.slot_mapping % batch.page_size),
+                slots=torch.from_numpy(batch.slot_mapping.astype(np.int64, copy=False)),
                 num_tokens=batch.num_tokens,
                 decode=self._decode_group(batch, np.flatnonzero(is_decode)),
                 fresh_spans=[],
@@ -172,8 +170,7 @@ class TorchNativeAttention:
                 (int(starts[i]), int(starts[i + 1]), int(batch.seq_lens[i]), pages)
             )
         return TorchNativeMetadata(
-            slot_pages=torch.from_numpy(batch.slot_mapping // batch.page_size),
-            slot_offsets=torch.from_numpy(batch.slot_mapping % batch.page_size),
+            slots=torch.from_numpy(batch.slot_mapping.astype(np.int64, copy=False)),
             num_tokens=batch.num_tokens,
             decode=self._decode_group(batch, np.flatnonzero(is_decode)),
             fresh_spans=list(zip(starts[fresh].tolist(), starts[fresh + 1].tolist(), strict=True)),
@@ -265,7 +262,7 @@ class TorchNativeAttention:
         v: torch.Tensor,
         meta: TorchNativeMetadata,
     ) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache.write(layer, meta.slot_pages, meta.slot_offsets, k, v)
+        k_cache, v_cache = self.kv_cache.write(layer, meta.slots, k, v)
         out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
         if meta.decode is not None:
             out[meta.decode.token_index] = self._decode(meta.decode, q, k_cache, v_cache)

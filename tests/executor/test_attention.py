@@ -37,7 +37,9 @@ class _Cache:
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v
 
-    def write(self, layer, pages, offsets, k, v):
+    def write(self, layer, slots, k, v):
+        page_size = self.k.shape[2]
+        pages, offsets = slots // page_size, slots % page_size
         self.k[pages, :, offsets] = k
         self.v[pages, :, offsets] = v
         return self.k, self.v

@@ -154,6 +154,8 @@ def load_elementwise() -> ctypes.CDLL | None:
         rotary = getattr(lib, f"rotary_{suffix}")
         rotary.argtypes = [p, i64, i64, i64, i64, p, p, i]
         rotary.restype = None
+    lib.kv_write.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64, i64, i]
+    lib.kv_write.restype = None
     return lib
 
 

@@ -127,11 +127,47 @@ void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t d
         }
     }
 }
+
+static inline __m512 bf16x16_to_f32(__m256i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+/* bfloat16 add + RMSNorm, 16 lanes at a time: the same function as DEFINE_ADD_RMS_NORM
+ * (the sum of squares in float32 over the residual rounded to bfloat16; the result rounded
+ * once), only the order of the float32 additions differs. */
+void add_rms_norm_bf16(const uint16_t *add, uint16_t *residual, const uint16_t *weight,
+                       uint16_t *out, int64_t rows, int64_t d, float eps, int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *res = residual + r * d;
+        uint16_t *o = out + r * d;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 m = d - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - i)) - 1u);
+            __m256i xb = _mm256_maskz_loadu_epi16(m, res + i);
+            if (add != 0) {
+                const __m512 sum = _mm512_add_ps(bf16x16_to_f32(xb),
+                                                 bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, add + r * d + i)));
+                xb = (__m256i)_mm512_cvtneps_pbh(sum);
+                _mm256_mask_storeu_epi16(res + i, m, xb);
+            }
+            const __m512 x = bf16x16_to_f32(xb);
+            acc = _mm512_fmadd_ps(x, x, acc);
+        }
+        const __m512 scale = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)d + eps));
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 m = d - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - i)) - 1u);
+            const __m512 x = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, res + i));
+            const __m512 w = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, weight + i));
+            _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_mul_ps(x, scale), w)));
+        }
+    }
+}
 #else
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #endif
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, IDENTITY, IDENTITY)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, IDENTITY, IDENTITY)
 
 /* Rotary embedding (Hugging Face's rotate-half layout), in place: x holds `rows` tokens of
@@ -158,3 +194,22 @@ DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, IDENTITY, IDENTITY)
 
 DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROTARY(rotary_f32, float, IDENTITY, IDENTITY)
+
+/* The KV of a step's new tokens into the paged cache, any element type: token t's head h
+ * (head_bytes at k + t * k_row_stride + h * head_bytes, likewise v; k and v may be views
+ * into a fused qkv row) goes to slot slots[t], i.e. row slots[t] % page_size of block
+ * (slots[t] / page_size, h) of a cache laid out [pages, kv_heads, page_size, head]. One
+ * memcpy per (token, head) instead of an advanced-indexing scatter. */
+void kv_write(const char *k, const char *v, int64_t k_row_stride, int64_t v_row_stride,
+              char *k_cache, char *v_cache, const int64_t *slots, int64_t tokens,
+              int64_t kv_heads, int64_t page_size, int64_t head_bytes, int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 256)")
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t page = slots[t] / page_size, slot = slots[t] % page_size;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t dst = ((page * kv_heads + h) * page_size + slot) * head_bytes;
+            memcpy(k_cache + dst, k + t * k_row_stride + h * head_bytes, (size_t)head_bytes);
+            memcpy(v_cache + dst, v + t * v_row_stride + h * head_bytes, (size_t)head_bytes);
+        }
+    }
+}
