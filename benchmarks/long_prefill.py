@@ -223,6 +223,9 @@ def main() -> None:
     llm = LLM(
         str(model) if model is not None else None,
         dtype="bfloat16",
+        # bfloat16 weights like vLLM's (the shipped GGUF is Q4_1: the engine's default,
+        # auto, would run it in int4)
+        quantization="none",
         max_model_len=max(lengths) + 16,
         **engine_kwargs,
     )

@@ -32,6 +32,7 @@ def setup_radixserve(args, requests: list[dict]):
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_gb=args.kv_cache_memory,
@@ -138,6 +139,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "auto", "int8", "int4"],
+        help="weights: none = bfloat16 as loaded (the default here: the shipped GGUF is Q4_1, which the engine's own default, auto, would run in int4)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)

@@ -24,6 +24,12 @@ WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "auto", "int8", "int4"],
+        help="weights: none = bfloat16 as loaded (the default here: the shipped GGUF is Q4_1, which the engine's own default, auto, would run in int4)",
+    )
     parser.add_argument("--kind", choices=["decode", "prefill"], default="decode")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=64)
@@ -36,7 +42,7 @@ def main() -> None:
 
     from radixserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16")
+    llm = LLM(args.model, dtype="bfloat16", quantization=args.quantization)
     engine = llm.engine
     path = WORKLOADS / args.workload
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()][: args.batch]

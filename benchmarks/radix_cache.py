@@ -151,7 +151,12 @@ def bench_engine(args) -> dict[str, float]:
     results = {}
     for label, disable in (("on", False), ("off", True)):
         engine = Engine(
-            EngineConfig(model=args.model, dtype=args.dtype, disable_radix_cache=disable)
+            EngineConfig(
+                model=args.model,
+                dtype=args.dtype,
+                quantization=args.quantization,
+                disable_radix_cache=disable,
+            )
         )
         prompts = [engine.tokenize(r["prompt"]) for r in requests]
         start = time.perf_counter()
@@ -181,6 +186,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "auto", "int8", "int4"],
+        help="weights: none = bfloat16 as loaded (the default here: the shipped GGUF is Q4_1, which the engine's own default, auto, would run in int4)",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
 

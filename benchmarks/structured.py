@@ -89,10 +89,16 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "auto", "int8", "int4"],
+        help="weights: none = bfloat16 as loaded (the default here: the shipped GGUF is Q4_1, which the engine's own default, auto, would run in int4)",
+    )
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
 
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization)
     prompts = _prompts(llm, args.requests)
     constrained = SamplingParams(
         temperature=0, max_tokens=args.max_tokens, structured_output={"json": SCHEMA}
