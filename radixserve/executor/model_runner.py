@@ -13,6 +13,7 @@ from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetad
 from radixserve.executor.device import PreparedStep, StepResult
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.future_tokens import FutureTokens
+from radixserve.executor.host_memory import keep_freed_memory
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.models.llama import LlamaForCausalLM
 from radixserve.executor.sampler import Sampler, SamplingBatch, TokenLogprobs
@@ -74,6 +75,7 @@ class ModelRunner:
         self.model = model
         if kv_cache.k.device.type == "cpu":
             model.mlp_block_rows = CPU_MLP_BLOCK_ROWS
+            keep_freed_memory()  # step buffers reused, not page-faulted in again every step
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.sampler = sampler
