@@ -6,13 +6,17 @@ Runs W1's prompts; times the first ``--steps`` steps of the chosen kind (decode:
 requests decoding; prefill: any step with prompt tokens) plainly, profiles the next one
 under ``torch.profiler``, and prints the top operators by self CPU time and a split: dense
 matmuls, other torch ops, and the time outside torch ops (the native C kernels, called
-through ctypes, and Python).
+through ctypes, and Python). The timed steps also run with wall-clock timers around each
+kind of work (matmuls, attention, KV writes, norms, rotary, SiLU; a few microseconds per
+call), and the median step's split is printed: "rest" is Python, small torch ops and sampling.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -50,6 +54,37 @@ def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=line["max_tokens"], ignore_eos=True)
         engine.add_request(f"p{i}", engine.tokenize(line["prompt"]), params)
 
+    split: dict[str, float] = collections.defaultdict(float)
+    splits: list[tuple[float, dict[str, float]]] = []
+    timing = [False]
+
+    def timer(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed_call(*a, **k):
+            if not timing[0]:
+                return inner(*a, **k)
+            start = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                split[label] += time.perf_counter() - start
+
+        setattr(owner, name, timed_call)
+
+    import radixserve.executor.attention as attention
+    from radixserve.executor.kv_cache import KVCache
+    from radixserve.executor.layer_ops import LayerOps
+    from radixserve.executor.linear import Linear
+
+    timer(Linear, "__call__", "matmuls")
+    timer(attention, "paged_decode", "attention (decode kernel)")
+    timer(attention, "paged_prefill", "attention (prefill kernel)")
+    timer(KVCache, "write", "KV write")
+    timer(LayerOps, "add_rms_norm", "add + RMSNorm")
+    timer(LayerOps, "rotary", "rotary")
+    timer(LayerOps, "silu_and_mul", "SiLU-and-mul")
+
     runner = engine.runner
     execute = runner.run  # the device side of a step (the engine calls prepare, then run)
     decode_times: list[float] = []
@@ -61,9 +96,13 @@ def main() -> None:
         if is_decode != (args.kind == "decode") or (is_decode and batch.num_requests < args.batch):
             return execute(step)
         if len(decode_times) < args.steps:
+            split.clear()
+            timing[0] = True
             start = time.perf_counter()
             result = execute(step)
             decode_times.append(time.perf_counter() - start)
+            timing[0] = False
+            splits.append((decode_times[-1], dict(split)))
             if args.kind == "prefill":
                 print(
                     f"prefill step: {batch.num_tokens} tokens, {batch.num_requests} requests, "
@@ -86,6 +125,22 @@ def main() -> None:
     decode_times.sort()
     if not decode_times:
         raise SystemExit(f"no {args.kind} step to time")
+    splits.sort(key=lambda x: x[0])
+    wall, parts = splits[len(splits) // 2]
+    print(f"median {args.kind} step by kind of work (wall-clock timers), {1e3 * wall:.1f} ms:")
+    for label, seconds in sorted(parts.items(), key=lambda x: -x[1]):
+        print(f"  {label:<28} {1e3 * seconds:7.1f} ms  {100 * seconds / wall:5.1f} %")
+    rest = wall - sum(parts.values())
+    print(
+        f"  {'rest (Python, sampling, ...)':<28} {1e3 * rest:7.1f} ms  {100 * rest / wall:5.1f} %"
+    )
+    print(
+        "per-category medians over the timed steps: "
+        + ", ".join(
+            f"{label} {1e3 * statistics.median(p.get(label, 0.0) for _, p in splits):.1f}"
+            for label in sorted(parts)
+        )
+    )
     print(
         f"{args.kind} step ({args.batch} requests): median {1e3 * decode_times[len(decode_times) // 2]:.1f} ms, "
         f"best {1e3 * decode_times[0]:.1f} ms over {len(decode_times)} steps"
