@@ -62,13 +62,20 @@ def test_only_constrained_rows_are_masked(service, sampler_cls):
     assert [s.num_accepted for s in batch.grammar.states] == [1, 1]
 
 
-def test_bit_unpacking_paths_agree_with_xgrammar(service):
+@pytest.mark.parametrize("native", [True, False])
+def test_bit_unpacking_paths_agree_with_xgrammar(service, native, monkeypatch):
     import xgrammar as xgr
 
+    import radixserve.executor.grammar as grammar
+
+    if not native:  # the numpy unpacking path
+        monkeypatch.setattr(grammar, "load_token_mask", lambda: None)
+    elif grammar.load_token_mask() is None:
+        pytest.skip("native kernels unavailable")
     reqs = [_constrained(service, "a", "[a-f]+"), _constrained(service, "b", "[0-9]+")]
     torch.manual_seed(1)
     logits = torch.randn(2, VOCAB)
-    ours = GrammarBatch.of(reqs).apply(logits)  # numpy unpacking (CPU)
+    ours = GrammarBatch.of(reqs).apply(logits)
     bf16 = GrammarBatch.of(reqs).apply(logits.to(torch.bfloat16))
     bm = xgr.allocate_token_bitmask(2, VOCAB)
     for i, r in enumerate(reqs):
@@ -93,3 +100,33 @@ def test_refused_and_stop_tokens_mark_where_the_grammar_ended(service):
     bad = _constrained(service, "c", "ab")
     GrammarBatch.of([bad]).accept(np.array([b]))
     assert bad.grammar.failed and bad.grammar.ends_at(1)
+
+
+@pytest.mark.parametrize("portable", [False, True])  # AVX-512 masked stores / scalar loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 1024, 49152])
+def test_native_mask_kernel_matches_the_bit_definition(portable, dtype, vocab):
+    from radixserve.executor.native import apply_token_bitmask, load_token_mask
+
+    lib = load_token_mask(portable)
+    if lib is None:
+        pytest.skip("native kernels unavailable")
+    g = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=g, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[1] = -1  # everything allowed
+    bitmask[2] = 0  # nothing allowed
+    # a row stride wider than the vocabulary: the kernel must not touch the padding
+    storage = torch.randn(5, vocab + 7, generator=g).to(dtype)
+    logits = storage[:, :vocab]
+    before = storage.clone()
+    rows = torch.tensor([0, 1, 2, 4])
+    assert apply_token_bitmask(lib, logits, bitmask, rows)
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+    allowed = torch.from_numpy(bits[:, :vocab].astype(bool))
+    expected = before.clone()
+    for r in rows.tolist():
+        expected[r, :vocab] = before[r, :vocab].masked_fill(~allowed[r], float("-inf"))
+    assert torch.equal(storage, expected)  # row 3 (not listed) and the padding untouched
+    assert apply_token_bitmask(lib, logits.half(), bitmask, rows) is False  # other dtypes

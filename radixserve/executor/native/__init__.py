@@ -445,3 +445,50 @@ def load_qlinear() -> ctypes.CDLL | None:
     lib.qdequant_int4pack_bf16.argtypes = [p, p, i64, i64, i, i64, i64, i, p]
     lib.qdequant_int4pack_bf16.restype = i
     return lib
+
+
+@cache
+def load_token_mask(portable: bool = False) -> ctypes.CDLL | None:
+    """The grammar-mask kernels (None: ``GrammarBatch.apply`` unpacks bits with numpy).
+    ``portable`` builds the scalar loop instead of AVX-512 masked stores."""
+    lib = _load(_SOURCE.with_name("token_mask.c"), PORTABLE_FLAGS if portable else ())
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for suffix in ("bf16", "f32"):
+        fn = getattr(lib, f"apply_token_bitmask_{suffix}")
+        fn.argtypes = [p, i64, p, i64, p, i64, i64]
+        fn.restype = None
+    return lib
+
+
+def apply_token_bitmask(
+    lib: ctypes.CDLL, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+) -> bool:
+    """Sets ``logits[r, t] = -inf`` wherever bit t of ``bitmask[r]`` is clear, for r in
+    ``rows`` (int64); logits [n, vocab] bfloat16/float32 on the CPU with unit column stride,
+    bitmask [n, words] int32 contiguous. Returns False (nothing done) when the tensors do not
+    fit those rules."""
+    suffix = {torch.bfloat16: "bf16", torch.float32: "f32"}.get(logits.dtype)
+    if (
+        suffix is None
+        or logits.device.type != "cpu"
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or bitmask.dtype != torch.int32
+        or not bitmask.is_contiguous()
+        or bitmask.shape[0] != logits.shape[0]
+        or rows.dtype != torch.int64
+        or not rows.is_contiguous()
+    ):
+        return False
+    getattr(lib, f"apply_token_bitmask_{suffix}")(
+        logits.data_ptr(),
+        logits.stride(0),
+        bitmask.data_ptr(),
+        bitmask.shape[1],
+        rows.data_ptr(),
+        rows.numel(),
+        logits.shape[1],
+    )
+    return True
