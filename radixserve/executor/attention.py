@@ -45,13 +45,15 @@ class _DecodeGroup:
     length. For the PyTorch path only, ``bias`` [b, max_pages, 1, 1, page_size] is 0 where a
     kv position is < seq_len and -inf beyond (None when every row is full, or natively).
     ``prefix``: the leading pages every request shares, attended once for all (native
-    AVX-512 BF16 path only; None otherwise)."""
+    AVX-512 BF16 path only; None otherwise). ``whole_batch``: these are all of the step's
+    tokens, in order (token_index is 0..T-1), so q and the output need no gathers."""
 
     token_index: torch.Tensor
     page_tables: torch.Tensor
     seq_lens: torch.Tensor
     bias: torch.Tensor | None
     prefix: SharedPrefix | None = None
+    whole_batch: bool = False
 
 
 @dataclass
@@ -213,6 +215,7 @@ class TorchNativeAttention:
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
             bias=bias,
             prefix=prefix,
+            whole_batch=idx.size == batch.num_tokens,  # one token per request: all decode
         )
 
     @staticmethod
@@ -263,6 +266,8 @@ class TorchNativeAttention:
         meta: TorchNativeMetadata,
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.write(layer, meta.slots, k, v)
+        if meta.decode is not None and meta.decode.whole_batch:  # a pure decode step
+            return self._decode(meta.decode, q, k_cache, v_cache).view(meta.num_tokens, -1)
         out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
         if meta.decode is not None:
             out[meta.decode.token_index] = self._decode(meta.decode, q, k_cache, v_cache)
@@ -355,7 +360,8 @@ class TorchNativeAttention:
         """Returns [b, heads, d]. Works page by page: batched matmuls over (b, page, kv head)
         blocks of [group, d] x [d, page_size], then a softmax across all of a row's pages."""
         if self.native is not None:
-            queries = q[g.token_index]  # [b, heads, d], contiguous
+            # [b, heads, d], contiguous (q is a view into the fused qkv rows)
+            queries = q.contiguous() if g.whole_batch else q[g.token_index]
             return paged_decode(
                 self.native,
                 queries,

@@ -37,7 +37,15 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.num_pages = num_pages
-        # the C scatter for writes when available (False: always the PyTorch path)
+        # per-layer views, made once (the write path runs 2 x layers times per step)
+        self._k_layers = list(self.k.unbind(0))
+        self._v_layers = list(self.v.unbind(0))
+        self._head_shape = (num_kv_heads, head_dim)
+        self._head_strides = (head_dim, 1)
+        self._head_bytes = head_dim * self.k.element_size()
+        lib = load_elementwise() if self.k.device.type == "cpu" else None
+        self._kv_write = None if lib is None else lib.kv_write
+        # False: always the PyTorch path (tests compare the two)
         self.use_native = True
 
     def write(
@@ -45,22 +53,22 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store token t's k/v [T, kv_heads, head_dim] at slot ``slots[t]`` (int64); returns
         the layer's caches. k and v may be row-strided views (into a fused qkv row)."""
-        k_layer, v_layer = self.k[layer], self.v[layer]
+        k_layer, v_layer = self._k_layers[layer], self._v_layers[layer]
         native = self._native_write(slots, k, v)
         if native is not None:
-            num_tokens, kv_heads, head_dim = k.shape
+            size = k.element_size()
             native(
                 k.data_ptr(),
                 v.data_ptr(),
-                k.stride(0) * k.element_size(),
-                v.stride(0) * v.element_size(),
+                k.stride(0) * size,
+                v.stride(0) * size,
                 k_layer.data_ptr(),
                 v_layer.data_ptr(),
                 slots.data_ptr(),
-                num_tokens,
-                kv_heads,
+                k.shape[0],
+                self._head_shape[0],
                 self.page_size,
-                head_dim * k.element_size(),
+                self._head_bytes,
                 torch.get_num_threads(),
             )
             return k_layer, v_layer
@@ -71,23 +79,21 @@ class KVCache:
 
     def _native_write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """The C scatter (``elementwise.c``'s ``kv_write``) when it applies: CPU tensors of
-        the cache's dtype whose heads are contiguous within a token row."""
-        if not self.use_native or self.k.device.type != "cpu":
+        the cache's dtype whose heads are contiguous within a token row, int64 slots."""
+        if self._kv_write is None or not self.use_native:
             return None
-        lib = load_elementwise()
-        if lib is None or slots.dtype != torch.int64 or not slots.is_contiguous():
+        if slots.dtype != torch.int64 or not slots.is_contiguous() or not slots.is_cpu:
             return None
-        _, _, kv_heads, _, head_dim = self.k.shape
+        dtype = self.k.dtype
         for t in (k, v):
             if (
-                t.dtype != self.k.dtype
-                or t.shape[1:] != (kv_heads, head_dim)
-                or t.stride(2) != 1
-                or t.stride(1) != head_dim
-                or t.device.type != "cpu"
+                t.dtype != dtype
+                or not t.is_cpu
+                or t.shape[1:] != self._head_shape
+                or t.stride()[1:] != self._head_strides
             ):
                 return None
-        return lib.kv_write
+        return self._kv_write
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole pages ``src`` → ``dst`` in every layer (copy-on-write of shared pages)."""

@@ -24,17 +24,23 @@ class LayerOps:
 
     def __init__(self, use_native: bool = True) -> None:
         self.native = load_elementwise() if use_native else None
+        # (name, dtype) -> the C function: resolved once (a decode step makes ~150 calls, so
+        # per-call lookups and checks are a visible part of a one-request step)
+        self._fns: dict[tuple[str, torch.dtype], object] = {}
+        if self.native is not None:
+            for name in ("silu_and_mul", "add_rms_norm", "rotary"):
+                for dtype, suffix in _SUFFIX.items():
+                    self._fns[name, dtype] = getattr(self.native, f"{name}_{suffix}")
 
     def _kernel(self, name: str, *tensors: torch.Tensor):
-        if self.native is None:
+        fn = self._fns.get((name, tensors[0].dtype))
+        if fn is None:
             return None
-        suffix = _SUFFIX.get(tensors[0].dtype)
-        if suffix is None:
-            return None
+        dtype = tensors[0].dtype
         for t in tensors:
-            if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != tensors[0].dtype:
+            if not t.is_contiguous() or t.dtype != dtype or not t.is_cpu:
                 return None
-        return getattr(self.native, f"{name}_{suffix}")
+        return fn
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x[:, :d]) * x[:, d:] for x [T, 2d]."""
