@@ -71,7 +71,7 @@ def main() -> None:
             "bf16": (Linear(w), never),
             "int8_torch": (Int8Linear.from_float(w), never),
             "int8": (Int8Linear.from_float(w), engine8),
-            "int4_torch": (Int4Linear.from_float(w, group_size=32), never),
+            "int4_torch": (Int4Linear.from_float(w, group_size=32, panels=False), never),
             "int4": (Int4Linear.from_float(w, group_size=32), engine4),
             "int4_g128": (Int4Linear.from_float(w, group_size=g128), engine4),
         }

@@ -309,13 +309,26 @@ class Int4Linear:
     inputs of each output row.
 
     Invariant: ``__call__`` computes ``F.linear(x, dequantize_int4(...), bias)`` up to the
-    activation dtype's rounding. With PyTorch's kernel the codes live only in its packed
-    layout (output rows padded to a multiple of 64): below ``DEQUANT_GEMM_ROWS`` rows that
-    kernel runs, from there the weight dequantized to bfloat16 and oneDNN's GEMM (bfloat16
-    inputs, native dequantizer built). Without it, two codes a byte for the fallback.
+    activation dtype's rounding. The codes live in exactly one layout: the panels of
+    ``native/int4_panels.c`` where that kernel is built (AVX-512 BF16; below
+    ``PANEL_DEQUANT_ROWS`` rows it multiplies straight from them, from there it dequantizes
+    to bfloat16 for oneDNN's GEMM); else PyTorch's packed layout (output rows padded to a
+    multiple of 64: its kernel below ``DEQUANT_GEMM_ROWS`` rows, then the weight dequantized
+    and oneDNN's GEMM); else two codes a byte for the plain-torch fallback. ``panels=False``
+    skips the first choice.
     """
 
-    __slots__ = ("bias", "group_size", "in_features", "nibbles", "out_features", "packed", "sz")
+    __slots__ = (
+        "bias",
+        "group_size",
+        "in_features",
+        "nibbles",
+        "out_features",
+        "packed",
+        "panels",
+        "psz",
+        "sz",
+    )
 
     def __init__(
         self,
@@ -325,6 +338,7 @@ class Int4Linear:
         group_size: int,
         bias: torch.Tensor | None = None,
         use_kernel: bool = True,
+        panels: bool = True,
     ) -> None:
         n, k = q.shape
         self.out_features, self.in_features = n, k
@@ -332,7 +346,11 @@ class Int4Linear:
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.nibbles: torch.Tensor | None = None
-        if use_kernel and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        self.panels: torch.Tensor | None = None
+        self.psz: torch.Tensor | None = None
+        if use_kernel and panels and _panel_lib() is not None:
+            self.panels, self.psz = to_panels(q, scale, zero)
+        elif use_kernel and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             pad = (-n) % _INT4_N_MULTIPLE
             qp = F.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qp, 1)
@@ -350,17 +368,28 @@ class Int4Linear:
         group_size: int = 32,
         symmetric: bool = False,
         use_kernel: bool = True,
+        panels: bool = True,
     ) -> Int4Linear:
         q, scale, zero = quantize_int4(weight, group_size, symmetric)
-        return cls(q, scale, zero, group_size, bias, use_kernel)
+        return cls(q, scale, zero, group_size, bias, use_kernel, panels)
 
     @property
     def nbytes(self) -> int:
+        if self.panels is not None:
+            assert self.psz is not None
+            return self.panels.nbytes + self.psz.nbytes
         codes = self.packed if self.packed is not None else self.nibbles
         assert codes is not None
         return codes.nbytes + self.sz.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
+                return self.fallback(x)
+            lib = _panel_lib()
+            if x.shape[0] < PANEL_DEQUANT_ROWS:
+                return self._panel_gemm(lib, x.contiguous())
+            return self._panel_dequant_gemm(lib, x)
         if self.packed is None or x.device.type != "cpu":
             return self.fallback(x)
         n_pad = self.sz.shape[1]
@@ -403,13 +432,121 @@ class Int4Linear:
             y[:, first:last] = torch.mm(x, wt[:, : last - first])
         return y if self.bias is None else y + self.bias
 
-    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+    def _panel_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
+        """A few rows: the panel kernel reads the codes straight from the panels."""
+        m, k = x.shape
+        y = torch.empty(m, self.out_features, dtype=x.dtype)
+        xs = torch.empty(m * (k // self.group_size), dtype=torch.float32)
+        rc = lib.int4_panels_gemm_bf16(
+            x.data_ptr(),
+            m,
+            k,
+            self.panels.data_ptr(),
+            self.psz.data_ptr(),
+            self.out_features,
+            self.group_size,
+            xs.data_ptr(),
+            y.data_ptr(),
+            self.out_features,
+            _threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"int4_panels_gemm_bf16 refused its arguments ({rc})")
+        return y if self.bias is None else y + self.bias
+
+    def _panel_dequant_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
+        """Many rows: dequantize a cache-sized chunk of output blocks to bfloat16 W^T,
+        multiply with oneDNN, next chunk."""
+        k = self.in_features
+        blocks = self.panels.shape[0]
+        chunk = max(4, (_CHUNK_ELEMENTS // k) // 16 // 4 * 4)  # output blocks of 16
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for first in range(0, blocks, chunk):
+            count = min(chunk, blocks - first)
+            wt = _Scratch.take(k, 16 * count)
+            rc = lib.int4_panels_dequant_bf16(
+                self.panels.data_ptr(),
+                self.psz.data_ptr(),
+                k,
+                self.group_size,
+                first,
+                count,
+                _threads(),
+                wt.data_ptr(),
+            )
+            if rc != 0:
+                raise RuntimeError(f"int4_panels_dequant_bf16 refused its arguments ({rc})")
+            lo, hi = 16 * first, min(16 * (first + count), self.out_features)
+            y[:, lo:hi] = torch.mm(x, wt[:, : hi - lo])
+        return y if self.bias is None else y + self.bias
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, K] uint8, scale [N, K/g], zero [N, K/g]) from whichever layout is held
+        (not the PyTorch kernel's, which is internal to it)."""
+        n = self.out_features
+        if self.panels is not None:
+            return from_panels(self.panels, self.psz, n)
         if self.nibbles is None:
             raise RuntimeError("this Int4Linear holds only the CPU kernel's packed layout")
-        n = self.out_features
         sz = self.sz[:, :n].transpose(0, 1)
-        w = dequantize_int4(_unpack_nibbles(self.nibbles), sz[..., 0], sz[..., 1], self.group_size)
+        return _unpack_nibbles(self.nibbles), sz[..., 0], sz[..., 1]
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale, zero = self.codes()
+        w = dequantize_int4(q, scale, zero, self.group_size)
         return F.linear(x, w.to(x.dtype), self.bias)
+
+
+# Rows from which an Int4Linear with panels dequantizes to bfloat16 and runs oneDNN's GEMM
+# instead of the panel kernel (benchmarks/quant_matmul.py).
+PANEL_DEQUANT_ROWS = 256
+
+
+def _panel_lib() -> Any:
+    from radixserve.executor.native import load_int4_panels
+
+    return load_int4_panels()
+
+
+def to_panels(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The panel layout of ``native/int4_panels.c`` (outputs padded to a multiple of 16 with
+    all-zero weights): panels [N/16, K/2, 16] uint8, byte j of (block b, pair p) = the codes
+    of output 16 b + j at inputs 2p (low nibble) and 2p + 1 (high); sz [N/16, K/g, 2, 16]
+    bfloat16, the block's scales then zeros per group."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    pad = (-n) % 16
+    q = F.pad(q.to(torch.uint8), (0, 0, 0, pad), value=8)
+    scale = F.pad(scale.to(torch.bfloat16), (0, 0, 0, pad), value=1.0)
+    zero = F.pad(zero.to(torch.bfloat16), (0, 0, 0, pad))
+    blocks = q.shape[0] // 16
+    qb = q.view(blocks, 16, k)
+    panels = (qb[:, :, 0::2] | (qb[:, :, 1::2] << 4)).transpose(1, 2).contiguous()
+    sz = torch.stack(
+        [
+            scale.view(blocks, 16, groups).transpose(1, 2),
+            zero.view(blocks, 16, groups).transpose(1, 2),
+        ],
+        dim=2,
+    ).contiguous()
+    return panels, sz
+
+
+def from_panels(
+    panels: torch.Tensor, sz: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``to_panels``, cut back to ``n`` outputs."""
+    blocks, pairs, _ = panels.shape
+    bytes_ = panels.transpose(1, 2)  # [blocks, 16, K/2]
+    q = torch.empty(blocks, 16, 2 * pairs, dtype=torch.uint8)
+    q[:, :, 0::2] = bytes_ & 0xF
+    q[:, :, 1::2] = bytes_ >> 4
+    q = q.reshape(blocks * 16, 2 * pairs)[:n]
+    scale = sz[:, :, 0].transpose(1, 2).reshape(blocks * 16, -1)[:n]
+    zero = sz[:, :, 1].transpose(1, 2).reshape(blocks * 16, -1)[:n]
+    return q, scale, zero
 
 
 def int4_group_size(in_features: int, wanted: int) -> int | None:

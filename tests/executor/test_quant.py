@@ -55,21 +55,26 @@ def test_int8_matmul_matches_float64(rows):
     assert torch.all(err <= scale / 2 + 1e-7)
 
 
-@pytest.mark.parametrize("rows", [9, 200])  # PyTorch's kernel; dequantize + GEMM
+# rows: the panel kernel's row tiles (1; 8 + 1; 8 x 8 + 2 + 1) and its dequantize + GEMM
+# path (200); PyTorch's kernel (9) and its dequantize + GEMM (200) for the other layout
+@pytest.mark.parametrize("rows", [1, 9, 67, 200])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_matmul_matches_float64(rows, group, symmetric):
     torch.manual_seed(group + symmetric)
-    w = torch.randn(100, 256) * 0.05  # 100 rows: the padding to 64 is exercised
+    w = torch.randn(100, 256) * 0.05  # 100 rows: the padding to 16 / 64 is exercised
     x = torch.randn(rows, 256).to(torch.bfloat16)
     q, scale, zero = quantize_int4(w, group, symmetric)
     deq = dequantize_int4(q, scale, zero, group)
     ref = _reference(x, deq)
-    kernel = Int4Linear(q, scale, zero, group)
+    panels = Int4Linear(q, scale, zero, group)
+    torch_layout = Int4Linear(q, scale, zero, group, panels=False)
     fallback = Int4Linear(q, scale, zero, group, use_kernel=False)
-    _close(kernel(x), ref)
-    _close(fallback(x), ref)
-    assert kernel(x).shape == (rows, 100)
+    for layer in (panels, torch_layout, fallback):
+        out = layer(x)
+        assert out.shape == (rows, 100)
+        _close(out, ref)
+    _close(panels.fallback(x), ref)  # the plain-torch path from the panel layout
     # group-wise error: half a step of the group's scale (plus the zero's bfloat16 rounding);
     # symmetric (Q4_0's rule): one step, where +8 steps clamps to the largest code, +7
     steps = scale.float().abs().repeat_interleave(group, dim=1)
@@ -77,6 +82,24 @@ def test_int4_matmul_matches_float64(rows, group, symmetric):
     assert torch.all((deq - w).abs() <= allowed)
     if symmetric:
         assert torch.all(zero == 0)
+
+
+def test_panel_layout_round_trips_and_is_used_where_built():
+    from radixserve.executor import quant
+    from radixserve.executor.native import load_int4_panels
+
+    torch.manual_seed(5)
+    q, scale, zero = quantize_int4(torch.randn(37, 96), 32, False)
+    panels, sz = quant.to_panels(q, scale, zero)
+    assert panels.shape == (3, 48, 16) and sz.shape == (3, 3, 2, 16)
+    q2, scale2, zero2 = quant.from_panels(panels, sz, 37)
+    assert torch.equal(q2, q) and torch.equal(scale2, scale) and torch.equal(zero2, zero)
+    layer = Int4Linear(q, scale, zero, 32)
+    if load_int4_panels() is None:
+        assert layer.panels is None  # no AVX-512 BF16 build: PyTorch's layout
+    else:
+        assert layer.panels is not None and layer.packed is None
+        assert layer.nbytes == panels.nbytes + sz.nbytes
 
 
 def test_native_dequantizer_reads_pytorch_int4_layout():

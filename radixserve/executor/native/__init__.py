@@ -492,3 +492,23 @@ def apply_token_bitmask(
         logits.shape[1],
     )
     return True
+
+
+@cache
+def load_int4_panels() -> ctypes.CDLL | None:
+    """The int4 "panels" GEMM (a few rows) and dequantizer (None: Int4Linear keeps
+    PyTorch's int4 layout and kernels). Only returned where the GEMM has its AVX-512 BF16
+    build: the panel layout is worth holding only with it."""
+    lib = _load(_SOURCE.with_name("int4_panels.c"))
+    if lib is None:
+        return None
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.int4_panels_has_gemm.argtypes = []
+    lib.int4_panels_has_gemm.restype = i
+    if not lib.int4_panels_has_gemm():
+        return None
+    lib.int4_panels_gemm_bf16.argtypes = [p, i64, i64, p, p, i64, i64, p, p, i64, i]
+    lib.int4_panels_gemm_bf16.restype = i
+    lib.int4_panels_dequant_bf16.argtypes = [p, p, i64, i64, i64, i64, i, p]
+    lib.int4_panels_dequant_bf16.restype = i
+    return lib

@@ -1,0 +1,189 @@
+/* Group-wise int4 weights in "panels", multiplied without leaving the kernel: a GEMM for a
+ * few rows (decode) and a dequantizer to bfloat16 for many (prefill, then oneDNN's GEMM).
+ *
+ * Layout (executor/quant.py: ``to_panels``), N padded to a multiple of 16:
+ *   panels [N/16][K/2][16] bytes: byte j of (block b, pair p) holds the codes of output
+ *           16 b + j at inputs 2p (low nibble) and 2p + 1 (high nibble);
+ *   sz     [N/16][K/group][2][16] bfloat16: the 16 outputs' scales, then their zeros;
+ *   W[n, k] = (q[n, k] - 8) * scale + zero.
+ *
+ * The GEMM turns 32 codes into bfloat16 with four integer ops: a code q (0..15) in the low
+ * mantissa bits of 0x4300 (bfloat16 128.0) is the bfloat16 128 + q, exactly. The products
+ * x * (128 + q) accumulate in float32 (vdpbf16ps: lane i of a 32-bit broadcast pair of x
+ * against output i's pair of codes), and per group
+ *   sum_k x W = scale * (sum_k x (128 + q) - 136 sum_k x) + zero * sum_k x,
+ * with sum_k x of the same bfloat16 inputs. Built and called like paged_decode.c (see
+ * native/__init__.py); without AVX-512 BF16 the GEMM returns -1 and callers use another
+ * path.
+ */
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (finite inputs) */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+int int4_panels_has_gemm(void) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Rows [m0, m0 + MT) of y against output block b. */
+static inline __attribute__((always_inline)) void block_rows(
+    const uint16_t *x, int64_t k, int64_t m0, const int MT, const uint8_t *pb, const uint16_t *szb,
+    int64_t group, const float *xs, int64_t groups, uint16_t *y, int64_t y_stride, int64_t col,
+    __mmask16 store_mask) {
+    const __m512i low = _mm512_set1_epi32(0x000F000F);
+    const __m512i one28 = _mm512_set1_epi32(0x43004300);
+    const __m512 c136 = _mm512_set1_ps(136.0f);
+    __m512 out[8];
+    for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
+    const int64_t gp = group / 2;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[8];
+        for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+        const uint8_t *pg = pb + g * gp * 16;
+        const int64_t k0 = g * group;
+        for (int64_t p = 0; p < gp; p++) {
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pg + 16 * p)));
+            const __m512i codes = _mm512_and_si512(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), low);
+            const __m512bh w = (__m512bh)_mm512_or_si512(codes, one28);
+            for (int r = 0; r < MT; r++) {
+                int32_t pair;
+                memcpy(&pair, x + (m0 + r) * k + k0 + 2 * p, sizeof pair);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), w);
+            }
+        }
+        const __m512 s = bf16x16(szb + g * 32), z = bf16x16(szb + g * 32 + 16);
+        for (int r = 0; r < MT; r++) {
+            const __m512 sx = _mm512_set1_ps(xs[(m0 + r) * groups + g]);
+            out[r] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(c136, sx, acc[r]), _mm512_fmadd_ps(z, sx, out[r]));
+        }
+    }
+    for (int r = 0; r < MT; r++)
+        _mm256_mask_storeu_epi16(y + (m0 + r) * y_stride + col, store_mask,
+                                 (__m256i)_mm512_cvtneps_pbh(out[r]));
+}
+
+/* Dequantize output blocks [first_block, first_block + num_blocks) to bfloat16 W^T:
+ * out[k][16 * (b - first_block) + j] = W[16 b + j, k], out row stride 16 * num_blocks. */
+int int4_panels_dequant_bf16(const uint8_t *panels, const uint16_t *sz, int64_t k, int64_t group,
+                             int64_t first_block, int64_t num_blocks, int num_threads,
+                             uint16_t *out) {
+    if (k % group || group % 2) return -1;
+    const int64_t pairs = k / 2, groups = k / group, width = 16 * num_blocks, gp = group / 2;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t bi = 0; bi < num_blocks; bi++) {
+        const int64_t b = first_block + bi;
+        const uint8_t *pb = panels + b * pairs * 16;
+        const uint16_t *szb = sz + b * groups * 32;
+        const __m512i low = _mm512_set1_epi32(15);
+        const __m512 eight = _mm512_set1_ps(8.0f);
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 s = bf16x16(szb + g * 32), z = bf16x16(szb + g * 32 + 16);
+            const __m512 z8 = _mm512_fnmadd_ps(eight, s, z); /* (q - 8) s + z = q s + z8 */
+            for (int64_t p = g * gp; p < (g + 1) * gp; p++) {
+                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pb + 16 * p)));
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+                uint16_t *even = out + (2 * p) * width + 16 * bi;
+                _mm256_storeu_si256((__m256i *)even, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, s, z8)));
+                _mm256_storeu_si256((__m256i *)(even + width), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, s, z8)));
+            }
+        }
+    }
+    return 0;
+}
+
+/* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart. xs is
+ * scratch for m * (k / group) floats. Returns 0, or -1 on bad shapes. */
+int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *panels,
+                          const uint16_t *sz, int64_t n, int64_t group, float *xs, uint16_t *y,
+                          int64_t y_stride, int num_threads) {
+    if (k % group || group % 2 || m < 1) return -1;
+    const int64_t groups = k / group, pairs = k / 2, blocks = (n + 15) / 16;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < group; i++) s += bf16_to_f32(x[r * k + g * group + i]);
+            xs[r * groups + g] = s;
+        }
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *pb = panels + b * pairs * 16;
+        const uint16_t *szb = sz + b * groups * 32;
+        const int64_t left = n - 16 * b;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        int64_t m0 = 0;
+        for (; m0 + 8 <= m; m0 += 8)
+            block_rows(x, k, m0, 8, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask);
+        const int64_t rest = m - m0;
+        if (rest >= 4) {
+            block_rows(x, k, m0, 4, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask);
+            m0 += 4;
+        }
+        if (m - m0 >= 2) {
+            block_rows(x, k, m0, 2, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask);
+            m0 += 2;
+        }
+        if (m - m0 == 1)
+            block_rows(x, k, m0, 1, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask);
+    }
+    return 0;
+}
+#else
+/* Dequantize output blocks [first_block, first_block + num_blocks) to bfloat16 W^T:
+ * out[k][16 * (b - first_block) + j] = W[16 b + j, k], out row stride 16 * num_blocks. */
+int int4_panels_dequant_bf16(const uint8_t *panels, const uint16_t *sz, int64_t k, int64_t group,
+                             int64_t first_block, int64_t num_blocks, int num_threads,
+                             uint16_t *out) {
+    if (k % group || group % 2) return -1;
+    const int64_t pairs = k / 2, groups = k / group, width = 16 * num_blocks;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t bi = 0; bi < num_blocks; bi++) {
+        const int64_t b = first_block + bi;
+        const uint8_t *pb = panels + b * pairs * 16;
+        const uint16_t *szb = sz + b * groups * 32;
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint16_t *s = szb + (2 * p / group) * 32, *z = s + 16;
+            uint16_t *even = out + (2 * p) * width + 16 * bi, *odd = even + width;
+            for (int j = 0; j < 16; j++) {
+                const uint8_t byte = pb[p * 16 + j];
+                const float sj = bf16_to_f32(s[j]), zj = bf16_to_f32(z[j]);
+                even[j] = f32_to_bf16((float)((int)(byte & 15) - 8) * sj + zj);
+                odd[j] = f32_to_bf16((float)((int)(byte >> 4) - 8) * sj + zj);
+            }
+        }
+    }
+    return 0;
+}
+
+int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *panels,
+                          const uint16_t *sz, int64_t n, int64_t group, float *xs, uint16_t *y,
+                          int64_t y_stride, int num_threads) {
+    (void)x; (void)m; (void)k; (void)panels; (void)sz; (void)n; (void)group; (void)xs;
+    (void)y; (void)y_stride; (void)num_threads;
+    return -1;
+}
+#endif
