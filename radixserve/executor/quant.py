@@ -437,6 +437,7 @@ class Int4Linear:
         m, k = x.shape
         y = torch.empty(m, self.out_features, dtype=x.dtype)
         xs = torch.empty(m * (k // self.group_size), dtype=torch.float32)
+        xp = torch.empty(m * k // 2, dtype=torch.int32)
         rc = lib.int4_panels_gemm_bf16(
             x.data_ptr(),
             m,
@@ -446,6 +447,7 @@ class Int4Linear:
             self.out_features,
             self.group_size,
             xs.data_ptr(),
+            xp.data_ptr(),
             y.data_ptr(),
             self.out_features,
             _threads(),

@@ -49,31 +49,30 @@ static inline __m512 bf16x16(const uint16_t *p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* Rows [m0, m0 + MT) of y against output block b. */
+/* Rows [m0, m0 + MT) of y against output block b: MT float32 accumulators stay in
+ * registers over a group (the codes of each pair expanded once for all MT rows); the
+ * running outputs live in `out` (L1), touched once per group. */
 static inline __attribute__((always_inline)) void block_rows(
-    const uint16_t *x, int64_t k, int64_t m0, const int MT, const uint8_t *pb, const uint16_t *szb,
+    const int32_t *xp, int64_t k, int64_t m0, const int MT, const uint8_t *pb, const uint16_t *szb,
     int64_t group, const float *xs, int64_t groups, uint16_t *y, int64_t y_stride, int64_t col,
     __mmask16 store_mask) {
     const __m512i low = _mm512_set1_epi32(0x000F000F);
     const __m512i one28 = _mm512_set1_epi32(0x43004300);
     const __m512 c136 = _mm512_set1_ps(136.0f);
-    __m512 out[8];
+    __m512 out[16];
     for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
     const int64_t gp = group / 2;
     for (int64_t g = 0; g < groups; g++) {
-        __m512 acc[8];
+        __m512 acc[16];
         for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
         const uint8_t *pg = pb + g * gp * 16;
-        const int64_t k0 = g * group;
+        const int32_t *xg = xp + m0 * (k / 2) + g * gp * MT; /* [pair][row] of this tile */
         for (int64_t p = 0; p < gp; p++) {
             const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pg + 16 * p)));
             const __m512i codes = _mm512_and_si512(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), low);
             const __m512bh w = (__m512bh)_mm512_or_si512(codes, one28);
-            for (int r = 0; r < MT; r++) {
-                int32_t pair;
-                memcpy(&pair, x + (m0 + r) * k + k0 + 2 * p, sizeof pair);
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), w);
-            }
+            for (int r = 0; r < MT; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(xg[p * MT + r]), w);
         }
         const __m512 s = bf16x16(szb + g * 32), z = bf16x16(szb + g * 32 + 16);
         for (int r = 0; r < MT; r++) {
@@ -116,11 +115,24 @@ int int4_panels_dequant_bf16(const uint8_t *panels, const uint16_t *sz, int64_t 
     return 0;
 }
 
+/* Row tiles: 12 rows at a time, then one tile of 8, 4, 2 and 1 as needed (the same order
+ * for packing x and for the products). Returns the tile size starting at row m0. */
+static inline int tile_at(int64_t m, int64_t m0) {
+    const int64_t left = m - m0;
+    if (left >= 12) return 12;
+    if (left >= 8) return 8;
+    if (left >= 4) return 4;
+    if (left >= 2) return 2;
+    return 1;
+}
+
 /* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart. xs is
- * scratch for m * (k / group) floats. Returns 0, or -1 on bad shapes. */
+ * scratch for m * (k / group) floats, xp for m * k / 2 int32 (x repacked per row tile as
+ * [pair][row], so a pair's broadcasts for the tile's rows read one cache line instead of
+ * rows k apart, which alias in L1 at k = 2048). Returns 0, or -1 on bad shapes. */
 int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *panels,
-                          const uint16_t *sz, int64_t n, int64_t group, float *xs, uint16_t *y,
-                          int64_t y_stride, int num_threads) {
+                          const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
+                          uint16_t *y, int64_t y_stride, int num_threads) {
     if (k % group || group % 2 || m < 1) return -1;
     const int64_t groups = k / group, pairs = k / 2, blocks = (n + 15) / 16;
     for (int64_t r = 0; r < m; r++)
@@ -129,26 +141,32 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t
             for (int64_t i = 0; i < group; i++) s += bf16_to_f32(x[r * k + g * group + i]);
             xs[r * groups + g] = s;
         }
+    for (int64_t m0 = 0; m0 < m;) {
+        const int mt = tile_at(m, m0);
+        int32_t *t = xp + m0 * pairs;
+        for (int r = 0; r < mt; r++) {
+            const uint16_t *row = x + (m0 + r) * k;
+            for (int64_t p = 0; p < pairs; p++) memcpy(t + p * mt + r, row + 2 * p, sizeof(int32_t));
+        }
+        m0 += mt;
+    }
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *pb = panels + b * pairs * 16;
         const uint16_t *szb = sz + b * groups * 32;
         const int64_t left = n - 16 * b;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        int64_t m0 = 0;
-        for (; m0 + 8 <= m; m0 += 8)
-            block_rows(x, k, m0, 8, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask);
-        const int64_t rest = m - m0;
-        if (rest >= 4) {
-            block_rows(x, k, m0, 4, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask);
-            m0 += 4;
+        for (int64_t m0 = 0; m0 < m;) {
+            const int mt = tile_at(m, m0);
+            switch (mt) { /* constant tile sizes: the accumulators stay in registers */
+            case 12: block_rows(xp, k, m0, 12, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            case 8: block_rows(xp, k, m0, 8, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            case 4: block_rows(xp, k, m0, 4, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            case 2: block_rows(xp, k, m0, 2, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            default: block_rows(xp, k, m0, 1, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            }
+            m0 += mt;
         }
-        if (m - m0 >= 2) {
-            block_rows(x, k, m0, 2, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask);
-            m0 += 2;
-        }
-        if (m - m0 == 1)
-            block_rows(x, k, m0, 1, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask);
     }
     return 0;
 }
@@ -180,10 +198,10 @@ int int4_panels_dequant_bf16(const uint8_t *panels, const uint16_t *sz, int64_t 
 }
 
 int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *panels,
-                          const uint16_t *sz, int64_t n, int64_t group, float *xs, uint16_t *y,
-                          int64_t y_stride, int num_threads) {
+                          const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
+                          uint16_t *y, int64_t y_stride, int num_threads) {
     (void)x; (void)m; (void)k; (void)panels; (void)sz; (void)n; (void)group; (void)xs;
-    (void)y; (void)y_stride; (void)num_threads;
+    (void)xp; (void)y; (void)y_stride; (void)num_threads;
     return -1;
 }
 #endif
