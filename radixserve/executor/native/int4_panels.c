@@ -135,20 +135,24 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t
                           uint16_t *y, int64_t y_stride, int num_threads) {
     if (k % group || group % 2 || m < 1) return -1;
     const int64_t groups = k / group, pairs = k / 2, blocks = (n + 15) / 16;
-    for (int64_t r = 0; r < m; r++)
+    /* per row: its group sums and its place in its tile's [pair][row] copy */
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (m * k >= 65536)")
+    for (int64_t r = 0; r < m; r++) {
+        const uint16_t *row = x + r * k;
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
-            for (int64_t i = 0; i < group; i++) s += bf16_to_f32(x[r * k + g * group + i]);
+            for (int64_t i = 0; i < group; i++) s += bf16_to_f32(row[g * group + i]);
             xs[r * groups + g] = s;
         }
-    for (int64_t m0 = 0; m0 < m;) {
-        const int mt = tile_at(m, m0);
-        int32_t *t = xp + m0 * pairs;
-        for (int r = 0; r < mt; r++) {
-            const uint16_t *row = x + (m0 + r) * k;
-            for (int64_t p = 0; p < pairs; p++) memcpy(t + p * mt + r, row + 2 * p, sizeof(int32_t));
+        const int64_t m0 = r < 12 * (m / 12) ? r / 12 * 12 : 12 * (m / 12);
+        int64_t t0 = m0; /* the tile holding row r starts at t0 (tiles after the 12s: 8, 4, 2, 1) */
+        int mt = tile_at(m, t0);
+        while (t0 + mt <= r) {
+            t0 += mt;
+            mt = tile_at(m, t0);
         }
-        m0 += mt;
+        int32_t *t = xp + t0 * pairs + (r - t0);
+        for (int64_t p = 0; p < pairs; p++) memcpy(t + p * mt, row + 2 * p, sizeof(int32_t));
     }
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t b = 0; b < blocks; b++) {
