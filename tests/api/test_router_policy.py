@@ -171,3 +171,22 @@ def test_routing_keys():
     assert routing_key("/v1/completions", None) == ""
     assert routing_key("/v1/completions", {"prompt": [-1]}) == ""
     assert token_key([1, 2], "salt") != token_key([1, 2])
+
+
+def test_cli_flags():
+    from radixserve.api.cli import build_parser
+    from radixserve.api.router.cli import dp_kwargs
+
+    args = build_parser().parse_args(["serve", "-dp", "2", "--dp-policy", "round-robin"])
+    kw = dp_kwargs(args)
+    assert kw["data_parallel_size"] == 2 and kw["dp_policy"] == "round-robin"
+    assert kw["dp_balance"] == BalanceConfig()
+    with pytest.raises(ValueError):
+        dp_kwargs(build_parser().parse_args(["serve", "--data-parallel-size", "0"]))
+    r = build_parser().parse_args(
+        ["router", "--worker", "http://127.0.0.1:1", "--worker", "http://127.0.0.1:2"]
+    )
+    assert r.worker == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert (r.policy, r.host, r.port) == ("cache-aware", "127.0.0.1", 8080)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--worker", "http://a:1", "--policy", "random"])

@@ -156,7 +156,11 @@ class Router:
     async def start(self) -> None:
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=self.config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            # idle connections are dropped well before uvicorn's 5 s keep-alive ends them,
+            # so a request never races the replica closing its connection
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0
+            ),
         )
         await self.check_health()
         self._health_task = asyncio.create_task(self._health_loop())

@@ -93,7 +93,8 @@ class PrefixTree:
             self._evict()
 
     def _evict(self) -> None:
-        """Remove the oldest leaves until ``size <= max_size``."""
+        """Remove the oldest leaves down to 90% of ``max_size`` (a scan of the tree per
+        eviction, so it is amortized over many inserts), never the newest string's."""
         import heapq
 
         heap: list[tuple[int, int, _Node]] = []
@@ -106,7 +107,8 @@ class PrefixTree:
                 order += 1
             stack.extend(node.children.values())
         heapq.heapify(heap)
-        while self.size > self.max_size and heap:
+        target = self.max_size - self.max_size // 10
+        while self.size > target and heap and heap[0][0] < self._clock:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
