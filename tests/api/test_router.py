@@ -204,68 +204,6 @@ def _rest(lines) -> list[bytes]:
     return [line for line in lines if line]
 
 
-def test_a_failed_worker_is_taken_out_and_its_stream_ends_with_an_error(workers, tiny_llama):
-    victim = ServerProcess("--model", str(tiny_llama), *_WORKER_ARGS)
-    # round-robin starts with the victim; quick health checks, two misses take a worker out
-    r = RouterProcess(
-        [victim.url, workers[0].url],
-        "--policy",
-        "round-robin",
-        "--health-check-interval",
-        "0.2",
-        "--health-check-timeout",
-        "1",
-    )
-    engine = victim.engine_pid()
-    try:
-        # a hung worker (stopped): its stream ends once the health checks give up on it
-        client, _, lines = _stream(r.url, 2000)
-        first = next(lines)
-        assert first.startswith("data: {")
-        os.kill(victim.proc.pid, signal.SIGSTOP)
-        started = time.monotonic()
-        rest = _rest(lines)
-        assert time.monotonic() - started < 15
-        error = orjson.loads(rest[-2][6:])["error"]
-        assert error["code"] == "worker_failed" and victim.url in error["message"]
-        assert rest[-1] == "data: [DONE]"
-        client.close()
-        assert [w["healthy"] for w in r.workers()] == [False, True]
-        assert _complete(r.url, "Paris is the capital") == _complete(
-            workers[0].url, "Paris is the capital"
-        )
-        # back in once it answers its health checks again
-        os.kill(victim.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 15
-        while not r.workers()[0]["healthy"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-
-        # a killed worker: the connection drops, the stream ends with an error at once
-        client, _, lines = _stream(r.url, 2000)  # round-robin: the victim again
-        assert next(lines).startswith("data: {")
-        os.kill(victim.proc.pid, signal.SIGKILL)
-        os.kill(engine, signal.SIGKILL)
-        rest = _rest(lines)
-        error = orjson.loads(rest[-2][6:])["error"]
-        assert error["code"] == "worker_failed" and rest[-1] == "data: [DONE]"
-        client.close()
-        for _ in range(3):  # the dead worker gets nothing: every request succeeds
-            _complete(r.url, "Berlin is", max_tokens=2)
-        assert [w["healthy"] for w in r.workers()] == [False, True]
-        assert all(w["load"] == 0 for w in r.workers())
-        router_metrics = _samples(r.url)
-        key = ("radixserve_router_worker_failures_total", (("worker", victim.url),))
-        assert router_metrics[key] == 2
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim.proc.pid, signal.SIGCONT)
-        r.stop()
-        victim.stop()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(engine, signal.SIGKILL)
-
-
 def test_data_parallel_serve_equals_one_engine_and_uses_both(workers, tiny_llama):
     dp = ServerProcess("--model", str(tiny_llama), *_WORKER_ARGS, "-dp", "2")
     try:
@@ -294,3 +232,64 @@ def test_data_parallel_serve_equals_one_engine_and_uses_both(workers, tiny_llama
         assert httpx.get(dp.url + "/health").status_code == 200
     finally:
         dp.stop()
+
+
+def test_a_failed_worker_is_taken_out_and_its_stream_ends_with_an_error(workers):
+    victim = workers[1]  # (the module's last test: it kills this worker)
+    # round-robin starts with the victim; quick health checks, two misses take a worker out
+    r = RouterProcess(
+        [victim.url, workers[0].url],
+        "--policy",
+        "round-robin",
+        "--health-check-interval",
+        "0.2",
+        "--health-check-timeout",
+        "1",
+    )
+    engine = victim.engine_pid()
+    try:
+        # a hung worker (stopped): its stream ends once the health checks give up on it
+        client, _, lines = _stream(r.url, 1500)
+        first = next(lines)
+        assert first.startswith("data: {")
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        rest = _rest(lines)
+        assert time.monotonic() - started < 15
+        error = orjson.loads(rest[-2][6:])["error"]
+        assert error["code"] == "worker_failed" and victim.url in error["message"]
+        assert rest[-1] == "data: [DONE]"
+        client.close()
+        assert [w["healthy"] for w in r.workers()] == [False, True]
+        assert _complete(r.url, "Paris is the capital") == _complete(
+            workers[0].url, "Paris is the capital"
+        )
+        # back in once it answers its health checks again
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while not r.workers()[0]["healthy"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+        # a killed worker: the connection drops, the stream ends with an error at once
+        client, _, lines = _stream(r.url, 1500)  # round-robin: the victim again
+        assert next(lines).startswith("data: {")
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        os.kill(engine, signal.SIGKILL)
+        rest = _rest(lines)
+        error = orjson.loads(rest[-2][6:])["error"]
+        assert error["code"] == "worker_failed" and rest[-1] == "data: [DONE]"
+        client.close()
+        for _ in range(3):  # the dead worker gets nothing: every request succeeds
+            _complete(r.url, "Berlin is", max_tokens=2)
+        assert [w["healthy"] for w in r.workers()] == [False, True]
+        assert all(w["load"] == 0 for w in r.workers())
+        router_metrics = _samples(r.url)
+        key = ("radixserve_router_worker_failures_total", (("worker", victim.url),))
+        assert router_metrics[key] == 2
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        r.stop()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(engine, signal.SIGKILL)
