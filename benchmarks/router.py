@@ -146,9 +146,9 @@ def main() -> None:
     parser.add_argument(
         "--kv-tokens",
         type=int,
-        default=6144,
-        help="each replica's KV cache in tokens (about 5 of the 8 ~1,060-token prefixes); "
-        "0: never full",
+        default=5120,
+        help="each replica's KV cache in tokens: about 4.7 of the 8 ~1,090-token prompts, so "
+        "the two replicas together hold every prefix and neither holds them all; 0: never full",
     )
     parser.add_argument(
         "--cost",
