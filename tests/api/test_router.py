@@ -230,6 +230,19 @@ def test_data_parallel_serve_equals_one_engine_and_uses_both(workers, tiny_llama
         assert sorted(gained.values()) == [0, max(gained.values())]
         assert max(gained.values()) >= _tokens(dp.url, _PREFIX) - 8
         assert httpx.get(dp.url + "/health").status_code == 200
+        # an engine that dies gets no new requests: the other one answers them all
+        children = Path(f"/proc/{dp.proc.pid}/task/{dp.proc.pid}/children").read_text().split()
+        engines = [
+            int(pid)
+            for pid in children
+            if b"radixserve.api.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(engines) == 2
+        os.kill(engines[0], signal.SIGKILL)
+        time.sleep(0.5)  # the client notices within 0.1 s
+        for prompt in prompts:
+            assert _complete(dp.url, prompt, 6) == _complete(workers[0].url, prompt, 6)
+        assert httpx.get(dp.url + "/health").status_code == 200
     finally:
         dp.stop()
 
