@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from radixserve.api.router.cli import add_dp_args, add_router_parser, dp_kwargs, run_router
 from radixserve.engine.config import DTYPES
 from radixserve.executor.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 from radixserve.scheduler.policy import POLICIES
@@ -47,6 +48,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=(0.006, 1e-5, 1e-8),
         metavar="A,B,C",
         help="timed simulated device: seconds per step, per batched token, per KV token read",
+    )
+    g.add_argument(
+        "--simulated-kv-tokens",
+        type=int,
+        default=None,
+        help="simulated device: KV cache size in tokens (default: never full)",
     )
     g.add_argument(
         "--device",
@@ -131,6 +138,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "simulated_device": args.simulated_device,
         "simulated_device_time": args.simulated_device_time,
         "simulated_device_cost": args.simulated_device_cost,
+        "simulated_kv_tokens": args.simulated_kv_tokens,
         "enable_overlap": args.enable_overlap,
         "device": args.device,
         "load_format": args.load_format,
@@ -197,7 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a structured-output grammar may take to compile (longer: a 400)",
     )
+    add_dp_args(srv)
     add_engine_args(srv)
+
+    add_router_parser(sub)
 
     sim = sub.add_parser(
         "simulate", help="run a request trace through the scheduler on a simulated device"
@@ -343,6 +354,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_body_bytes=int(args.max_body_mb * 2**20),
             tool_call_parser=args.tool_call_parser,
             grammar_compile_timeout_s=args.grammar_compile_timeout,
+            **dp_kwargs(args),
         ),
         host=args.host,
         port=args.port,
@@ -362,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_simulate(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "router":
+            return run_router(args)
     except ValueError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2

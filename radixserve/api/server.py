@@ -35,6 +35,7 @@ from radixserve.api.openai_protocol import (
     body_schema,
 )
 from radixserve.api.protocol import Delta
+from radixserve.api.router.dp_client import DataParallelClient
 from radixserve.api.structured import (
     GrammarChecker,
     ToolStreamer,
@@ -65,10 +66,24 @@ class ServerConfig:
     max_stop: int = 16
     tool_call_parser: str = "hermes"  # hermes | llama3_json
     grammar_compile_timeout_s: float = 10.0  # longer: the request is a 400
+    data_parallel_size: int = 1  # engine processes behind this frontend (api/router)
+    dp_policy: str = "cache-aware"
+    dp_balance: Any = None  # router.policy.BalanceConfig (None: its defaults)
 
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def make_engine_client(
+    engine_config: EngineConfig, tokenizer: Any, config: ServerConfig
+) -> EngineClient | DataParallelClient:
+    """One engine process, or ``data_parallel_size`` of them behind one client."""
+    if config.data_parallel_size == 1:
+        return EngineClient(engine_config, tokenizer)
+    return DataParallelClient(
+        engine_config, tokenizer, config.data_parallel_size, config.dp_policy, config.dp_balance
+    )
 
 
 def load_frontend_tokenizer(config: EngineConfig):
@@ -87,10 +102,12 @@ class OpenAIServer:
         self.engine_config = engine_config
         self.config = config
         source_name, self.tokenizer = load_frontend_tokenizer(engine_config)
-        self.client = EngineClient(engine_config, self.tokenizer.backend_tokenizer)
+        self.client = make_engine_client(engine_config, self.tokenizer.backend_tokenizer, config)
         self.tokenize = TokenizeBatcher(self.tokenizer)
         self.model_name = config.served_model_name or source_name
         self.metrics = Metrics(lambda: self.client.stats)
+        if isinstance(self.client, DataParallelClient):  # per-engine series
+            self.metrics.registry.register(self.client.collector)
         self._token_texts: dict[int, str] = {}
         self.grammar = GrammarChecker(self.tokenizer, config.grammar_compile_timeout_s)
         self.created = int(time.time())

@@ -42,6 +42,8 @@ class EngineConfig:
     # Cost model of the timed simulated device: seconds per step, per batched token, per
     # KV token attended (~10 ms for 256 decodes of ~600-token sequences).
     simulated_device_cost: tuple[float, float, float] = (0.006, 1e-5, 1e-8)
+    # KV cache size of the simulated device in tokens (None: large enough never to fill)
+    simulated_kv_tokens: int | None = None
     # Overlapped loop: launch step N, then finish step N-1 and prepare N+1 while N runs.
     # None: on where the device is asynchronous (the timed simulated device), off on CPU
     # (where the model itself uses the cores; on, the CPU model runs on a worker thread).
@@ -84,6 +86,10 @@ class EngineConfig:
         if not 0 <= self.schedule_conservativeness <= 1:
             raise ValueError(
                 f"schedule_conservativeness must be in [0, 1], got {self.schedule_conservativeness}"
+            )
+        if self.simulated_kv_tokens is not None and self.simulated_kv_tokens < self.page_size:
+            raise ValueError(
+                f"simulated_kv_tokens must be >= page_size, got {self.simulated_kv_tokens}"
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto, cpu, cuda; got {self.device!r}")

@@ -264,7 +264,10 @@ class Engine:
         self.model_config = None
         self.vocab_size = len(self.tokenizer)
         self.max_model_len = config.max_model_len or _SIMULATED_MAX_MODEL_LEN
-        return _SIMULATED_KV_PAGES, generation_config, ()
+        pages = _SIMULATED_KV_PAGES
+        if config.simulated_kv_tokens is not None:
+            pages = max(1, config.simulated_kv_tokens // config.page_size)
+        return pages, generation_config, ()
 
     def _load_tokenizer(self, gguf_metadata: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
         if self.source.kind == "gguf":

@@ -1,0 +1,463 @@
+"""``radixserve router``: an OpenAI-compatible HTTP proxy in front of several ``radixserve
+serve`` replicas, routing each request with a ``Balancer`` and passing answers through
+(server-sent events as they come)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from radixserve.api.asgi import (
+    APIError,
+    ASGIApp,
+    HTTPRequest,
+    Response,
+    StreamResponse,
+    json_response,
+)
+from radixserve.api.router.policy import BalanceConfig, Balancer, NoWorkerAvailable, token_key
+
+log = logging.getLogger(__name__)
+
+# the routes that run a model, and so are routed by their prompt
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
+# request headers passed on to the worker (it checks API keys itself)
+_FORWARDED = ("authorization", "content-type", "accept")
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: tuple[str, ...]
+    policy: str = "cache-aware"
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    health_check_interval_s: float = 5.0
+    health_check_timeout_s: float = 5.0
+    health_failure_threshold: int = 2  # consecutive failed checks before a worker is out
+    max_body_bytes: int = 8 * 2**20
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("give at least one --worker URL")
+        for url in self.workers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"a worker URL must start with http:// or https://; got {url!r}")
+        if len(set(self.workers)) != len(self.workers):
+            raise ValueError("a worker URL is given twice")
+        if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0:
+            raise ValueError("health check interval and timeout must be positive")
+        if self.health_failure_threshold < 1:
+            raise ValueError("health_failure_threshold must be at least 1")
+
+
+def routing_key(path: str, body: Any) -> str:
+    """What the cache-aware policy matches on: the prompt as the worker will see it,
+    approximately (text prompts as text, token prompts one character per token, chat as
+    its messages in order). Malformed bodies give "" (the worker answers them 400)."""
+    if not isinstance(body, dict):
+        return ""
+    if path == "/v1/chat/completions":
+        parts = []
+        for m in body.get("messages") or ():
+            if isinstance(m, dict):
+                content = m.get("content")
+                if isinstance(content, list):
+                    content = "".join(x.get("text", "") for x in content if isinstance(x, dict))
+                parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else ''}")
+        return "".join(parts)
+    prompt = body.get("prompt") if path == "/v1/completions" else body.get("text")
+    if path == "/generate" and prompt is None:
+        prompt = body.get("input_ids")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: route by its first prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < 0x110000 for t in prompt):
+        return token_key(prompt)
+    return ""
+
+
+class _WorkerFailed(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request on its way through a worker: the pump task reading the worker's answer
+    puts ``(kind, value)`` items on ``queue``; a worker taken out puts a failure there."""
+
+    worker: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pump: asyncio.Task | None = None
+
+
+class Worker:
+    """One replica as the router sees it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.healthy = False
+        self.failures = 0  # consecutive failed health checks
+        self.flights: set[_Flight] = set()
+
+
+class Router:
+    """The router's state and routes. Invariants: a request is routed only to a healthy
+    worker; every routed request is released from the balancer's load exactly once (when
+    its answer is complete, fails or the client leaves); when a worker is taken out, all
+    its in-flight requests end at once — a plain request with a 502, a stream with an
+    error event then ``[DONE]`` — and it gets no new ones until a health check passes."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.workers = [Worker(url) for url in config.workers]
+        self.balancer = Balancer(len(self.workers), config.policy, config.balance)
+        for i in range(len(self.workers)):
+            self.balancer.set_available(i, False)  # until the first health check passes
+        self.http: httpx.AsyncClient | None = None
+        self._health_task: asyncio.Task | None = None
+        self._rr = 0  # for requests that any worker can answer
+        self.registry = CollectorRegistry()
+        self.registry.register(_RouterCollector(self))
+        self.requests = Counter(
+            "radixserve_router_requests",
+            "Requests routed, by worker",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.routing = Counter(
+            "radixserve_router_routing",
+            "Routing decisions by worker and outcome (cache_hit: the longest prefix match "
+            "decided; cache_miss: no worker matched enough, the one with the most room got "
+            "it; load_balance: load was unbalanced; round_robin; least_load)",
+            ["worker", "outcome"],
+            registry=self.registry,
+        )
+        self.failed = Counter(
+            "radixserve_router_worker_failures",
+            "Requests that failed because their worker failed",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.app = self._build_app()
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=self.config.connect_timeout_s),
+            # idle connections are dropped well before uvicorn's 5 s keep-alive ends them,
+            # so a request never races the replica closing its connection
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0
+            ),
+        )
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def shutdown(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self.http is not None:
+            await self.http.aclose()
+
+    # -- health -----------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # keep checking whatever happened
+                log.exception("health check round failed")
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(i) for i in range(len(self.workers))))
+
+    async def _check(self, i: int) -> None:
+        worker = self.workers[i]
+        assert self.http is not None
+        try:
+            answer = await self.http.get(
+                worker.url + "/health", timeout=self.config.health_check_timeout_s
+            )
+            ok = answer.status_code == 200
+        except httpx.ConnectError:  # nothing listens there: out at once
+            worker.failures += 1
+            if worker.healthy:
+                self.take_out(i, "refused a connection")
+            return
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            worker.failures = 0
+            if not worker.healthy:
+                log.info("worker %s is healthy", worker.url)
+                worker.healthy = True
+                self.balancer.set_available(i, True)
+            return
+        worker.failures += 1
+        if worker.healthy and worker.failures >= self.config.health_failure_threshold:
+            self.take_out(i, "failed its health check")
+
+    def take_out(self, i: int, reason: str) -> None:
+        """Stop routing to worker ``i`` and end its in-flight requests with an error."""
+        worker = self.workers[i]
+        if worker.healthy:
+            log.warning("worker %s taken out: %s", worker.url, reason)
+        worker.healthy = False
+        self.balancer.set_available(i, False)
+        message = f"worker {worker.url} failed: {reason}"
+        for flight in list(worker.flights):
+            flight.queue.put_nowait(("failed", message))
+            if flight.pump is not None:
+                flight.pump.cancel()
+
+    # -- proxying -------------------------------------------------------------------------
+    def _headers(self, request: HTTPRequest) -> dict[str, str]:
+        return {k: request.headers[k] for k in _FORWARDED if k in request.headers}
+
+    async def _pump(self, flight: _Flight, method: str, path: str, request: HTTPRequest):
+        """Send the request to the worker and put its answer on the flight's queue."""
+        assert self.http is not None
+        url = self.workers[flight.worker].url + path
+        q = flight.queue
+        try:
+            async with self.http.stream(
+                method, url, content=request.body, headers=self._headers(request)
+            ) as answer:
+                q.put_nowait(("head", (answer.status_code, answer.headers.get("content-type"))))
+                async for chunk in answer.aiter_raw():
+                    q.put_nowait(("data", chunk))
+            q.put_nowait(("end", None))
+        except httpx.ConnectError as exc:
+            q.put_nowait(("connect", f"could not connect to {url}: {exc}"))
+        except httpx.HTTPError as exc:
+            q.put_nowait(("failed", f"worker {url} failed: {type(exc).__name__}: {exc}"))
+
+    def _launch(self, worker: int, method: str, path: str, request: HTTPRequest) -> _Flight:
+        flight = _Flight(worker)
+        self.workers[worker].flights.add(flight)
+        flight.pump = asyncio.create_task(self._pump(flight, method, path, request))
+        return flight
+
+    def _finish(self, flight: _Flight) -> None:
+        """The flight is over: stop reading the worker, drop it from the load."""
+        if flight.pump is not None and not flight.pump.done():
+            flight.pump.cancel()
+        worker = self.workers[flight.worker]
+        if flight in worker.flights:
+            worker.flights.discard(flight)
+            self.balancer.release(flight.worker)
+
+    def _failure(self, flight: _Flight, message: str) -> APIError:
+        self.failed.labels(self.workers[flight.worker].url).inc()
+        # an unanswered connection error may be a worker that just died: check it now
+        asyncio.get_running_loop().create_task(self._check(flight.worker))
+        return APIError(502, message, type_="worker_error", code="worker_failed")
+
+    async def proxy_generation(self, request: HTTPRequest) -> Response | StreamResponse:
+        try:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            body = None  # the worker answers it (400)
+        key = routing_key(request.path, body)
+        tried: set[int] = set()
+        while True:
+            try:
+                decision = self.balancer.choose(key, frozenset(tried))
+            except NoWorkerAvailable:
+                raise APIError(
+                    503,
+                    "no healthy worker to send the request to",
+                    type_="service_unavailable_error",
+                    code="no_healthy_worker",
+                ) from None
+            url = self.workers[decision.worker].url
+            self.requests.labels(url).inc()
+            self.routing.labels(url, decision.outcome).inc()
+            flight = self._launch(decision.worker, "POST", request.path, request)
+            try:
+                kind, value = await flight.queue.get()
+            except BaseException:
+                self._finish(flight)
+                raise
+            if kind == "connect":  # nothing reached the worker: take it out, try another
+                self._finish(flight)
+                self.take_out(decision.worker, "refused a connection")
+                tried.add(decision.worker)
+                continue
+            if kind != "head":
+                self._finish(flight)
+                raise self._failure(flight, value)
+            status, content_type = value
+            if status == 200 and content_type and content_type.startswith("text/event-stream"):
+                return StreamResponse(_Frames(self, flight))
+            return await self._whole(flight, status, content_type)
+
+    async def _whole(self, flight: _Flight, status: int, content_type: str | None) -> Response:
+        chunks: list[bytes] = []
+        try:
+            while True:
+                kind, value = await flight.queue.get()
+                if kind == "data":
+                    chunks.append(value)
+                elif kind == "end":
+                    break
+                else:
+                    raise self._failure(flight, value)
+        finally:
+            self._finish(flight)
+        headers = [(b"content-type", (content_type or "application/json").encode("latin-1"))]
+        return Response(b"".join(chunks), status, headers)
+
+    async def forward_any(self, request: HTTPRequest) -> Response:
+        """A request any worker can answer (models, tokenization): the next healthy one."""
+        while True:
+            healthy = [i for i, w in enumerate(self.workers) if w.healthy]
+            if not healthy:
+                raise APIError(
+                    503, "no healthy worker", "service_unavailable_error", code="no_healthy_worker"
+                )
+            self._rr += 1
+            i = healthy[self._rr % len(healthy)]
+            self.balancer.load[i] += 1  # released by _finish
+            flight = self._launch(i, request.method, request.path, request)
+            try:
+                kind, value = await flight.queue.get()
+            except BaseException:
+                self._finish(flight)
+                raise
+            if kind == "connect":  # nothing reached it: take it out, ask another
+                self._finish(flight)
+                self.take_out(i, "refused a connection")
+                continue
+            if kind != "head":
+                self._finish(flight)
+                raise self._failure(flight, value)
+            return await self._whole(flight, *value)
+
+    # -- routes ---------------------------------------------------------------------------
+    def _build_app(self) -> ASGIApp:
+        app = ASGIApp(self.config.max_body_bytes, lambda _: None, self.start, self.shutdown)
+        for path in GENERATION_PATHS:
+            app.route("POST", path, watch_disconnect=True)(self.proxy_generation)
+        for path in ("/tokenize", "/detokenize"):
+            app.route("POST", path)(self.forward_any)
+        app.route("GET", "/v1/models")(self.forward_any)
+
+        @app.route("GET", "/health")
+        async def health(_: HTTPRequest) -> Response:
+            if any(w.healthy for w in self.workers):
+                return Response(headers=[])
+            return json_response(
+                APIError(503, "no healthy worker", "service_unavailable_error").body(), 503
+            )
+
+        @app.route("GET", "/metrics")
+        async def metrics(_: HTTPRequest) -> Response:
+            return Response(
+                generate_latest(self.registry),
+                headers=[(b"content-type", b"text/plain; version=0.0.4")],
+            )
+
+        @app.route("GET", "/workers")
+        async def workers(_: HTTPRequest) -> Response:
+            return json_response(
+                {
+                    "policy": self.config.policy,
+                    "workers": [
+                        {
+                            "url": w.url,
+                            "healthy": w.healthy,
+                            "load": self.balancer.load[i],
+                            "tree_size": self.balancer.trees[i].size,
+                        }
+                        for i, w in enumerate(self.workers)
+                    ],
+                }
+            )
+
+        return app
+
+
+class _Frames:
+    """The SSE frames of a streamed answer, whole events only (a partial event held back
+    until its end arrives). If the worker fails mid-stream the stream ends with an
+    OpenAI-shaped error event and ``[DONE]``. ``aclose`` (the client left, or the answer
+    ended) stops reading the worker, which aborts the request there."""
+
+    def __init__(self, router: Router, flight: _Flight) -> None:
+        self.router, self.flight = router, flight
+        self.buffer = b""
+        self.done = False
+
+    def __aiter__(self) -> _Frames:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.done:
+            raise StopAsyncIteration
+        queue = self.flight.queue
+        while True:
+            kind, value = await queue.get()
+            if kind == "data":
+                self.buffer += value
+                cut = self.buffer.rfind(b"\n\n")
+                if cut >= 0:
+                    frames, self.buffer = self.buffer[: cut + 2], self.buffer[cut + 2 :]
+                    return frames
+                continue
+            self.done = True
+            self.router._finish(self.flight)
+            if kind == "end":
+                if self.buffer:
+                    return self.buffer
+                raise StopAsyncIteration
+            error = self.router._failure(self.flight, value)
+            return b"data: " + orjson.dumps(error.body()) + b"\n\n" + _DONE
+
+    async def aclose(self) -> None:
+        self.done = True
+        self.router._finish(self.flight)
+
+
+class _RouterCollector(Collector):
+    """Per-worker gauges: load (requests in flight), health, tree size."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator:
+        r = self.router
+        load = GaugeMetricFamily(
+            "radixserve_router_worker_load", "Requests in flight per worker", labels=["worker"]
+        )
+        healthy = GaugeMetricFamily(
+            "radixserve_router_worker_healthy", "1 while the worker is in", labels=["worker"]
+        )
+        tree = GaugeMetricFamily(
+            "radixserve_router_tree_size",
+            "Characters in the worker's approximate prefix tree",
+            labels=["worker"],
+        )
+        for i, w in enumerate(r.workers):
+            load.add_metric([w.url], r.balancer.load[i])
+            healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
+            tree.add_metric([w.url], r.balancer.trees[i].size)
+        yield from (load, healthy, tree)
+
+
+def create_router_app(config: RouterConfig) -> ASGIApp:
+    return Router(config).app
