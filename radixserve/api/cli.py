@@ -364,12 +364,12 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if (code := run_worker_node(args)) is not None:
+        return code
     from radixserve.api.serve import serve
     from radixserve.api.server import ServerConfig
     from radixserve.engine.config import EngineConfig
 
-    if (code := run_worker_node(args)) is not None:
-        return code
     serve(
         EngineConfig(**engine_kwargs(args)),
         ServerConfig(

@@ -114,6 +114,7 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.source: ModelSource = resolve_model(config.model)
         self.tp: TensorParallelGroup | None = None
+        self._threads_before: int | None = None
         self.fatal_error: str | None = None  # set when the engine can run no more steps
         if config.simulated_device:
             num_pages, generation_config, model_eos = self._init_simulated(config)
@@ -215,6 +216,9 @@ class Engine:
         self.grammars.close()
         if self.tp is not None:
             self.tp.close()
+            if self._threads_before is not None:  # the process may run other engines
+                torch.set_num_threads(self._threads_before)
+                self._threads_before = None
 
     def _load_model(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
         """Weights, tokenizer and KV sizing of a real model; returns (KV pages, the
@@ -289,7 +293,8 @@ class Engine:
         if config.node_rank != 0:
             raise ValueError("node_rank > 0 runs workers only (radixserve.executor.distributed)")
         spec = worker_spec(config, self.source)
-        if config.num_threads is None:
+        if config.num_threads is None:  # the cores split between this node's ranks
+            self._threads_before = torch.get_num_threads()
             torch.set_num_threads(default_threads(spec))
         self.tp = TensorParallelGroup(spec)
         loaded = self.tp.loaded

@@ -197,7 +197,7 @@ class TPGroup:
             work.wait()
         except Exception as exc:  # gloo raises RuntimeError / DistBackendError
             raise DeviceLost(
-                f"tensor-parallel rank {self.rank}: {what} failed (a rank died or stopped "
+                f"a tensor-parallel {what} failed on rank {self.rank} (a rank died or stopped "
                 f"answering): {exc}"
             ) from None
 
@@ -443,9 +443,7 @@ class TensorParallelGroup:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         try:
-            self.group = TPGroup(
-                0, spec.world_size, spec.master_addr, port, spec.timeout_s, sock.detach()
-            )
+            self.group = self._join(port, sock.detach())
             self.loaded = load_shard_model(spec, self.group)
         except BaseException as exc:
             self._reap(grace_s=0.0)
@@ -455,6 +453,34 @@ class TensorParallelGroup:
             raise RuntimeError(
                 f"tensor-parallel start-up failed: {exc} (worker exit codes: {codes or 'none'})"
             ) from exc
+
+    def _join(self, port: int, listen_fd: int) -> TPGroup:
+        """Form the group (it waits for every rank), failing early if a local worker exits
+        before joining (an import error, a bad flag)."""
+        result: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                spec = self.spec
+                result["group"] = TPGroup(
+                    0, spec.world_size, spec.master_addr, port, spec.timeout_s, listen_fd
+                )
+            except BaseException as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=join, daemon=True, name="radixserve-tp-join")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            for rank, proc in self.procs.items():
+                if thread.is_alive() and proc.poll() is not None:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited during start-up (code "
+                        f"{proc.returncode}); see its log above"
+                    )
+        if "error" in result:
+            raise result["error"]
+        return result["group"]
 
     # -- messages --
     def start(self, model: TensorParallelLlama, num_pages: int, page_size: int) -> None:
@@ -476,7 +502,7 @@ class TensorParallelGroup:
                 if payload is not None:
                     self.group.broadcast(payload, control=True)
             except DeviceLost as exc:
-                self.fail(str(exc))
+                self.fail_after(exc)
                 raise self.lost from None  # type: ignore[misc]
             self._last_send = time.monotonic()
 
@@ -502,6 +528,18 @@ class TensorParallelGroup:
                     break
         if self.lost is not None:
             raise self.lost
+
+    def fail_after(self, exc: BaseException, wait_s: float = 1.0) -> None:
+        """A collective failed: name the local worker that exited if there is one (its
+        connections close a moment before its exit can be seen), else report ``exc``."""
+        deadline = time.monotonic() + wait_s
+        while self.lost is None and time.monotonic() < deadline:
+            for rank, proc in self.procs.items():
+                if proc.poll() is not None:
+                    self.fail(f"tensor-parallel rank {rank} exited (code {proc.returncode})")
+                    return
+            time.sleep(0.05)
+        self.fail(str(exc))
 
     def fail(self, message: str) -> None:
         """Mark the group lost and tear it down: the other ranks see their connections close
@@ -571,7 +609,7 @@ class TPModelRunner(ModelRunner):
             self.tp.send(*encode_step(fb, self.future.resolve(fb.input_ids), inputs.copies, plans))
             logits, prompt_logprobs = self._compute(inputs)
         except DeviceLost as exc:
-            self.tp.fail(str(exc))
+            self.tp.fail_after(exc)
             raise self.tp.lost from None  # type: ignore[misc]
         except Exception as exc:  # the other ranks may be inside a collective: out of step
             self.tp.fail(f"rank 0 failed inside a step ({type(exc).__name__}: {exc})")

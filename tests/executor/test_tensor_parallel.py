@@ -127,7 +127,7 @@ def _prefill_batch(lengths: list[int], page_size: int) -> ForwardBatch:
     slots = table[token_req, positions // page_size] * page_size + positions % page_size
     rng = np.random.default_rng(0)
     return ForwardBatch(
-        input_ids=rng.integers(0, 101, size=int(qsl[-1])).astype(np.int64),
+        input_ids=rng.integers(0, 100, size=int(qsl[-1])).astype(np.int64),
         positions=positions,
         slot_mapping=slots,
         q_lens=np.array(lengths, dtype=np.int64),
@@ -213,17 +213,19 @@ ARCHS = {
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def tp_case(request, tmp_path_factory):
-    """One TP=2 engine per model, shared by the tests below: chunked prefill (32-token
+    """One TP=2 engine per model, shared by the tests below: chunked prefill (64-token
     budget), 4-token pages and a pool that forces preemption when all prompts run at once."""
     arch = request.param
     path = build_tiny_model(tmp_path_factory.mktemp(f"tp-{arch}"), arch, **ARCHS[arch])
     vocab = ARCHS[arch].get("vocab_size", 512)
     prompts = _prompts(len(arch), vocab)
+    head_dim = 32 if arch == "qwen3" else 16
+    page_bytes = 2 * 2 * 4 * head_dim * 4  # (k, v) x 2 layers x 4 tokens x 1 kv head, float32
     kwargs = dict(
         dtype="float32",
         page_size=4,
-        max_num_batched_tokens=32,
-        kv_cache_memory_gb=120 * 1024 / 2**30,  # 120 pages of 1 KiB per rank
+        max_num_batched_tokens=64,
+        kv_cache_memory_gb=40 * page_bytes / 2**30,  # 40 pages per rank: the longest needs 30
         schedule_conservativeness=0.0,
     )
     llm = LLM(str(path), tensor_parallel_size=2, **kwargs)
@@ -236,14 +238,16 @@ def tp_case(request, tmp_path_factory):
 def test_tp2_greedy_equals_tp1_and_transformers(tp_case):
     _arch, path, prompts, llm = tp_case
     expected = hf_greedy(path, prompts, NEW_TOKENS)
-    single = LLM(str(path), dtype="float32", page_size=4, max_num_batched_tokens=32)
+    single = LLM(str(path), dtype="float32", page_size=4, max_num_batched_tokens=64)
     assert generate_ids(single, prompts, greedy(NEW_TOKENS)) == expected
     engine = llm.engine
     assert engine.model.config.num_attention_heads == engine.model_config.num_attention_heads // 2
-    # one at a time: every second prompt extends the one before it (a radix hit)
-    alone = [generate_ids(llm, [p], greedy(NEW_TOKENS))[0] for p in prompts]
-    assert alone == expected
-    assert engine.prefix_cache.hit_tokens > 0
+    # one at a time on a warm tree: every second prompt extends the one before it (a hit)
+    hits = engine.prefix_cache.hit_tokens
+    alone = [llm.generate([p], greedy(NEW_TOKENS), use_tqdm=False)[0] for p in prompts]
+    assert [out.outputs[0].token_ids for out in alone] == expected
+    assert engine.prefix_cache.hit_tokens - hits >= 5 * 40  # the shared 40-token prefix
+    engine.check_idle()
     # all at once: chunked prefill, and the small pool preempts
     preempted = engine.scheduler.stats.num_preemptions
     assert generate_ids(llm, prompts, greedy(NEW_TOKENS)) == expected  # checks page accounting
@@ -253,7 +257,7 @@ def test_tp2_greedy_equals_tp1_and_transformers(tp_case):
 def test_tp2_logprobs_equal_tp1(tp_case):
     """Sampled-row and prompt logprobs (gathered logits, in chunks) match TP=1."""
     _arch, path, prompts, llm = tp_case
-    single = LLM(str(path), dtype="float32", page_size=4, max_num_batched_tokens=32)
+    single = LLM(str(path), dtype="float32", page_size=4, max_num_batched_tokens=64)
     params = SamplingParams(
         temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True
     )
@@ -325,7 +329,7 @@ import time
 from radixserve import LLM
 from tests.helpers import greedy
 
-llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2, distributed_timeout_s=4.0)
+llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2, distributed_timeout_s=2.0)
 llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)
 print(llm.engine.tp.procs[1].pid, flush=True)
 time.sleep(600)
@@ -414,3 +418,18 @@ def test_two_nodes_on_one_machine(tiny_llama):
     finally:
         node1.kill()
         node1.wait()
+
+
+def test_parallel_flags_reach_the_engine_config():
+    from radixserve.api.cli import build_parser, engine_kwargs
+    from radixserve.engine.config import EngineConfig
+
+    flags = "-tp 4 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500"
+    args = build_parser().parse_args(["serve", "--device", "cpu", *flags.split()])
+    c = EngineConfig(**engine_kwargs(args))
+    assert (c.tensor_parallel_size, c.nnodes, c.node_rank) == (4, 2, 1)
+    assert (c.master_addr, c.master_port, c.distributed_timeout_s) == ("10.0.0.1", 29500, 300.0)
+    with pytest.raises(ValueError, match="needs master_port"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2, device="cpu")
+    with pytest.raises(ValueError, match="node_rank"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2, master_port=1, device="cpu")
