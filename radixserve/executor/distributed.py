@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
 from radixserve.core.page_table import PageTable
 from radixserve.executor.device import PreparedStep, StepResult
@@ -52,6 +52,8 @@ HEARTBEAT_S = 2.0  # rank 0 sends a no-op step when it has sent nothing for this
 # a worker that hears nothing from rank 0 (not even a heartbeat) this long exits; shorter
 # when the group's timeout is
 CONTROL_TIMEOUT_S = 60.0
+# the start-up handshake waits for the slowest rank to load its shard
+STARTUP_TIMEOUT_S = 1800.0
 
 
 def control_timeout(timeout_s: float) -> float:
@@ -166,7 +168,8 @@ class TPGroup:
     ) -> None:
         self.rank = rank
         self.world_size = world_size
-        timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        timeout = timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))  # joining: loads vary
         if rank == 0:
             store = TCPStore(
                 master_addr,
@@ -201,17 +204,25 @@ class TPGroup:
                 f"answering): {exc}"
             ) from None
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        self._wait(self.pg.allreduce([tensor]), "all-reduce")
+    def all_reduce(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+        if timeout_s is None:
+            self._wait(self.pg.allreduce([tensor]), "all-reduce")
+            return
+        opts = AllreduceOptions()
+        opts.timeout = timedelta(seconds=timeout_s)
+        self._wait(self.pg.allreduce([tensor], opts), "all-reduce")
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._wait(self.pg.allgather([out], [tensor]), "all-gather")
         return out
 
-    def broadcast(self, tensor: torch.Tensor, control: bool = False) -> None:
+    def broadcast(
+        self, tensor: torch.Tensor, control: bool = False, timeout_s: float | None = None
+    ) -> None:
         pg = self.control if control else self.pg
-        self._wait(pg.broadcast(tensor, 0), "broadcast")
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        self._wait(pg.broadcast(tensor, 0, timeout), "broadcast")
 
     def abort(self) -> None:
         for pg in (self.pg, self.control):
@@ -365,10 +376,11 @@ def handshake(
     Returns (num_pages, page_size); ``ValueError`` on every rank if any disagrees."""
     mine = _agreement(model, scheme)
     msg = torch.tensor([num_pages, page_size, *mine], dtype=torch.int64)
-    group.broadcast(msg)
+    startup = max(STARTUP_TIMEOUT_S, group.timeout_s)  # ranks load at their own pace
+    group.broadcast(msg, timeout_s=startup)
     agreed = msg[2:].tolist() == mine
     flag = torch.tensor([0 if agreed else 1], dtype=torch.int64)
-    group.all_reduce(flag)
+    group.all_reduce(flag, timeout_s=startup)
     if int(flag.item()):
         raise ValueError(
             "the tensor-parallel ranks built different models (dtype, kv heads or "

@@ -329,7 +329,7 @@ import time
 from radixserve import LLM
 from tests.helpers import greedy
 
-llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2, distributed_timeout_s=2.0)
+llm = LLM(sys.argv[1], dtype="float32", tensor_parallel_size=2, distributed_timeout_s=3.0)
 llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)
 print(llm.engine.tp.procs[1].pid, flush=True)
 time.sleep(600)
