@@ -101,7 +101,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "simulated device and on CUDA, off on CPU)",
     )
     overlap.add_argument("--disable-overlap", dest="enable_overlap", action="store_false")
+    add_parallel_args(parser)
     add_scheduler_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("tensor parallelism (CPU, gloo; torchrun's conventions)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks in all")
+    g.add_argument("--nnodes", type=int, default=1, help="machines the ranks span")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine (0 runs the engine)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    g.add_argument("--master-port", type=int, default=None, help="rendezvous port on node 0")
+    g.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a collective may wait before the group is declared lost",
+    )
 
 
 def _cost(text: str) -> tuple[float, float, float]:
@@ -153,6 +169,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_queue_time_s": args.max_queue_time,
         "batch_wait_ms": args.batch_wait_ms,
         "schedule_conservativeness": args.schedule_conservativeness,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "nnodes": args.nnodes,
+        "node_rank": args.node_rank,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "distributed_timeout_s": args.distributed_timeout,
     }
 
 
@@ -240,8 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
 CLI_SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 
 
+def run_worker_node(args: argparse.Namespace) -> int | None:
+    """``--node-rank`` > 0: this machine only runs its tensor-parallel workers."""
+    if args.node_rank == 0:
+        return None
+    from radixserve.engine.config import EngineConfig
+    from radixserve.engine.parallel import run_node
+
+    return run_node(EngineConfig(**engine_kwargs(args)))
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from radixserve import LLM
+
+    if (code := run_worker_node(args)) is not None:
+        return code
 
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(args))
@@ -340,6 +375,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if (code := run_worker_node(args)) is not None:
+        return code
     from radixserve.api.serve import serve
     from radixserve.api.server import ServerConfig
     from radixserve.engine.config import EngineConfig

@@ -64,7 +64,7 @@ def _radix_summary(engine: Engine, query: p.RadixQuery) -> p.RadixSummary:
     )
 
 
-def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
+def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> int:
     """Entry point of the engine process: load the model, then loop until SIGTERM."""
     stopping = False
 
@@ -86,6 +86,7 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     last_beat = 0.0
+    exit_code = 0
     while not stopping:
         timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
         if poller.poll(timeout):
@@ -96,7 +97,7 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
                     break
                 for msg in p.to_engine_decoder.decode(raw):
                     _handle(engine, msg, push)
-        deltas = engine.step() if engine.has_unfinished() else []
+        deltas = engine.step() if engine.has_unfinished() else engine.check_device()
         now = time.monotonic()
         if deltas:
             msg = p.Outputs([wire_delta(d) for d in deltas], _stats(engine))
@@ -105,9 +106,15 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> None:
         elif now - last_beat >= HEARTBEAT_S:
             push.send(p.encoder.encode(p.Heartbeat(_stats(engine))))
             last_beat = now
+        if engine.fatal_error is not None:  # e.g. a tensor-parallel rank died
+            logger.error("%s", engine.fatal_error)
+            exit_code = 1
+            break
+    engine.close()
     push.close(linger=1000)
     pull.close(linger=0)
     ctx.term()
+    return exit_code
 
 
 def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
@@ -161,7 +168,7 @@ def main() -> None:
     raw, inbox, outbox = sys.argv[1:4]
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     config = EngineConfig(**{k: v for k, v in json.loads(raw).items() if k in fields})
-    run_engine_process(config, inbox, outbox)
+    sys.exit(run_engine_process(config, inbox, outbox))
 
 
 if __name__ == "__main__":

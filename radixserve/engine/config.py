@@ -66,6 +66,14 @@ class EngineConfig:
     memory_budget_gb: float | None = None
     # structured output: a grammar that takes longer to compile fails its request
     grammar_compile_timeout_s: float = 30.0
+    # Tensor parallelism (CPU, gloo): the model split over this many ranks, rank 0 in this
+    # process and one worker process per other rank; across nnodes machines, torchrun style.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: any free port (one node only)
+    distributed_timeout_s: float = 300.0  # a collective that waits longer fails the group
 
     def __post_init__(self) -> None:
         if self.simulated_device_time:
@@ -116,8 +124,29 @@ class EngineConfig:
             raise ValueError(
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"
             )
+        self._check_parallel()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def _check_parallel(self) -> None:
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1 or nnodes < 1:
+            raise ValueError(f"tensor_parallel_size and nnodes must be >= 1; got {tp}, {nnodes}")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"node_rank must be in [0, {nnodes}); got {self.node_rank}")
+        if tp % nnodes:
+            raise ValueError(f"tensor_parallel_size {tp} is not a multiple of nnodes {nnodes}")
+        if nnodes > 1 and self.master_port is None:
+            raise ValueError("more than one node needs master_port (and master_addr)")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if tp > 1 and self.simulated_device:
+            raise ValueError("tensor parallelism needs a model (not a simulated device)")
+        if tp > 1 and self.resolved_device != "cpu":
+            raise ValueError(
+                "tensor parallelism runs on the CPU (gloo) in this version: the CUDA path "
+                "(NCCL) is not wired; use device='cpu'"
+            )
 
     @property
     def overlap(self) -> bool:

@@ -21,6 +21,7 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.model_source import ModelSource, resolve_model
 from radixserve.engine.outputs import SequenceDelta
+from radixserve.engine.parallel import worker_spec
 from radixserve.engine.structured import GrammarWaitList
 from radixserve.engine.tokenizer import (
     MissingTokenizer,
@@ -36,6 +37,12 @@ from radixserve.executor.device import (
     StepResult,
     ThreadDevice,
     TimedDevice,
+)
+from radixserve.executor.distributed import (
+    DeviceLost,
+    TensorParallelGroup,
+    TPModelRunner,
+    default_threads,
 )
 from radixserve.executor.grammar import GrammarService
 from radixserve.executor.kv_cache import KVCache, bytes_per_page
@@ -106,6 +113,9 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.source: ModelSource = resolve_model(config.model)
+        self.tp: TensorParallelGroup | None = None
+        self._threads_before: int | None = None
+        self.fatal_error: str | None = None  # set when the engine can run no more steps
         if config.simulated_device:
             num_pages, generation_config, model_eos = self._init_simulated(config)
         else:
@@ -165,11 +175,16 @@ class Engine:
                 mc.num_hidden_layers,
                 num_pages,
                 config.page_size,
-                mc.num_key_value_heads,
+                self.model.config.num_key_value_heads,  # this rank's (all of them at TP=1)
                 mc.head_dim,
                 self.dtype,
             )
-            self.runner = ModelRunner(self.model, kv_cache, self.page_table, self.sampler)
+            if self.tp is not None:
+                self.runner = TPModelRunner(
+                    self.model, kv_cache, self.page_table, self.sampler, self.tp
+                )
+            else:
+                self.runner = ModelRunner(self.model, kv_cache, self.page_table, self.sampler)
         self.overlap = config.overlap
         self.device = self._make_device(config)
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
@@ -199,43 +214,59 @@ class Engine:
         self.drain()
         self.device.close()
         self.grammars.close()
+        if self.tp is not None:
+            self.tp.close()
+            if self._threads_before is not None:  # the process may run other engines
+                torch.set_num_threads(self._threads_before)
+                self._threads_before = None
 
     def _load_model(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
         """Weights, tokenizer and KV sizing of a real model; returns (KV pages, the
         generation config, the model's EOS ids)."""
         self.torch_device = device = torch.device(config.resolved_device)
-        if config.load_format == "dummy":
+        if config.tensor_parallel_size > 1:
+            checkpoint, scheme = self._start_tensor_parallel(config)
+            mc = self.model_config
+        elif config.load_format == "dummy":
             if self.source.kind != "hf":
                 raise ValueError("load_format 'dummy' takes a folder with a config.json")
             checkpoint = Checkpoint(read_hf_config(self.source.path), {})
         else:
             checkpoint = load_checkpoint(self.source.kind, self.source.path)
-        self.model_config = mc = ModelConfig.from_hf_dict(checkpoint.hf_config)
+        if self.tp is None:
+            self.model_config = mc = ModelConfig.from_hf_dict(checkpoint.hf_config)
+            self.dtype = config.torch_dtype(checkpoint.hf_config.get("torch_dtype"))
+            weights = checkpoint.weights
+            if config.load_format == "dummy":
+                weights = dummy_weights(mc, self.dtype, device)
+            elif device.type != "cpu":
+                for name in list(weights):  # one at a time: host memory stays one tensor over
+                    weights[name] = weights[name].to(device, self.dtype)
+            self.model = model_class(mc.architecture)(mc, weights, self.dtype)
+            scheme = resolve_quantization(
+                config.quantization, config.quantization_group_size, checkpoint.gguf_tensor_types
+            )
+            if config.quantization == "auto" and (
+                device.type != "cpu" or self.dtype != torch.bfloat16
+            ):
+                # auto quantizes for bfloat16 on the CPU, what the kernels are for; float32 (a
+                # reference run) or a GPU runs the file dequantized
+                scheme = None
+            if scheme is not None:
+                quantize_model(self.model, scheme)
+            del weights
         self.tokenizer, generation_config = self._load_tokenizer(checkpoint.gguf_metadata)
         if isinstance(self.tokenizer, MissingTokenizer):
             self.detokenize = False  # outputs carry token ids only
-        self.dtype = config.torch_dtype(checkpoint.hf_config.get("torch_dtype"))
-        weights = checkpoint.weights
-        if config.load_format == "dummy":
-            weights = dummy_weights(mc, self.dtype, device)
-        elif device.type != "cpu":
-            for name in list(weights):  # one at a time: host memory stays one tensor over
-                weights[name] = weights[name].to(device, self.dtype)
-        self.model = model_class(mc.architecture)(mc, weights, self.dtype)
-        scheme = resolve_quantization(
-            config.quantization, config.quantization_group_size, checkpoint.gguf_tensor_types
-        )
-        if config.quantization == "auto" and (device.type != "cpu" or self.dtype != torch.bfloat16):
-            # auto quantizes for bfloat16 on the CPU, what the kernels are for; float32 (a
-            # reference run) or a GPU runs the file dequantized
-            scheme = None
-        if scheme is not None:
-            quantize_model(self.model, scheme)
-        del checkpoint, weights
+        del checkpoint
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
         page_bytes = bytes_per_page(
-            mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, config.page_size, self.dtype
+            mc.num_hidden_layers,
+            self.model.config.num_key_value_heads,  # this rank's kv heads
+            mc.head_dim,
+            config.page_size,
+            self.dtype,
         )
         self.weight_bytes = weight_memory(self.model)
         kv_bytes = int(config.kv_cache_memory_gb * 2**30)
@@ -255,6 +286,21 @@ class Engine:
         )
         logger.info("%s", self.startup_line)
         return num_pages, generation_config, mc.eos_token_ids
+
+    def _start_tensor_parallel(self, config: EngineConfig) -> tuple[Checkpoint, Any]:
+        """Start the other ranks (worker processes on this node; the other nodes start
+        theirs), join the group as rank 0 and load this rank's shard."""
+        if config.node_rank != 0:
+            raise ValueError("node_rank > 0 runs workers only (radixserve.executor.distributed)")
+        spec = worker_spec(config, self.source)
+        if config.num_threads is None:  # the cores split between this node's ranks
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(default_threads(spec))
+        self.tp = TensorParallelGroup(spec)
+        loaded = self.tp.loaded
+        self.model_config = ModelConfig.from_hf_dict(loaded.checkpoint.hf_config)
+        self.model, self.dtype = loaded.model, loaded.dtype
+        return loaded.checkpoint, loaded.scheme
 
     def _init_simulated(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
         """The model's tokenizer but no weights: a simulated device (instant synthetic
@@ -338,6 +384,8 @@ class Engine:
         values run first under the ``priority`` policy; a request still unfinished
         ``timeout_s`` seconds from now fails with an error. Raises ``EngineOverloaded`` when
         the waiting queue is full."""
+        if self.fatal_error is not None:
+            raise RuntimeError(self.fatal_error)
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.validate_prompt(prompt, params)
@@ -416,6 +464,7 @@ class Engine:
         one (serial). Returns the deltas of the processed step and of requests that ended
         meanwhile (aborts, failures)."""
         outputs, self._pending = self._pending, []
+        outputs.extend(self.check_device())
         self.grammars.poll(self._admit_compiled, lambda r, m: outputs.append(self._fail(r, m)))
         batch = self.scheduler.schedule()
         outputs.extend(self._final(req) for req in batch.failed)
@@ -442,6 +491,31 @@ class Engine:
         except Exception as exc:
             for req in requests:
                 self._pending.append(self._fail(req, str(exc)))
+
+    def check_device(self) -> list[SequenceDelta]:
+        """Whether the tensor-parallel group is still whole (cheap: polls the local worker
+        processes); if not, the engine stops and its requests' final deltas come back."""
+        if self.tp is None or self.fatal_error is not None:
+            return []
+        try:
+            self.tp.check()
+        except DeviceLost as exc:
+            return self._stop(f"the engine stopped: {exc}")
+        return []
+
+    def _stop(self, message: str) -> list[SequenceDelta]:
+        """The device is lost: end every request with ``message``; later ones are refused."""
+        self.fatal_error = message
+        out: list[SequenceDelta] = []
+        for sid in list(self._sequences):
+            req = self.scheduler.get(sid)
+            if req is not None:
+                self.scheduler.finish(req, FinishReason.ERROR, message)
+            elif (req := self.grammars.remove(sid)) is not None:
+                req.finish(FinishReason.ERROR, message)
+            if req is not None:
+                out.append(self._final(req))
+        return out
 
     def _fail(self, req: Request, message: str) -> SequenceDelta:
         """End a request the scheduler never saw (its grammar failed) with an error."""
@@ -490,7 +564,10 @@ class Engine:
         except Exception as exc:  # fail this batch, keep the engine
             logger.exception("step failed; failing its %d requests", len(batch.requests))
             message = f"internal error while running the batch: {type(exc).__name__}: {exc}"
-            return [self._final(req) for req in self.scheduler.fail_step(batch, message)]
+            failed = [self._final(req) for req in self.scheduler.fail_step(batch, message)]
+            if isinstance(exc, DeviceLost):  # no step can run any more: fail everything
+                failed.extend(self._stop(f"the engine stopped: {exc}"))
+            return failed
         outputs: list[SequenceDelta] = []
         for rid, (start, entries) in result.prompt_logprobs.items():
             seq = self._sequences.get(rid)

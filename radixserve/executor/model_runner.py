@@ -137,6 +137,16 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult:
         inputs: _ModelInputs = step.inputs
+        logits, prompt_logprobs = self._compute(inputs)
+        tokens, logprobs = self._sample(inputs, logits)
+        return StepResult(tokens, logprobs, prompt_logprobs)
+
+    def _compute(
+        self, inputs: _ModelInputs
+    ) -> tuple[torch.Tensor | None, dict[str, tuple[int, list[TokenLogprobs]]]]:
+        """Page copies, the forward, the sampled rows' logits and the prompt logprobs: all
+        the model work of a step (under tensor parallelism, every collective of the step
+        happens in here, before anything that could fail on this rank alone)."""
         fb = inputs.forward_batch
         if inputs.copies is not None:
             self.kv_cache.copy_pages(*inputs.copies)
@@ -144,14 +154,24 @@ class ModelRunner:
         hidden = self.model.forward(
             torch.from_numpy(input_ids), torch.from_numpy(fb.positions), self.attention, inputs.meta
         )
-        tokens = np.full(fb.num_requests, -1, dtype=np.int64)
+        logits = None
+        if inputs.sampling is not None:
+            # Plain greedy needs only an argmax: skip widening the logits to float32.
+            logits = self.model.compute_logits(
+                hidden[torch.from_numpy(fb.logits_indices)],
+                upcast=not inputs.sampling.argmax_only,
+            )
+        return logits, self._prompt_logprobs(inputs, hidden)
+
+    def _sample(
+        self, inputs: _ModelInputs, logits: torch.Tensor | None
+    ) -> tuple[np.ndarray, dict[str, TokenLogprobs]]:
+        """One token per sampled row (-1 elsewhere), published to ``FutureTokens``."""
+        tokens = np.full(inputs.forward_batch.num_requests, -1, dtype=np.int64)
         logprobs: dict[str, TokenLogprobs] = {}
         sampling = inputs.sampling
         if sampling is not None:
-            # Plain greedy needs only an argmax: skip widening the logits to float32.
-            logits = self.model.compute_logits(
-                hidden[torch.from_numpy(fb.logits_indices)], upcast=not sampling.argmax_only
-            )
+            assert logits is not None
             sampled = self.sampler(logits, sampling, self.future.resolve)
             sampled_np = sampled.numpy()
             self.future.store(inputs.slots, sampled_np)
@@ -163,7 +183,7 @@ class ModelRunner:
             ):
                 if lp is not None:
                     logprobs[rid] = lp
-        return StepResult(tokens, logprobs, self._prompt_logprobs(inputs, hidden))
+        return tokens, logprobs
 
     def _prompt_logprobs(
         self, inputs: _ModelInputs, hidden: torch.Tensor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,48 +94,23 @@ def _reverse_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
-def load_gguf(path: Path) -> GGUFContents:
+def load_gguf(
+    path: Path,
+    select: Callable[[dict[str, Any]], Callable[[str, torch.Tensor], torch.Tensor]] | None = None,
+) -> GGUFContents:
+    """The whole file as float32 tensors. ``select(hf_config)``, if given, returns a function
+    applied to each tensor as soon as it is decoded (name, tensor → the part to keep), so
+    only one whole tensor is in memory at a time (tensor-parallel shards)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     reader = open_reader(path)
     meta = {key: _field_value(field) for key, field in reader.fields.items()}
-    arch = meta.get("general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
-        )
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{name}")
-        return value
-
-    heads = int(key("attention.head_count"))
-    kv_heads = int(key("attention.head_count_kv", heads))
-    hidden = int(key("embedding_length"))
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    tensor_names = {t.name for t in reader.tensors}
-    hf_config = {
-        "architectures": [_ARCHITECTURES[arch]],
-        "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens)),
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(key("context_length")),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "hidden_act": "silu",
-    }
-    if arch == "qwen2":
-        hf_config["attention_bias"] = True
+    hf_config = gguf_hf_config(path, meta, {t.name for t in reader.tensors})
+    arch = meta["general.architecture"]
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config["num_key_value_heads"]
+    keep = select(hf_config) if select is not None else None
 
     weights: dict[str, torch.Tensor] = {}
     tensor_types: dict[str, str] = {}
@@ -155,11 +131,51 @@ def load_gguf(path: Path) -> GGUFContents:
             t = _reverse_permute(t, heads)
         elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             t = _reverse_permute(t, kv_heads)
-        weights[name] = t
+        weights[name] = t if keep is None else keep(name, t)
         tensor_types[name] = tensor.tensor_type.name
     return GGUFContents(
         hf_config=hf_config, weights=weights, metadata=meta, tensor_types=tensor_types
     )
+
+
+def gguf_hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """The Hugging Face config.json equivalent of a GGUF file's metadata."""
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    heads = int(key("attention.head_count"))
+    kv_heads = int(key("attention.head_count_kv", heads))
+    hidden = int(key("embedding_length"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    hf_config = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "vocab_size": int(meta.get(f"{arch}.vocab_size") or len(tokens)),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length")),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+    }
+    if arch == "qwen2":
+        hf_config["attention_bias"] = True
+    return hf_config
 
 
 def _hf_name(gguf_name: str) -> str | None:

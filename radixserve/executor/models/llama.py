@@ -122,7 +122,7 @@ class LlamaForCausalLM:
         ops = self.ops
         # ``residual`` is the running sum of the residual stream, updated in place; each
         # residual add is folded into the RMSNorm that follows it
-        residual = F.embedding(input_ids, self.embed)
+        residual = self.embed_tokens(input_ids)
         sublayer_out: torch.Tensor | None = None
         for layer_idx, w in enumerate(self.layers):
             x = ops.add_rms_norm(sublayer_out, residual, w.input_norm, eps)
@@ -146,6 +146,10 @@ class LlamaForCausalLM:
             x = ops.add_rms_norm(w.o(attn), residual, w.post_norm, eps)
             sublayer_out = self._mlp(w, x)
         return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] embedding rows (a fresh tensor: the residual stream is updated in place)."""
+        return F.embedding(input_ids, self.embed)
 
     def _mlp(self, w: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up), over row blocks of ``mlp_block_rows`` when set: on CPU the

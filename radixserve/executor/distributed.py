@@ -1,0 +1,630 @@
+"""Tensor parallelism over torch.distributed: the process group, the per-step broadcast from
+rank 0, rank 0's runner, and the launch of the other ranks as worker processes.
+
+One rank (0) runs the engine: scheduler, radix cache, page pool, sampler. Every rank holds
+its shard of the weights and its own KV pages (same page ids, its own kv heads). Each step,
+rank 0 broadcasts the step's ``ForwardBatch`` arrays (int64 tensors, no pickle) on a
+control group; then all ranks run the forward together, summing row-parallel outputs with
+all-reduces and gathering the sampled rows' logits on a second group. Gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, TCPStore
+
+from radixserve.core.page_table import PageTable
+from radixserve.executor.device import PreparedStep, StepResult
+from radixserve.executor.forward_batch import ForwardBatch
+from radixserve.executor.kv_cache import KVCache
+from radixserve.executor.loader import Checkpoint
+from radixserve.executor.loader.dummy import dummy_weights
+from radixserve.executor.loader.gguf_loader import gguf_hf_config, open_reader, read_metadata
+from radixserve.executor.loader.safetensors_loader import read_hf_config
+from radixserve.executor.loader.sharded import ShardLayout, load_sharded_checkpoint
+from radixserve.executor.model_config import ModelConfig
+from radixserve.executor.model_runner import ModelRunner, _ModelInputs
+from radixserve.executor.models.llama_tp import TensorParallelLlama
+from radixserve.executor.quant import QuantScheme, quantize_model, resolve_quantization
+from radixserve.executor.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+OP_STOP, OP_STEP, OP_NOOP = 0, 1, 2
+HEADER_LEN = 8
+HEARTBEAT_S = 2.0  # rank 0 sends a no-op step when it has sent nothing for this long
+# a worker that hears nothing from rank 0 (not even a heartbeat) this long exits; shorter
+# when the group's timeout is
+CONTROL_TIMEOUT_S = 60.0
+# the start-up handshake waits for the slowest rank to load its shard
+STARTUP_TIMEOUT_S = 1800.0
+
+
+def control_timeout(timeout_s: float) -> float:
+    return min(CONTROL_TIMEOUT_S, timeout_s)
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    return min(HEARTBEAT_S, control_timeout(timeout_s) / 4)
+
+
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2}
+
+
+class DeviceLost(RuntimeError):
+    """A rank of the tensor-parallel group died or a collective failed: the group is out of
+    step and cannot run another step. The engine fails every request and stops."""
+
+
+@dataclass
+class WorkerSpec:
+    """What every rank needs to build its part of the model (sent as JSON, never pickled).
+
+    Invariant: every rank derives the same dtype, quantization and layout from it (checked
+    at start-up: a rank that disagrees fails the start)."""
+
+    kind: str  # hf | gguf
+    path: str
+    world_size: int
+    load_format: str = "auto"
+    dtype: str = "auto"
+    quantization: str = "auto"
+    quantization_group_size: int = 32
+    num_threads: int | None = None
+    timeout_s: float = 300.0
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        return cls(**json.loads(text))
+
+    @property
+    def local_world_size(self) -> int:
+        return self.world_size // self.nnodes
+
+    def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        """The engine's rule (``EngineConfig.torch_dtype``): auto = the checkpoint's float32,
+        else bfloat16."""
+        if self.dtype == "float32":
+            return torch.float32
+        if self.dtype == "bfloat16":
+            return torch.bfloat16
+        return torch.float32 if checkpoint_dtype == "float32" else torch.bfloat16
+
+
+def peek_layout(spec: WorkerSpec, rank: int = 0) -> ShardLayout:
+    """The layout from the config alone (no weights read): validates the split early."""
+    path = Path(spec.path)
+    if spec.kind == "gguf":
+        names = {t.name for t in open_reader(path).tensors}
+        hf_config = gguf_hf_config(path, read_metadata(path), names)
+    else:
+        hf_config = read_hf_config(path)
+    return ShardLayout(ModelConfig.from_hf_dict(hf_config), rank, spec.world_size)
+
+
+# -- the process group -----------------------------------------------------------------------
+def _is_loopback(addr: str) -> bool:
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _gloo(store: Any, rank: int, size: int, timeout_s: float, addr: str) -> ProcessGroupGloo:
+    opts = ProcessGroupGloo._Options()
+    if _is_loopback(addr):  # one machine: keep every connection on 127.0.0.1
+        device = ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    elif os.environ.get("GLOO_SOCKET_IFNAME"):
+        device = ProcessGroupGloo.create_device(interface=os.environ["GLOO_SOCKET_IFNAME"])
+    else:
+        device = ProcessGroupGloo.create_default_device()
+    opts._devices = [device]
+    opts._timeout = timedelta(seconds=timeout_s)
+    return ProcessGroupGloo(store, rank, size, opts)
+
+
+class TPGroup:
+    """One rank's membership of the group: a TCP store on the master address (rank 0 hosts
+    it) and two gloo process groups over it, ``pg`` for the collectives of the forward and
+    ``control`` for rank 0's step broadcasts (a worker waits on it between steps).
+
+    Invariant: every operation either completes on every rank or raises ``DeviceLost`` on
+    the ranks that see the failure (a closed connection at once, a silent rank after the
+    timeout); after one failure the group is not used again.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        timeout_s: float,
+        listen_fd: int | None = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        timeout = timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))  # joining: loads vary
+        if rank == 0:
+            store = TCPStore(
+                master_addr,
+                master_port,
+                world_size,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                master_listen_fd=listen_fd,
+                use_libuv=listen_fd is None,
+            )
+        else:
+            store = TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+        self._store = store
+        self.pg = _gloo(
+            PrefixStore("radixserve/tp", store), rank, world_size, timeout_s, master_addr
+        )
+        self.control = _gloo(
+            PrefixStore("radixserve/control", store),
+            rank,
+            world_size,
+            control_timeout(timeout_s),
+            master_addr,
+        )
+
+    def _wait(self, work: Any, what: str) -> None:
+        try:
+            work.wait()
+        except Exception as exc:  # gloo raises RuntimeError / DistBackendError
+            raise DeviceLost(
+                f"a tensor-parallel {what} failed on rank {self.rank} (a rank died or stopped "
+                f"answering): {exc}"
+            ) from None
+
+    def all_reduce(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+        if timeout_s is None:
+            self._wait(self.pg.allreduce([tensor]), "all-reduce")
+            return
+        opts = AllreduceOptions()
+        opts.timeout = timedelta(seconds=timeout_s)
+        self._wait(self.pg.allreduce([tensor], opts), "all-reduce")
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._wait(self.pg.allgather([out], [tensor]), "all-gather")
+        return out
+
+    def broadcast(
+        self, tensor: torch.Tensor, control: bool = False, timeout_s: float | None = None
+    ) -> None:
+        pg = self.control if control else self.pg
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        self._wait(pg.broadcast(tensor, 0, timeout), "broadcast")
+
+    def abort(self) -> None:
+        for pg in (self.pg, self.control):
+            with contextlib.suppress(Exception):
+                pg.abort()
+
+
+# -- the step message ------------------------------------------------------------------------
+def encode_step(
+    fb: ForwardBatch,
+    input_ids: np.ndarray,
+    copies: tuple[torch.Tensor, torch.Tensor] | None,
+    plans: list[tuple[int, int]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) int64 tensors: everything a worker needs to run the step's
+    forward in step with rank 0 (``input_ids`` with every placeholder resolved)."""
+    num_copies = 0 if copies is None else int(copies[0].numel())
+    parts = [
+        input_ids,
+        fb.positions,
+        fb.slot_mapping,
+        fb.q_lens,
+        fb.seq_lens,
+        fb.query_start_loc,
+        fb.page_tables.reshape(-1),
+        fb.logits_indices,
+    ]
+    if copies is not None:
+        parts += [copies[0].numpy(), copies[1].numpy()]
+    parts.append(np.asarray(plans, dtype=np.int64).reshape(-1))
+    payload = np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in parts])
+    header = torch.tensor(
+        [
+            OP_STEP,
+            fb.num_tokens,
+            fb.num_requests,
+            fb.logits_indices.size,
+            fb.page_tables.shape[1],
+            num_copies,
+            len(plans),
+            payload.size,
+        ],
+        dtype=torch.int64,
+    )
+    return header, torch.from_numpy(payload)
+
+
+@dataclass
+class WorkerStep:
+    """A decoded step: the batch, page copies (src, dst) or None, the prompt-logprob spans
+    (first hidden row, number of rows) in rank 0's order."""
+
+    batch: ForwardBatch
+    copies: tuple[torch.Tensor, torch.Tensor] | None
+    plans: list[tuple[int, int]]
+
+
+def decode_step(header: torch.Tensor, payload: torch.Tensor, page_size: int) -> WorkerStep:
+    _, t, b, s, max_pages, c, p, _ = header.tolist()
+    flat = payload.numpy()
+    pos = 0
+
+    def take(n: int) -> np.ndarray:
+        nonlocal pos
+        out = flat[pos : pos + n]
+        pos += n
+        return out
+
+    input_ids, positions, slot_mapping = take(t), take(t), take(t)
+    q_lens, seq_lens, query_start_loc = take(b), take(b), take(b + 1)
+    page_tables = take(b * max_pages).reshape(b, max_pages)
+    logits_indices = take(s)
+    copies = None
+    if c:
+        copies = (torch.from_numpy(take(c).copy()), torch.from_numpy(take(c).copy()))
+    plans = [tuple(x) for x in take(2 * p).reshape(p, 2).tolist()]
+    batch = ForwardBatch(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        q_lens=q_lens,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        page_tables=page_tables,
+        logits_indices=logits_indices,
+        page_size=page_size,
+    )
+    return WorkerStep(batch, copies, plans)  # type: ignore[arg-type]
+
+
+# -- model loading (every rank) --------------------------------------------------------------
+@dataclass
+class ShardedModel:
+    """This rank's part of the model, with the checkpoint's config and metadata (its
+    weights are in the model, not in ``checkpoint.weights``)."""
+
+    checkpoint: Checkpoint
+    model: TensorParallelLlama
+    dtype: torch.dtype
+    scheme: QuantScheme | None
+
+
+def load_shard_model(spec: WorkerSpec, group: TPGroup) -> ShardedModel:
+    """Read this rank's shard and build its part of the model (CPU)."""
+    path = Path(spec.path)
+    if spec.load_format == "dummy":
+        hf_config = read_hf_config(path)
+        layout = ShardLayout(ModelConfig.from_hf_dict(hf_config), group.rank, spec.world_size)
+        checkpoint = Checkpoint(hf_config, {})
+    else:
+        checkpoint, layout = load_sharded_checkpoint(spec.kind, path, group.rank, spec.world_size)
+    dtype = spec.torch_dtype(checkpoint.hf_config.get("torch_dtype"))
+    weights = checkpoint.weights
+    if spec.load_format == "dummy":
+        # the same seed on every rank: each cuts its part of one random model
+        full = dummy_weights(layout.config, dtype)
+        weights = {name: layout.shard_tensor(name, full.pop(name)) for name in list(full)}
+    checkpoint.weights = {}
+    model = TensorParallelLlama(layout, weights, dtype, group)
+    scheme = resolve_quantization(
+        spec.quantization, spec.quantization_group_size, checkpoint.gguf_tensor_types
+    )
+    if spec.quantization == "auto" and dtype != torch.bfloat16:
+        scheme = None  # the engine's rule: auto quantizes for bfloat16 only
+    if scheme is not None:
+        quantize_model(model, scheme)
+    return ShardedModel(checkpoint, model, dtype, scheme)
+
+
+def _agreement(model: TensorParallelLlama, scheme: QuantScheme | None) -> list[int]:
+    """What every rank must agree on, as ints (checked at start-up)."""
+    c = model.config
+    quant = 0 if scheme is None else (1 if scheme.kind == "int8" else 2)
+    return [
+        _DTYPE_CODES.get(model.dtype, 0),
+        c.num_key_value_heads,
+        c.head_dim,
+        c.num_hidden_layers,
+        quant,
+    ]
+
+
+def handshake(
+    group: TPGroup,
+    model: TensorParallelLlama,
+    scheme: QuantScheme | None,
+    num_pages: int = 0,
+    page_size: int = 0,
+) -> tuple[int, int]:
+    """Rank 0 sends the KV cache's size; every rank checks it built the same kind of model.
+    Returns (num_pages, page_size); ``ValueError`` on every rank if any disagrees."""
+    mine = _agreement(model, scheme)
+    msg = torch.tensor([num_pages, page_size, *mine], dtype=torch.int64)
+    startup = max(STARTUP_TIMEOUT_S, group.timeout_s)  # ranks load at their own pace
+    group.broadcast(msg, timeout_s=startup)
+    agreed = msg[2:].tolist() == mine
+    flag = torch.tensor([0 if agreed else 1], dtype=torch.int64)
+    group.all_reduce(flag, timeout_s=startup)
+    if int(flag.item()):
+        raise ValueError(
+            "the tensor-parallel ranks built different models (dtype, kv heads or "
+            f"quantization differ; rank {group.rank} has {mine}, rank 0 {msg[2:].tolist()})"
+        )
+    return int(msg[0]), int(msg[1])
+
+
+# -- rank 0 ----------------------------------------------------------------------------------
+def _listen_socket(addr: str, port: int | None) -> socket.socket:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port or 0))
+    sock.listen(128)
+    return sock
+
+
+def worker_env(spec: WorkerSpec, rank: int, node_rank: int, port: int) -> dict[str, str]:
+    """torchrun's variables for one worker process."""
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(spec.world_size),
+        "LOCAL_RANK": str(rank % spec.local_world_size),
+        "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "NODE_RANK": str(node_rank),
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(port),
+    }
+
+
+def launch_workers(spec: WorkerSpec, node_rank: int, port: int) -> dict[int, subprocess.Popen]:
+    """This node's worker processes (rank 0 excluded: it is the engine's process)."""
+    first = node_rank * spec.local_world_size
+    procs: dict[int, subprocess.Popen] = {}
+    for rank in range(max(first, 1), first + spec.local_world_size):
+        procs[rank] = subprocess.Popen(
+            [sys.executable, "-m", "radixserve.executor.worker", spec.to_json()],
+            env=worker_env(spec, rank, node_rank, port),
+        )
+    return procs
+
+
+def default_threads(spec: WorkerSpec) -> int:
+    """Threads per rank when not given: the machine's cores split between this node's ranks."""
+    return max(1, (os.cpu_count() or 1) // spec.local_world_size)
+
+
+class TensorParallelGroup:
+    """Rank 0's side of the group: the local worker processes, the group, the step sender
+    (with a heartbeat while idle) and the failure state.
+
+    Invariants: step messages go out one at a time under ``_lock``, in the order ranks must
+    run them; once ``lost`` is set, no message is sent and ``check`` raises it.
+    """
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        if spec.world_size % spec.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size {spec.world_size} is not a multiple of nnodes {spec.nnodes}"
+            )
+        self.spec = spec
+        self.layout = peek_layout(spec)  # ValueError before any process starts
+        sock = _listen_socket(spec.master_addr, spec.master_port)
+        port = sock.getsockname()[1]
+        self.procs = launch_workers(spec, 0, port)
+        self.lost: DeviceLost | None = None
+        self._lock = threading.Lock()
+        self._last_send = time.monotonic()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        try:
+            self.group = self._join(port, sock.detach())
+            self.loaded = load_shard_model(spec, self.group)
+        except BaseException as exc:
+            self._reap(grace_s=0.0)
+            codes = {r: p.returncode for r, p in self.procs.items() if p.returncode is not None}
+            if isinstance(exc, ValueError):
+                raise
+            raise RuntimeError(
+                f"tensor-parallel start-up failed: {exc} (worker exit codes: {codes or 'none'})"
+            ) from exc
+
+    def _join(self, port: int, listen_fd: int) -> TPGroup:
+        """Form the group (it waits for every rank), failing early if a local worker exits
+        before joining (an import error, a bad flag)."""
+        result: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                spec = self.spec
+                result["group"] = TPGroup(
+                    0, spec.world_size, spec.master_addr, port, spec.timeout_s, listen_fd
+                )
+            except BaseException as exc:
+                result["error"] = exc
+
+        thread = threading.Thread(target=join, daemon=True, name="radixserve-tp-join")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            for rank, proc in self.procs.items():
+                if thread.is_alive() and proc.poll() is not None:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {rank} exited during start-up (code "
+                        f"{proc.returncode}); see its log above"
+                    )
+        if "error" in result:
+            raise result["error"]
+        return result["group"]
+
+    # -- messages --
+    def start(self, model: TensorParallelLlama, num_pages: int, page_size: int) -> None:
+        """Agree on the KV cache with every rank, then start the heartbeat."""
+        try:
+            handshake(self.group, model, self.loaded.scheme, num_pages, page_size)
+        except DeviceLost as exc:
+            raise RuntimeError(f"tensor-parallel start-up failed: {exc}") from None
+        self._heartbeat = threading.Thread(
+            target=self._beat, name="radixserve-tp-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def send(self, header: torch.Tensor, payload: torch.Tensor | None = None) -> None:
+        with self._lock:
+            self.check()
+            try:
+                self.group.broadcast(header, control=True)
+                if payload is not None:
+                    self.group.broadcast(payload, control=True)
+            except DeviceLost as exc:
+                self.fail_after(exc)
+                raise self.lost from None  # type: ignore[misc]
+            self._last_send = time.monotonic()
+
+    def _beat(self) -> None:
+        noop = torch.tensor([OP_NOOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64)
+        interval = heartbeat_interval(self.spec.timeout_s)
+        while not self._stop.wait(interval / 4):
+            if time.monotonic() - self._last_send < interval:
+                continue
+            try:
+                self.send(noop)
+            except DeviceLost:
+                return
+
+    # -- health --
+    def check(self) -> None:
+        """Raise ``DeviceLost`` if the group failed or a local worker has exited."""
+        if self.lost is None:
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is not None:
+                    self.fail(f"tensor-parallel rank {rank} exited (code {code})")
+                    break
+        if self.lost is not None:
+            raise self.lost
+
+    def fail_after(self, exc: BaseException, wait_s: float = 1.0) -> None:
+        """A collective failed: name the local worker that exited if there is one (its
+        connections close a moment before its exit can be seen), else report ``exc``."""
+        deadline = time.monotonic() + wait_s
+        while self.lost is None and time.monotonic() < deadline:
+            for rank, proc in self.procs.items():
+                if proc.poll() is not None:
+                    self.fail(f"tensor-parallel rank {rank} exited (code {proc.returncode})")
+                    return
+            time.sleep(0.05)
+        self.fail(str(exc))
+
+    def fail(self, message: str) -> None:
+        """Mark the group lost and tear it down: the other ranks see their connections close
+        (or time out) and exit; local workers still alive after a grace period are ended."""
+        if self.lost is not None:
+            return
+        self.lost = DeviceLost(f"{message}; the engine cannot run without it and stops")
+        logger.error("%s", self.lost)
+        self._stop.set()
+        self.group.abort()
+        threading.Thread(target=self._reap, daemon=True, name="radixserve-tp-reap").start()
+
+    def _reap(self, grace_s: float = 10.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(5.0)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        """Stop every rank (a stop message, then wait for the local workers)."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        if self.lost is None:
+            with contextlib.suppress(DeviceLost):
+                self.send(torch.tensor([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
+            self.lost = DeviceLost("the tensor-parallel group was closed")
+        self._reap(grace_s=10.0)
+
+
+class TPModelRunner(ModelRunner):
+    """``ModelRunner`` on rank 0 of a tensor-parallel group.
+
+    Invariant: before running a step's model work, ``run`` sends the step to every rank;
+    all collectives of the step happen inside ``_compute`` on every rank in the same order
+    (the worker mirrors it: ``worker.run_step``). A failure there is ``DeviceLost`` (the
+    group is out of step); sampling, local to rank 0, fails only its batch.
+    """
+
+    def __init__(
+        self,
+        model: TensorParallelLlama,
+        kv_cache: KVCache,
+        page_table: PageTable,
+        sampler: Sampler,
+        tp: TensorParallelGroup,
+    ) -> None:
+        super().__init__(model, kv_cache, page_table, sampler)
+        self.tp = tp
+        tp.start(model, kv_cache.num_pages, kv_cache.page_size)
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> StepResult:
+        inputs: _ModelInputs = step.inputs
+        fb = inputs.forward_batch
+        self.tp.check()
+        plans = [(p.first_row, int(p.targets.numel())) for p in inputs.prompt_logprobs]
+        try:
+            self.tp.send(*encode_step(fb, self.future.resolve(fb.input_ids), inputs.copies, plans))
+            logits, prompt_logprobs = self._compute(inputs)
+        except DeviceLost as exc:
+            self.tp.fail_after(exc)
+            raise self.tp.lost from None  # type: ignore[misc]
+        except Exception as exc:  # the other ranks may be inside a collective: out of step
+            self.tp.fail(f"rank 0 failed inside a step ({type(exc).__name__}: {exc})")
+            raise self.tp.lost from exc  # type: ignore[misc]
+        tokens, logprobs = self._sample(inputs, logits)
+        return StepResult(tokens, logprobs, prompt_logprobs)

@@ -1,0 +1,132 @@
+"""A tensor-parallel worker: ``python -m radixserve.executor.worker SPEC_JSON``.
+
+Rank, group size and rendezvous come from torchrun's environment variables (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``LOCAL_RANK`` for logs). The worker
+loads its shard, agrees on the KV cache with rank 0, then runs every step rank 0
+broadcasts until told to stop. If the group fails (a rank died, rank 0 went silent past
+the timeout) or its parent process dies, it exits with an error instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from radixserve.executor.attention import TorchNativeAttention
+from radixserve.executor.distributed import (
+    HEADER_LEN,
+    OP_NOOP,
+    OP_STOP,
+    DeviceLost,
+    TPGroup,
+    WorkerSpec,
+    WorkerStep,
+    decode_step,
+    default_threads,
+    handshake,
+    load_shard_model,
+)
+from radixserve.executor.kv_cache import KVCache
+from radixserve.executor.model_runner import _PROMPT_LOGITS_ROWS, CPU_MLP_BLOCK_ROWS
+from radixserve.executor.models.llama_tp import TensorParallelLlama
+
+logger = logging.getLogger("radixserve.worker")
+
+
+def run_step(
+    step: WorkerStep,
+    model: TensorParallelLlama,
+    kv_cache: KVCache,
+    attention: TorchNativeAttention,
+) -> None:
+    """This rank's part of one step: the same collectives, in the same order, as rank 0's
+    ``ModelRunner._compute`` (page copies, forward, sampled rows' logits, prompt-logprob
+    chunks). The results stay on rank 0; here only the KV pages change."""
+    fb = step.batch
+    if step.copies is not None:
+        kv_cache.copy_pages(*step.copies)
+    hidden = model.forward(
+        torch.from_numpy(fb.input_ids),
+        torch.from_numpy(fb.positions),
+        attention,
+        attention.prepare(fb),
+    )
+    if fb.logits_indices.size:
+        model.compute_logits(hidden[torch.from_numpy(fb.logits_indices)], upcast=False)
+    for first, num in step.plans:
+        for j in range(0, num, _PROMPT_LOGITS_ROWS):
+            model.compute_logits(hidden[first + j : first + min(j + _PROMPT_LOGITS_ROWS, num)])
+
+
+def serve(spec: WorkerSpec, rank: int, master_addr: str, master_port: int) -> None:
+    torch.set_num_threads(spec.num_threads or default_threads(spec))
+    group = TPGroup(rank, spec.world_size, master_addr, master_port, spec.timeout_s)
+    loaded = load_shard_model(spec, group)
+    model = loaded.model
+    num_pages, page_size = handshake(group, model, loaded.scheme)
+    c = model.config
+    kv_cache = KVCache(
+        c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim, model.dtype
+    )
+    model.mlp_block_rows = CPU_MLP_BLOCK_ROWS  # as ModelRunner sets it on CPU
+    attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
+    logger.info(
+        "rank %d/%d ready: %d heads, %d kv heads, %d KV pages",
+        rank,
+        spec.world_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        num_pages,
+    )
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    with torch.inference_mode():
+        while True:
+            group.broadcast(header, control=True)
+            op = int(header[0])
+            if op == OP_NOOP:
+                continue
+            if op == OP_STOP:
+                return
+            payload = torch.empty(int(header[7]), dtype=torch.int64)
+            group.broadcast(payload, control=True)
+            run_step(decode_step(header, payload, page_size), model, kv_cache, attention)
+
+
+def _watch_parent() -> None:
+    """Exit when the process that started this one is gone (rank 0 or a node launcher)."""
+    parent = os.getppid()
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent:
+            logger.error("the parent process (pid %d) is gone; exiting", parent)
+            os._exit(3)
+
+
+def main() -> None:
+    rank = int(os.environ["RANK"])
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s"
+    )
+    spec = WorkerSpec.from_json(sys.argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    threading.Thread(target=_watch_parent, daemon=True, name="radixserve-parent-watch").start()
+    try:
+        serve(spec, rank, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    except DeviceLost as exc:
+        logger.error("%s; exiting", exc)
+        os._exit(1)  # no interpreter teardown: gloo's threads may still hold the dead group
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        os._exit(1)
+    logging.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
