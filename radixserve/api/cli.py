@@ -117,6 +117,45 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_supervision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("reliability")
+    g.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="with requests in flight and no engine step finished for this long, the engine "
+        "counts as hung: /health is 503 and its requests fail (then it is restarted); 0: off",
+    )
+    g.add_argument(
+        "--engine-restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a new engine process when it dies or hangs (in-flight requests fail)",
+    )
+    g.add_argument(
+        "--engine-restart-attempts",
+        type=int,
+        default=3,
+        help="failed engine starts in a row before giving up",
+    )
+    g.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve /debug/flush_cache and /debug/engine (for soak tests; behind --api-key)",
+    )
+
+
+def supervision_config(args: argparse.Namespace):
+    from radixserve.api.supervisor import SupervisorConfig
+
+    return SupervisorConfig(
+        hang_timeout_s=args.engine_hang_timeout or None,
+        restart=args.engine_restart,
+        max_restart_attempts=args.engine_restart_attempts,
+    )
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
@@ -197,7 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a structured-output grammar may take to compile (longer: a 400)",
     )
+    add_supervision_args(srv)
     add_engine_args(srv)
+
+    soak = sub.add_parser(
+        "soak", help="soak-and-chaos test of a live server (see radixserve/api/soak.py)"
+    )
+    from radixserve.api.soak import add_soak_args
+
+    add_soak_args(soak)
 
     sim = sub.add_parser(
         "simulate", help="run a request trace through the scheduler on a simulated device"
@@ -332,6 +379,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixserve.api.serve import serve
     from radixserve.api.server import ServerConfig
     from radixserve.engine.config import EngineConfig
+    from radixserve.engine.faults import FaultInjector
+
+    FaultInjector.from_env()  # a malformed RADIXSERVE_FAULTS fails here, not in the engine
 
     serve(
         EngineConfig(**engine_kwargs(args)),
@@ -343,6 +393,8 @@ def run_serve(args: argparse.Namespace) -> int:
             max_body_bytes=int(args.max_body_mb * 2**20),
             tool_call_parser=args.tool_call_parser,
             grammar_compile_timeout_s=args.grammar_compile_timeout,
+            supervision=supervision_config(args),
+            enable_debug_endpoints=args.enable_debug_endpoints,
         ),
         host=args.host,
         port=args.port,
@@ -362,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_simulate(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "soak":
+            from radixserve.api.soak import run_soak
+
+            return run_soak(args)
     except ValueError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -24,6 +24,7 @@ from radixserve.api.asgi import (
     json_response,
 )
 from radixserve.api.console import register_console
+from radixserve.api.debug_routes import add_debug_routes
 from radixserve.api.engine_client import EngineClient, EngineDead, RequestRejected
 from radixserve.api.metrics import Metrics, RequestTimer
 from radixserve.api.openai_protocol import (
@@ -44,6 +45,7 @@ from radixserve.api.structured import (
     template_message,
     tool_context,
 )
+from radixserve.api.supervisor import SupervisionCollector, SupervisorConfig
 from radixserve.api.tokenize_batcher import TokenizeBatcher
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
@@ -65,6 +67,8 @@ class ServerConfig:
     max_stop: int = 16
     tool_call_parser: str = "hermes"  # hermes | llama3_json
     grammar_compile_timeout_s: float = 10.0  # longer: the request is a 400
+    supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
+    enable_debug_endpoints: bool = False  # /debug/* (see debug_routes.py)
 
 
 def _sse(obj: Any) -> bytes:
@@ -87,10 +91,13 @@ class OpenAIServer:
         self.engine_config = engine_config
         self.config = config
         source_name, self.tokenizer = load_frontend_tokenizer(engine_config)
-        self.client = EngineClient(engine_config, self.tokenizer.backend_tokenizer)
+        self.client = EngineClient(
+            engine_config, self.tokenizer.backend_tokenizer, supervision=config.supervision
+        )
         self.tokenize = TokenizeBatcher(self.tokenizer)
         self.model_name = config.served_model_name or source_name
         self.metrics = Metrics(lambda: self.client.stats)
+        self.metrics.registry.register(SupervisionCollector(lambda: self.client))
         self._token_texts: dict[int, str] = {}
         self.grammar = GrammarChecker(self.tokenizer, config.grammar_compile_timeout_s)
         self.created = int(time.time())
@@ -336,11 +343,11 @@ def _engine_error(exc: BaseException) -> APIError:
         m = _FIELD_RE.match(str(exc))
         return APIError(400, str(exc), param=m.group(1) if m else None)
     if isinstance(exc, EngineDead):
-        return APIError(503, str(exc), type_="service_unavailable_error", code="engine_dead")
+        return APIError(503, str(exc), type_="service_unavailable_error", code=exc.code)
     return APIError(500, f"internal error: {exc}", type_="internal_error")
 
 
-_PROTECTED_PREFIXES = ("/v1/",)
+_PROTECTED_PREFIXES = ("/v1/", "/debug/")
 _PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
 
 
@@ -362,6 +369,8 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
 
     app = ASGIApp(config.max_body_bytes, authorize, server.client.start, server.client.shutdown)
     register_console(app, server)
+    if config.enable_debug_endpoints:
+        add_debug_routes(app, server)
     app.server = server  # type: ignore[attr-defined] # (the gRPC frontend shares it)
 
     def engine_route(path: str, model: type[BaseModel]):
@@ -370,11 +379,10 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
 
     @app.route("GET", "/health")
     async def health(_: HTTPRequest) -> Response:
-        if server.client.alive:
+        reason = server.client.unhealthy_reason()
+        if reason is None:
             return Response(headers=[])
-        return error_response(
-            APIError(503, "the engine is not running", "service_unavailable_error")
-        )
+        return error_response(APIError(503, reason, "service_unavailable_error"))
 
     @app.route("GET", "/version")
     async def version(_: HTTPRequest) -> Response:
