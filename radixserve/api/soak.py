@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -752,6 +753,8 @@ def run_soak(args: argparse.Namespace) -> int:
         from radixserve.engine.faults import parse_faults
 
         parse_faults(args.faults)  # ValueError: a clear message before anything starts
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so a launched server is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     proc = None
     if args.url is None:
         proc, port = launch(args)
