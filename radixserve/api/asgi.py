@@ -203,10 +203,20 @@ class ASGIApp:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
+                await self._discard_rest(receive, message, size)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    async def _discard_rest(self, receive: Callable, message: dict, size: int) -> None:
+        """Read and drop the rest of a body over the limit (up to 4x the limit): a client
+        still sending when the connection closes gets a reset instead of the 413."""
+        while message.get("more_body", False) and size <= 4 * self.max_body_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            size += len(message.get("body", b""))
 
     async def _answer(self, route: Route, request: HTTPRequest) -> Response | StreamResponse:
         try:

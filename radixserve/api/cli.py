@@ -140,6 +140,45 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_supervision_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("reliability")
+    g.add_argument(
+        "--engine-hang-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="with requests in flight and no engine step finished for this long, the engine "
+        "counts as hung: /health is 503 and its requests fail (then it is restarted); 0: off",
+    )
+    g.add_argument(
+        "--engine-restart",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a new engine process when it dies or hangs (in-flight requests fail)",
+    )
+    g.add_argument(
+        "--engine-restart-attempts",
+        type=int,
+        default=3,
+        help="failed engine starts in a row before giving up",
+    )
+    g.add_argument(
+        "--enable-debug-endpoints",
+        action="store_true",
+        help="serve /debug/flush_cache and /debug/engine (for soak tests; behind --api-key)",
+    )
+
+
+def supervision_config(args: argparse.Namespace):
+    from radixserve.api.supervisor import SupervisorConfig
+
+    return SupervisorConfig(
+        hang_timeout_s=args.engine_hang_timeout or None,
+        restart=args.engine_restart,
+        max_restart_attempts=args.engine_restart_attempts,
+    )
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
         "model": args.model,
@@ -228,9 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a structured-output grammar may take to compile (longer: a 400)",
     )
     add_dp_args(srv)
+    add_supervision_args(srv)
     add_engine_args(srv)
 
     add_router_parser(sub)
+    soak = sub.add_parser(
+        "soak", help="soak-and-chaos test of a live server (see radixserve/api/soak.py)"
+    )
+    from radixserve.api.soak import add_soak_args
+
+    add_soak_args(soak)
 
     sim = sub.add_parser(
         "simulate", help="run a request trace through the scheduler on a simulated device"
@@ -380,6 +426,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixserve.api.serve import serve
     from radixserve.api.server import ServerConfig
     from radixserve.engine.config import EngineConfig
+    from radixserve.engine.faults import FaultInjector
+
+    FaultInjector.from_env()  # a malformed RADIXSERVE_FAULTS fails here, not in the engine
 
     serve(
         EngineConfig(**engine_kwargs(args)),
@@ -392,6 +441,8 @@ def run_serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
             grammar_compile_timeout_s=args.grammar_compile_timeout,
             **dp_kwargs(args),
+            supervision=supervision_config(args),
+            enable_debug_endpoints=args.enable_debug_endpoints,
         ),
         host=args.host,
         port=args.port,
@@ -413,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_serve(args)
         if args.command == "router":
             return run_router(args)
+        if args.command == "soak":
+            from radixserve.api.soak import run_soak
+
+            return run_soak(args)
     except ValueError as exc:
         print(f"radixserve: error: {exc}", file=sys.stderr)
         return 2

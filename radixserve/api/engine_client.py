@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -22,12 +23,25 @@ import zmq.asyncio
 from radixserve.api import protocol as p
 from radixserve.api.output_processor import RequestOutputProcessor
 from radixserve.api.request_tracker import RequestTracker
+from radixserve.api.supervisor import (
+    ProgressWatch,
+    RestartBackoff,
+    SupervisorConfig,
+    describe_exit,
+)
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 
+logger = logging.getLogger(__name__)
+
 
 class EngineDead(RuntimeError):
-    pass
+    """The engine cannot answer: it died, hangs, or is being restarted (``code`` says
+    which, for the API's error body)."""
+
+    def __init__(self, message: str, code: str = "engine_dead") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class RequestRejected(ValueError):
@@ -39,106 +53,268 @@ class RequestRejected(ValueError):
 @dataclass
 class _Pending:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    remaining: int = 1  # samples not finished yet
+    remaining: int = 1  # samples not finished yet (as the caller has consumed them)
+    owed: int = 1  # samples the engine has not sent a finished delta for yet
 
 
 class EngineClient:
-    """Owns the engine process and its two ZMQ ``ipc://`` sockets in a private directory.
+    """Owns the engine process and its two ZMQ ``ipc://`` sockets in a private directory,
+    and keeps the engine serving (``supervisor.py``): a process that dies, or hangs with
+    work in flight past the hang timeout, is replaced by a new one with the same config.
 
     Invariants: every request sent gets exactly one terminal item on its queue — its
-    samples' finished deltas, a ``Rejected``, or ``EngineDead`` if the process dies; the
-    engine is "alive" while the process runs and its heartbeats are recent.
+    samples' finished deltas, a ``Rejected``, or ``EngineDead`` if the engine dies, hangs
+    or is restarting; each engine process gets fresh sockets (nothing of a dead one reaches
+    its successor); ``alive`` exactly when ``unhealthy_reason()`` is None: state
+    "running", the process up, and not stalled (``ProgressWatch``).
     """
 
     def __init__(
-        self, config: EngineConfig, tokenizer: Any, startup_timeout_s: float = 600.0
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        startup_timeout_s: float = 600.0,
+        supervision: SupervisorConfig | None = None,
     ) -> None:
         """``tokenizer``: the model's (Rust) tokenizer, for detokenizing outputs here."""
         self.config = config
         self.tokenizer = tokenizer
         self.startup_timeout_s = startup_timeout_s
+        self.supervision = supervision or SupervisorConfig()
         self._dir = tempfile.mkdtemp(prefix="radixserve-")
         os.chmod(self._dir, 0o700)
-        self._inbox = f"ipc://{self._dir}/to-engine"
-        self._outbox = f"ipc://{self._dir}/from-engine"
         self._ctx = zmq.asyncio.Context()
         # Sending is a plain (synchronous) socket: a PUSH to an ipc peer queues and returns
         # at once, without the asyncio wrapper's per-call future bookkeeping.
         self._sync_ctx = zmq.Context()
-        self._push = self._sync_ctx.socket(zmq.PUSH)
-        self._push.bind(self._inbox)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.bind(self._outbox)
+        self._push: zmq.Socket | None = None  # both made per engine process (_spawn)
+        self._pull: zmq.asyncio.Socket | None = None
         self._pending: dict[str, _Pending] = {}
+        self._owed = 0  # sum of the pending requests' ``owed``: the engine has work
         self._outgoing: list[p.ToEngine] = []  # sent together at the end of this loop turn
-        self._tasks: list[asyncio.Task] = []
-        self._queries: dict[int, asyncio.Future] = {}  # radix summaries asked for
+        self._queries: dict[int, asyncio.Future] = {}  # radix summaries, cache flushes
         self._query_ids = itertools.count()
+        self._receiver: asyncio.Task | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._generation = 0  # engine processes started
+        self._fresh_ready: p.Ready | None = None
+        self._ready_at = 0.0
+        self._closing = False
+        self._watch = ProgressWatch()
+        self._backoff = RestartBackoff(self.supervision)
         self.tracker = RequestTracker()  # recent requests' timings, for /v1/engine/stats
         self.process: subprocess.Popen | None = None
         self.ready: p.Ready | None = None
         self.stats: p.EngineStats | None = None
-        self.last_heard = 0.0
-        self.dead = False
+        self.state = "stopped"  # starting | running | hung | restarting | dead
+        self.reason: str | None = None  # why it is not running
+        self.restarts = self.deaths = self.hangs = 0
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        """Spawn ``python -m radixserve.api.engine_process`` (config as JSON: no pickle) and
-        wait until it has loaded the model."""
-        self.process = subprocess.Popen(
+        """Spawn the engine process, wait until it has loaded the model, and watch it."""
+        self.state = "starting"
+        try:
+            await self._spawn()
+        except EngineDead as exc:
+            self.state, self.reason = "dead", str(exc)
+            raise
+        self.state = "running"
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _spawn(self) -> None:
+        """Fresh sockets, then ``python -m radixserve.api.engine_process`` (config as JSON:
+        no pickle); returns once it is ready. ``EngineDead`` if it exits or takes longer
+        than the startup timeout (then it is killed)."""
+        await self._stop_receiver()
+        self._close_sockets()
+        self._generation += 1
+        inbox = f"ipc://{self._dir}/to-engine-{self._generation}"
+        outbox = f"ipc://{self._dir}/from-engine-{self._generation}"
+        self._push = self._sync_ctx.socket(zmq.PUSH)
+        # no high-water mark: a send fails (zmq.Again) only when no engine is connected
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.bind(inbox)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(outbox)
+        self._outgoing.clear()
+        self._fresh_ready = None
+        self.process = process = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "radixserve.api.engine_process",
                 json.dumps(dataclasses.asdict(self.config)),
-                self._inbox,
-                self._outbox,
+                inbox,
+                outbox,
             ],
             stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + self.startup_timeout_s
-        while self.ready is None:
-            if self.process.poll() is not None:
+        while self._fresh_ready is None:
+            if process.poll() is not None:
                 raise EngineDead(
-                    f"the engine process exited during startup (code {self.process.returncode})"
+                    "the engine process exited during startup "
+                    f"({describe_exit(process.returncode)})"
                 )
             if time.monotonic() > deadline:
+                await self._kill(process)
                 raise EngineDead("the engine did not start in time")
             if await self._pull.poll(200):
                 self._dispatch(p.from_engine_decoder.decode(await self._pull.recv()))
-        self._tasks = [
-            asyncio.create_task(self._receive_loop()),
-            asyncio.create_task(self._watch_process()),
-        ]
+        self.ready = self._fresh_ready
+        self._watch.reset()
+        self._ready_at = time.monotonic()
+        self._receiver = asyncio.create_task(self._receive_loop(self._pull))
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self._closing = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        await self._stop_receiver()
+        if self.state == "hung" and self.process is not None:
+            await self._kill(self.process)  # a hung loop would not see SIGTERM
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
                 await asyncio.to_thread(self.process.wait, timeout_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                await asyncio.to_thread(self.process.wait, 5)
-        self._fail_all()
-        self._push.close(linger=0)
+                await self._kill(self.process)
+        self.state, self.reason = "stopped", "the server is shutting down"
+        self._fail_all(EngineDead("the engine was stopped (server shutdown)"))
+        self._close_sockets()
         self._sync_ctx.term()
-        self._pull.close(linger=0)
         self._ctx.term()
         with contextlib.suppress(OSError):
             for name in os.listdir(self._dir):
                 os.unlink(os.path.join(self._dir, name))
             os.rmdir(self._dir)
 
+    async def _stop_receiver(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiver
+            self._receiver = None
+
+    def _close_sockets(self) -> None:
+        for sock in (self._push, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        self._push = self._pull = None
+
+    @staticmethod
+    async def _kill(process: subprocess.Popen) -> None:
+        if process.poll() is None:
+            process.kill()
+            await asyncio.to_thread(process.wait, 10)
+
     @property
     def alive(self) -> bool:
-        return (
-            not self.dead
-            and self.process is not None
-            and self.process.poll() is None
-            and time.monotonic() - self.last_heard < 5.0
+        return self.unhealthy_reason() is None
+
+    @property
+    def dead(self) -> bool:
+        """Given up on: stopped, or not restartable after a death."""
+        return self.state in ("dead", "stopped")
+
+    def unhealthy_reason(self) -> str | None:
+        """Why the engine cannot take requests now (for ``/health``), or None."""
+        if self.state != "running":
+            return self.reason or f"the engine is {self.state}"
+        if self.process is None or self.process.poll() is not None:
+            return "the engine process has exited"
+        return self._watch.hang_reason(self._owed > 0, self.supervision.hang_timeout_s)
+
+    def _error(self) -> EngineDead:
+        """The error a request meets while the engine is not running."""
+        reason = self.unhealthy_reason() or "the engine is not running"
+        code = {"restarting": "engine_restarting", "hung": "engine_hung"}.get(
+            self.state, "engine_dead"
         )
+        if self.state == "running":  # not yet acted on: exited, or stalled
+            exited = self.process is None or self.process.poll() is not None
+            code = "engine_dead" if exited else "engine_hung"
+        return EngineDead(reason, code)
+
+    # -- supervision ----------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        """Every 0.1 s: a dead process is replaced; a hung one (no progress with work in
+        flight past the hang timeout) fails its requests and is killed and replaced (or,
+        without restarts, stays "hung" until it makes progress again)."""
+        while self.state != "dead":
+            before = time.monotonic()
+            await asyncio.sleep(0.1)
+            # this loop was held up (the frontend was busy): what the engine sent meanwhile
+            # has not been read yet, so its silence proves nothing this round
+            lagging = time.monotonic() - before > 1.0
+            try:
+                await self._check(lagging)
+            except Exception:  # keep watching whatever one check ran into
+                logger.exception("engine supervision check failed")
+
+    async def _check(self, lagging: bool = False) -> None:
+        process = self.process
+        assert process is not None
+        if process.poll() is not None:
+            if self.state in ("running", "hung"):
+                self.deaths += 1
+                why = f"the engine process died ({describe_exit(process.returncode)})"
+                await self._recover(why, "engine_dead")
+            return
+        timeout = self.supervision.hang_timeout_s
+        reason = self._watch.hang_reason(self._owed > 0, timeout) if timeout else None
+        if reason is not None and self.state == "running":
+            pull = self._pull
+            if lagging or (pull is not None and await pull.poll(0)):
+                return  # messages are waiting to be read: the engine is not silent
+        if self.state == "hung" and reason is None:
+            logger.warning("the engine makes progress again")
+            self.state, self.reason = "running", None
+        elif self.state == "running" and reason is not None:
+            self.hangs += 1
+            if self.supervision.restart:
+                await self._recover(reason, "engine_hung")
+            else:
+                logger.error("%s; failing its requests (not restarting it)", reason)
+                self.state, self.reason = "hung", reason
+                for request_id in self._pending:  # let the engine drop them if it recovers
+                    self._send(p.AbortRequest(request_id))
+                self._fail_all(EngineDead(reason, "engine_hung"))
+
+    async def _recover(self, why: str, code: str) -> None:
+        """Fail what is in flight, make sure the old process is gone, start a new one
+        (after the backoff; up to ``max_restart_attempts`` failed starts in a row)."""
+        uptime: float | None = time.monotonic() - self._ready_at
+        restart = self.supervision.restart and not self._closing
+        self.reason = why
+        self.state = "restarting" if restart else "dead"
+        logger.error("%s; %s", why, "restarting it" if restart else "not restarting it")
+        self._fail_all(EngineDead(f"{why}; {'restarting it' if restart else 'it is down'}", code))
+        assert self.process is not None
+        await self._kill(self.process)
+        if not restart:
+            return
+        for attempt in range(1, self.supervision.max_restart_attempts + 1):
+            await asyncio.sleep(self._backoff.next_delay(uptime))
+            uptime = None
+            try:
+                await self._spawn()
+            except EngineDead as exc:
+                self.reason = f"{why}; restart attempt {attempt} failed: {exc}"
+                logger.error("%s", self.reason)
+                continue
+            self.restarts += 1
+            self.state, self.reason = "running", None
+            logger.warning("engine restarted (restart %d)", self.restarts)
+            return
+        self.state = "dead"
+        self.reason = (
+            f"{why}; gave up after {self.supervision.max_restart_attempts} failed restarts"
+        )
+        logger.error("%s", self.reason)
 
     # -- requests -------------------------------------------------------------------------
     async def generate(
@@ -177,7 +353,7 @@ class EngineClient:
                         return
         finally:
             tracker.close(request_id)
-            self._pending.pop(request_id, None)
+            self._forget(request_id)
             if not finished and self.alive:
                 self._send(p.AbortRequest(request_id))
 
@@ -226,7 +402,7 @@ class EngineClient:
             finished = True
         finally:
             tracker.close(request_id)
-            self._pending.pop(request_id, None)
+            self._forget(request_id)
             if not finished and self.alive:
                 self._send(p.AbortRequest(request_id))
 
@@ -241,15 +417,26 @@ class EngineClient:
     ) -> tuple[RequestOutputProcessor, _Pending]:
         """Register the request (and with the tracker) and send it to the engine."""
         if not self.alive:
-            raise EngineDead("the engine is not running")
+            raise self._error()
         outputs = RequestOutputProcessor(
             self.tokenizer, prompt_token_ids, SamplingParams(**params), n
         )
-        pending = _Pending(remaining=n)
+        pending = _Pending(remaining=n, owed=n)
+        if self._owed == 0 and not self._watch.engine_busy:
+            self._watch.work_started()  # the hang clock starts with the engine's work
+        self._owed += n
         self._pending[request_id] = pending
         self._send(p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority))
         self.tracker.start(request_id, len(prompt_token_ids), n)
         return outputs, pending
+
+    def _forget(self, request_id: str) -> None:
+        """The caller is done with ``request_id``: whatever the engine still owes it is
+        no longer waited for."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            self._owed -= pending.owed
+            pending.owed = 0
 
     def abort(self, request_id: str) -> bool:
         """Abort a running request in the engine: its samples end with reason "abort".
@@ -263,16 +450,31 @@ class EngineClient:
         self, max_nodes: int = 256, max_depth: int = 8, timeout_s: float = 10.0
     ) -> p.RadixSummary:
         """A bounded summary of the engine's radix tree (built between two engine steps)."""
+        answer = await self._query(
+            lambda qid: p.RadixQuery(qid, max_nodes, max_depth), "the radix query", timeout_s
+        )
+        assert isinstance(answer, p.RadixSummary)
+        return answer
+
+    async def flush_cache(self, timeout_s: float = 10.0) -> p.CacheFlushed:
+        """If the engine is idle: check its page accounting, empty the radix tree, and say
+        how many KV pages are free of how many (all of them, unless pages leaked)."""
+        answer = await self._query(p.FlushCache, "the cache flush", timeout_s)
+        assert isinstance(answer, p.CacheFlushed)
+        return answer
+
+    async def _query(self, make: Any, what: str, timeout_s: float) -> Any:
+        """Send ``make(query_id)`` and wait for the engine's answer with that id."""
         if not self.alive:
-            raise EngineDead("the engine is not running")
+            raise self._error()
         query_id = next(self._query_ids)
         future = asyncio.get_running_loop().create_future()
         self._queries[query_id] = future
-        self._send(p.RadixQuery(query_id, max_nodes, max_depth))
+        self._send(make(query_id))
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError:
-            raise EngineDead("the engine did not answer the radix query in time") from None
+            raise EngineDead(f"the engine did not answer {what} in time") from None
         finally:
             self._queries.pop(query_id, None)
 
@@ -284,47 +486,66 @@ class EngineClient:
 
     def _flush(self) -> None:
         batch, self._outgoing = self._outgoing, []
-        if batch and not self._push.closed:
-            self._push.send(p.encoder.encode(batch))
+        push = self._push
+        if batch and push is not None and not push.closed:
+            try:
+                push.send(p.encoder.encode(batch), zmq.NOBLOCK)
+            except zmq.Again:
+                # No engine connected: one just starting (its end of the socket is still
+                # connecting) gets the messages in a moment, in order; a dead one's requests
+                # fail anyway.
+                if self.state == "running" and self.process and self.process.poll() is None:
+                    self._outgoing[:0] = batch
+                    asyncio.get_running_loop().call_later(0.005, self._flush)
+                else:
+                    logger.warning("no engine process to send %d messages to", len(batch))
 
     # -- background tasks -----------------------------------------------------------------
-    async def _receive_loop(self) -> None:
+    async def _receive_loop(self, pull: zmq.asyncio.Socket) -> None:
         while True:
-            raw = await self._pull.recv()
+            raw = await pull.recv()
             self._dispatch(p.from_engine_decoder.decode(raw))
 
     def _dispatch(self, msg: p.FromEngine) -> None:
-        self.last_heard = time.monotonic()
         if isinstance(msg, p.Outputs):
-            self.stats = msg.stats or self.stats
+            stats = msg.stats
+            self.stats = stats or self.stats
             for delta in msg.deltas:
                 pending = self._pending.get(delta.request_id)
                 if pending is not None:
                     pending.queue.put_nowait(delta)
+                    if delta.finished:
+                        pending.owed -= 1
+                        self._owed -= 1
+            if stats is not None:
+                self._watch.heard(stats.steps, bool(msg.deltas), stats.running + stats.waiting > 0)
+            else:
+                self._watch.heard(None, bool(msg.deltas), None)
         elif isinstance(msg, p.Heartbeat):
-            self.stats = msg.stats
+            stats = self.stats = msg.stats
+            self._watch.heard(stats.steps, False, stats.running + stats.waiting > 0)
         elif isinstance(msg, p.Rejected):
+            self._watch.heard(None, False, None)
             pending = self._pending.get(msg.request_id)
             if pending is not None:
                 pending.queue.put_nowait(RequestRejected(msg.message, msg.overloaded))
-        elif isinstance(msg, p.RadixSummary):
+                self._owed -= pending.owed
+                pending.owed = 0
+        elif isinstance(msg, p.RadixSummary | p.CacheFlushed):
+            self._watch.heard(None, False, None)
             future = self._queries.get(msg.query_id)
             if future is not None and not future.done():
                 future.set_result(msg)
         elif isinstance(msg, p.Ready):
-            self.ready = msg
+            self._fresh_ready = msg
 
-    async def _watch_process(self) -> None:
-        while True:
-            await asyncio.sleep(0.1)
-            if self.process is None or self.process.poll() is not None:
-                self.dead = True
-                self._fail_all()
-                return
-
-    def _fail_all(self) -> None:
-        for pending in self._pending.values():
-            pending.queue.put_nowait(EngineDead("the engine process died"))
+    def _fail_all(self, error: EngineDead) -> None:
+        """End every request and query in flight with ``error``."""
+        for pending in self._pending.values():  # one exception each: raised in its own task
+            pending.queue.put_nowait(EngineDead(str(error), error.code))
+            pending.owed = 0
+        self._pending.clear()
+        self._owed = 0
         for future in self._queries.values():
             if not future.done():
-                future.set_exception(EngineDead("the engine process died"))
+                future.set_exception(EngineDead(str(error), error.code))

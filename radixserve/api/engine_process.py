@@ -64,6 +64,26 @@ def _radix_summary(engine: Engine, query: p.RadixQuery) -> p.RadixSummary:
     )
 
 
+def flush_cache(engine: Engine, query_id: int) -> p.CacheFlushed:
+    """The debug flush: at idle, check the page accounting, then empty the radix tree and
+    count the free pages (all of them, unless some leaked). Busy: nothing is touched."""
+    pool, cache = engine.pool, engine.prefix_cache
+    nodes = cache.num_nodes if cache is not None else 0
+    if engine.has_unfinished():
+        return p.CacheFlushed(query_id, False, pool.num_pages, pool.num_free, nodes)
+    error = None
+    try:
+        engine.check_page_accounting()
+        if cache is not None and cache.protected_pages:
+            error = f"{cache.protected_pages} radix pages still locked at idle"
+    except AssertionError as exc:
+        error = f"page accounting: {exc}"
+    if cache is not None:
+        cache.reset()
+    pool.flush()
+    return p.CacheFlushed(query_id, True, pool.num_pages, pool.num_free, nodes, error)
+
+
 def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> int:
     """Entry point of the engine process: load the model, then loop until SIGTERM."""
     stopping = False
@@ -123,6 +143,9 @@ def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
         return
     if isinstance(msg, p.RadixQuery):
         push.send(p.encoder.encode(_radix_summary(engine, msg)))
+        return
+    if isinstance(msg, p.FlushCache):
+        push.send(p.encoder.encode(flush_cache(engine, msg.query_id)))
         return
     try:
         params = SamplingParams(**msg.params)

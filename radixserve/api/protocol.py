@@ -28,6 +28,13 @@ class RadixQuery(msgspec.Struct, tag="radix_query"):
     max_depth: int = 8
 
 
+class FlushCache(msgspec.Struct, tag="flush_cache"):
+    """Debug: if idle, check the page accounting and empty the radix tree (answered by
+    ``CacheFlushed``)."""
+
+    query_id: int
+
+
 class Delta(msgspec.Struct, array_like=True):
     """One step's news for one sample (see ``engine.outputs.SequenceDelta``). From the
     engine process ``text`` is empty: the frontend detokenizes (``engine_client``)."""
@@ -94,6 +101,19 @@ class RadixSummary(msgspec.Struct, tag="radix_summary"):
     error: str | None = None
 
 
+class CacheFlushed(msgspec.Struct, tag="cache_flushed"):
+    """The answer to ``FlushCache``. ``idle`` False: the engine had requests, nothing was
+    flushed. Otherwise ``kv_pages_free`` counts after the tree let go of everything: all
+    ``kv_pages_total`` of them unless pages leaked; ``error``: a failed accounting check."""
+
+    query_id: int
+    idle: bool
+    kv_pages_total: int
+    kv_pages_free: int
+    radix_nodes_before: int = 0
+    error: str | None = None
+
+
 class Ready(msgspec.Struct, tag="ready"):
     model_name: str
     vocab_size: int
@@ -104,8 +124,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     stats: EngineStats
 
 
-ToEngine = GenerateRequest | AbortRequest | RadixQuery
-FromEngine = Outputs | Rejected | Ready | Heartbeat | RadixSummary
+ToEngine = GenerateRequest | AbortRequest | RadixQuery | FlushCache
+FromEngine = Outputs | Rejected | Ready | Heartbeat | RadixSummary | CacheFlushed
 
 encoder = msgspec.msgpack.Encoder()
 # the frontend sends what one event-loop turn produced as one message: a list

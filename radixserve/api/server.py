@@ -8,7 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -24,6 +24,7 @@ from radixserve.api.asgi import (
     json_response,
 )
 from radixserve.api.console import register_console
+from radixserve.api.debug_routes import add_debug_routes
 from radixserve.api.engine_client import EngineClient, EngineDead, RequestRejected
 from radixserve.api.metrics import Metrics, RequestTimer
 from radixserve.api.openai_protocol import (
@@ -45,6 +46,7 @@ from radixserve.api.structured import (
     template_message,
     tool_context,
 )
+from radixserve.api.supervisor import SupervisionCollector, SupervisorConfig
 from radixserve.api.tokenize_batcher import TokenizeBatcher
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
@@ -69,6 +71,8 @@ class ServerConfig:
     data_parallel_size: int = 1  # engine processes behind this frontend (api/router)
     dp_policy: str = "cache-aware"
     dp_balance: Any = None  # router.policy.BalanceConfig (None: its defaults)
+    supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
+    enable_debug_endpoints: bool = False  # /debug/* (see debug_routes.py)
 
 
 def _sse(obj: Any) -> bytes:
@@ -80,9 +84,14 @@ def make_engine_client(
 ) -> EngineClient | DataParallelClient:
     """One engine process, or ``data_parallel_size`` of them behind one client."""
     if config.data_parallel_size == 1:
-        return EngineClient(engine_config, tokenizer)
+        return EngineClient(engine_config, tokenizer, supervision=config.supervision)
     return DataParallelClient(
-        engine_config, tokenizer, config.data_parallel_size, config.dp_policy, config.dp_balance
+        engine_config,
+        tokenizer,
+        config.data_parallel_size,
+        config.dp_policy,
+        config.dp_balance,
+        supervision=config.supervision,
     )
 
 
@@ -108,6 +117,7 @@ class OpenAIServer:
         self.metrics = Metrics(lambda: self.client.stats)
         if isinstance(self.client, DataParallelClient):  # per-engine series
             self.metrics.registry.register(self.client.collector)
+        self.metrics.registry.register(SupervisionCollector(lambda: self.client))
         self._token_texts: dict[int, str] = {}
         self.grammar = GrammarChecker(self.tokenizer, config.grammar_compile_timeout_s)
         self.created = int(time.time())
@@ -353,11 +363,11 @@ def _engine_error(exc: BaseException) -> APIError:
         m = _FIELD_RE.match(str(exc))
         return APIError(400, str(exc), param=m.group(1) if m else None)
     if isinstance(exc, EngineDead):
-        return APIError(503, str(exc), type_="service_unavailable_error", code="engine_dead")
+        return APIError(503, str(exc), type_="service_unavailable_error", code=exc.code)
     return APIError(500, f"internal error: {exc}", type_="internal_error")
 
 
-_PROTECTED_PREFIXES = ("/v1/",)
+_PROTECTED_PREFIXES = ("/v1/", "/debug/")
 _PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
 
 
@@ -379,6 +389,8 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
 
     app = ASGIApp(config.max_body_bytes, authorize, server.client.start, server.client.shutdown)
     register_console(app, server)
+    if config.enable_debug_endpoints:
+        add_debug_routes(app, server)
     app.server = server  # type: ignore[attr-defined] # (the gRPC frontend shares it)
 
     def engine_route(path: str, model: type[BaseModel]):
@@ -387,11 +399,10 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
 
     @app.route("GET", "/health")
     async def health(_: HTTPRequest) -> Response:
-        if server.client.alive:
+        reason = server.client.unhealthy_reason()
+        if reason is None:
             return Response(headers=[])
-        return error_response(
-            APIError(503, "the engine is not running", "service_unavailable_error")
-        )
+        return error_response(APIError(503, reason, "service_unavailable_error"))
 
     @app.route("GET", "/version")
     async def version(_: HTTPRequest) -> Response:

@@ -19,6 +19,7 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
+from radixserve.engine.faults import FaultInjector
 from radixserve.engine.model_source import ModelSource, resolve_model
 from radixserve.engine.outputs import SequenceDelta
 from radixserve.engine.parallel import worker_spec
@@ -200,8 +201,19 @@ class Engine:
         )
 
     def _make_device(self, config: EngineConfig) -> Device:
+        faults = FaultInjector.from_env()  # RADIXSERVE_FAULTS; None (no hook) when unset
+
         def run(step: PreparedStep) -> StepResult:
             return self.runner.run(step)
+
+        if faults is not None:
+            plain = run
+
+            def run(step: PreparedStep) -> StepResult:
+                faults.on_step()
+                return plain(step)
+
+        self.faults = faults
 
         if config.simulated_device_time:
             return TimedDevice(run)

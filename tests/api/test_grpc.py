@@ -81,6 +81,7 @@ def guarded(tiny_llama):
         "--dtype",
         "float32",
         "--disable-radix-cache",
+        "--no-engine-restart",  # engine death stays visible (restarts: test_reliability)
         "--max-num-seqs",
         "2",
         "--max-waiting-requests",

@@ -339,7 +339,7 @@ def test_clients_that_time_out_are_aborted(tiny_llama):
 
 
 def test_engine_death_is_a_503_and_sigterm_drains(tiny_llama):
-    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32")
+    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32", "--no-engine-restart")
     try:
         os.kill(srv.engine_pid(), signal.SIGKILL)
         deadline = time.monotonic() + 1.0

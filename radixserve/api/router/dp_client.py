@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from radixserve.api import protocol as p
 from radixserve.api.engine_client import EngineClient, EngineDead
 from radixserve.api.request_tracker import RequestTracker
+from radixserve.api.supervisor import SupervisorConfig
 from radixserve.api.router.policy import (
     BalanceConfig,
     Balancer,
@@ -59,6 +60,7 @@ class DataParallelClient:
         size: int,
         policy: str = "cache-aware",
         balance: BalanceConfig | None = None,
+        supervision: SupervisorConfig | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {size}")
@@ -69,7 +71,10 @@ class DataParallelClient:
         ):  # the engines share the cores instead of each taking them all
             config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // size))
         self.config = config
-        self.clients = [EngineClient(config, tokenizer) for _ in range(size)]
+        # each engine is supervised (watchdog, restarts) on its own
+        self.clients = [
+            EngineClient(config, tokenizer, supervision=supervision) for _ in range(size)
+        ]
         self.tracker = RequestTracker()
         for client in self.clients:
             client.tracker = self.tracker  # one dashboard over all engines
@@ -96,6 +101,50 @@ class DataParallelClient:
     @property
     def ready(self) -> p.Ready | None:
         return self.clients[0].ready
+
+    # -- supervision (each engine restarts on its own; these are the frontend's view) -----
+    def unhealthy_reason(self) -> str | None:
+        """None while any engine can take requests (the others' requests go elsewhere),
+        else every engine's reason."""
+        reasons = [c.unhealthy_reason() for c in self.clients]
+        if any(r is None for r in reasons):
+            return None
+        return "; ".join(f"engine {i}: {r}" for i, r in enumerate(reasons))
+
+    @property
+    def restarts(self) -> int:
+        return sum(c.restarts for c in self.clients)
+
+    @property
+    def deaths(self) -> int:
+        return sum(c.deaths for c in self.clients)
+
+    @property
+    def hangs(self) -> int:
+        return sum(c.hangs for c in self.clients)
+
+    @property
+    def state(self) -> str:
+        states = [c.state for c in self.clients]
+        return states[0] if len(set(states)) == 1 else ", ".join(states)
+
+    @property
+    def process(self) -> Any:
+        """Engine 0's process (``/debug/engine`` shows one pid)."""
+        return self.clients[0].process
+
+    async def flush_cache(self, timeout_s: float = 10.0) -> p.CacheFlushed:
+        """Every engine's debug flush, summed: idle only if all were."""
+        answers = await asyncio.gather(*(c.flush_cache(timeout_s) for c in self.clients))
+        errors = [f"engine {i}: {a.error}" for i, a in enumerate(answers) if a.error]
+        return p.CacheFlushed(
+            0,
+            all(a.idle for a in answers),
+            sum(a.kv_pages_total for a in answers),
+            sum(a.kv_pages_free for a in answers),
+            sum(a.radix_nodes_before for a in answers),
+            "; ".join(errors) or None,
+        )
 
     @property
     def stats(self) -> p.EngineStats | None:
