@@ -15,13 +15,13 @@ from prometheus_client.registry import Collector
 from radixserve.api import protocol as p
 from radixserve.api.engine_client import EngineClient, EngineDead
 from radixserve.api.request_tracker import RequestTracker
-from radixserve.api.supervisor import SupervisorConfig
 from radixserve.api.router.policy import (
     BalanceConfig,
     Balancer,
     NoWorkerAvailable,
     token_key,
 )
+from radixserve.api.supervisor import SupervisorConfig
 from radixserve.engine.config import EngineConfig
 
 _SUMMED = (
