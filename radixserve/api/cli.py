@@ -167,6 +167,30 @@ def add_supervision_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve /debug/flush_cache and /debug/engine (for soak tests; behind --api-key)",
     )
+    h = parser.add_argument_group("HTTP connection limits (answered with a JSON error)")
+    h.add_argument("--max-header-bytes", type=int, default=64 * 1024, help="431 beyond")
+    h.add_argument("--max-headers", type=int, default=100, help="431 beyond")
+    h.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a request's headers must arrive within this (slow clients get 408)",
+    )
+    h.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS")
+    h.add_argument("--max-connections", type=int, default=1024, help="open connections; 503 beyond")
+
+
+def http_limits(args: argparse.Namespace):
+    from radixserve.api.http_limits import HttpLimits
+
+    return HttpLimits(
+        max_header_bytes=args.max_header_bytes,
+        max_headers=args.max_headers,
+        header_timeout_s=args.header_timeout,
+        max_connections=args.max_connections,
+        keep_alive_timeout_s=args.keep_alive_timeout,
+    )
 
 
 def supervision_config(args: argparse.Namespace):
@@ -448,6 +472,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         shutdown_timeout_s=args.shutdown_timeout,
         grpc_port=args.grpc_port,
+        http_limits=http_limits(args),
     )
     return 0
 

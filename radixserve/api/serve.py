@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from radixserve.api.http_limits import HttpLimits, limited_protocol
 from radixserve.api.server import ServerConfig, create_app
 from radixserve.engine.config import EngineConfig
 
@@ -30,7 +31,9 @@ def serve(
     port: int = 8000,
     shutdown_timeout_s: float = 30.0,
     grpc_port: int | None = None,
+    http_limits: HttpLimits | None = None,
 ) -> None:
+    limits = http_limits or HttpLimits()
     app = create_app(engine_config, server_config)
     if grpc_port is not None:  # the gRPC API beside HTTP, on the same engine client
         from radixserve.api.grpc_server import GrpcConfig, add_grpc
@@ -44,5 +47,7 @@ def serve(
         access_log=False,
         proxy_headers=False,  # bound to loopback by default; no proxy headers to trust
         timeout_graceful_shutdown=shutdown_timeout_s,
+        http=limited_protocol(limits),  # header size/count/deadline, connection cap
+        timeout_keep_alive=limits.keep_alive_timeout_s,
     )
     DrainingServer(config).run()
