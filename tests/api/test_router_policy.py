@@ -190,3 +190,19 @@ def test_cli_flags():
     assert (r.policy, r.host, r.port) == ("cache-aware", "127.0.0.1", 8080)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--worker", "http://a:1", "--policy", "random"])
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"tensor_parallel_size": 2, "master_port": 29500}, "master_port"),
+        ({"tensor_parallel_size": 2, "nnodes": 2, "master_port": 29500}, "one node"),
+    ],
+)
+def test_data_parallel_refuses_replicas_that_would_collide(fields, match):
+    from radixserve.api.router.dp_client import DataParallelClient
+    from radixserve.engine.config import EngineConfig
+
+    config = EngineConfig(device="cpu", **fields)  # nothing is loaded before start()
+    with pytest.raises(ValueError, match=match):
+        DataParallelClient(config, tokenizer=None, size=2)

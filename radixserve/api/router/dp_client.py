@@ -64,6 +64,14 @@ class DataParallelClient:
     ) -> None:
         if size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {size}")
+        if size > 1 and config.nnodes > 1:
+            raise ValueError("data_parallel_size > 1 runs on one node: nnodes must be 1")
+        if size > 1 and config.tensor_parallel_size > 1 and config.master_port is not None:
+            # every replica's TP group would listen on the same rendezvous port
+            raise ValueError(
+                "master_port with data_parallel_size > 1: each replica's tensor-parallel group "
+                "needs its own port; leave --master-port unset (a free port per replica)"
+            )
         if (
             config.num_threads is None
             and config.resolved_device == "cpu"
