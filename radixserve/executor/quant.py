@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.executor.linear import Linear
+from radixserve.executor.native import load_int4_panels, load_qlinear
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -202,8 +203,6 @@ def _dequantizer() -> Any:
     here (it is PyTorch-internal); None otherwise."""
     global _DEQUANTIZER
     if _DEQUANTIZER is False:
-        from radixserve.executor.native import load_qlinear
-
         lib = load_qlinear()
         _DEQUANTIZER = lib if lib is not None and _int4_layout_ok(lib) else None
     return _DEQUANTIZER
@@ -505,9 +504,7 @@ PANEL_DEQUANT_ROWS = 256
 
 
 def _panel_lib() -> Any:
-    from radixserve.executor.native import load_int4_panels
-
-    return load_int4_panels()
+    return load_int4_panels()  # cached: built and loaded once per process
 
 
 def to_panels(

@@ -180,7 +180,7 @@ class DataParallelClient:
         if self._owner.get(request_id) == worker:
             del self._owner[request_id]
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -189,18 +189,11 @@ class DataParallelClient:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[p.Delta]:
-        worker = self._pick(request_id, prompt_token_ids, cache_salt)
-        gen = self.clients[worker].generate(
-            request_id, prompt_token_ids, params, n, cache_salt, priority
+        return self._routed(
+            "generate", request_id, prompt_token_ids, params, n, cache_salt, priority
         )
-        try:
-            async for delta in gen:
-                yield delta
-        finally:
-            await gen.aclose()
-            self._done(request_id, worker)
 
-    async def generate_batches(
+    def generate_batches(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -209,13 +202,29 @@ class DataParallelClient:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[list[p.Delta]]:
+        return self._routed(
+            "generate_batches", request_id, prompt_token_ids, params, n, cache_salt, priority
+        )
+
+    async def _routed(
+        self,
+        method: str,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: dict[str, Any],
+        n: int,
+        cache_salt: str | None,
+        priority: int,
+    ) -> AsyncIterator[Any]:
+        """The chosen engine's ``method`` (an async generator), counted in its load until the
+        caller is done with it."""
         worker = self._pick(request_id, prompt_token_ids, cache_salt)
-        gen = self.clients[worker].generate_batches(
+        gen = getattr(self.clients[worker], method)(
             request_id, prompt_token_ids, params, n, cache_salt, priority
         )
         try:
-            async for batch in gen:
-                yield batch
+            async for item in gen:
+                yield item
         finally:
             await gen.aclose()
             self._done(request_id, worker)

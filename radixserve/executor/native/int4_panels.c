@@ -13,8 +13,7 @@
  * against output i's pair of codes), and per group
  *   sum_k x W = scale * (sum_k x (128 + q) - 136 sum_k x) + zero * sum_k x,
  * with sum_k x of the same bfloat16 inputs. Built and called like paged_decode.c (see
- * native/__init__.py); without AVX-512 BF16 the GEMM returns -1 and callers use another
- * path.
+ * native/__init__.py); without AVX-512 BF16 both return -1 and callers use another path.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,12 +25,6 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (finite inputs) */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 int int4_panels_has_gemm(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -174,31 +167,14 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t
     }
     return 0;
 }
-#else
-/* Dequantize output blocks [first_block, first_block + num_blocks) to bfloat16 W^T:
- * out[k][16 * (b - first_block) + j] = W[16 b + j, k], out row stride 16 * num_blocks. */
+#else /* without AVX-512 BF16 both entry points refuse; load_int4_panels() never returns
+        * this build, so Int4Linear keeps PyTorch's layout there */
 int int4_panels_dequant_bf16(const uint8_t *panels, const uint16_t *sz, int64_t k, int64_t group,
                              int64_t first_block, int64_t num_blocks, int num_threads,
                              uint16_t *out) {
-    if (k % group || group % 2) return -1;
-    const int64_t pairs = k / 2, groups = k / group, width = 16 * num_blocks;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t bi = 0; bi < num_blocks; bi++) {
-        const int64_t b = first_block + bi;
-        const uint8_t *pb = panels + b * pairs * 16;
-        const uint16_t *szb = sz + b * groups * 32;
-        for (int64_t p = 0; p < pairs; p++) {
-            const uint16_t *s = szb + (2 * p / group) * 32, *z = s + 16;
-            uint16_t *even = out + (2 * p) * width + 16 * bi, *odd = even + width;
-            for (int j = 0; j < 16; j++) {
-                const uint8_t byte = pb[p * 16 + j];
-                const float sj = bf16_to_f32(s[j]), zj = bf16_to_f32(z[j]);
-                even[j] = f32_to_bf16((float)((int)(byte & 15) - 8) * sj + zj);
-                odd[j] = f32_to_bf16((float)((int)(byte >> 4) - 8) * sj + zj);
-            }
-        }
-    }
-    return 0;
+    (void)panels; (void)sz; (void)k; (void)group; (void)first_block; (void)num_blocks;
+    (void)num_threads; (void)out;
+    return -1;
 }
 
 int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *panels,
