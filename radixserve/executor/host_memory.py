@@ -3,10 +3,11 @@
 A prefill step of 2,048 tokens allocates and frees megabyte-sized activations hundreds of
 times (matmul outputs, norms, attention outputs). By default glibc serves blocks of that
 size with fresh ``mmap`` calls and unmaps them on free, so every step page-faults (and the
-kernel zeroes) the same memory again; measured on SmolLM2's W1 prefill step: 582 → 550 ms
-with the settings below. They raise the size served from the heap to glibc's maximum
-(32 MiB) and stop the heap from being trimmed, so the process keeps its peak activation
-memory — a fixed amount per step size, not a growth.
+kernel zeroes) the same memory again; measured on SmolLM2's W1 prefill step: 582 → 531 ms
+with the settings below (``RADIXSERVE_MALLOC_TUNING=0`` turns them off, to compare). They
+raise the size served from the heap to glibc's maximum (32 MiB) and stop the heap from
+being trimmed, so the process keeps its peak activation memory — a fixed amount per step
+size, not a growth.
 """
 
 from __future__ import annotations
