@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -32,6 +33,10 @@ from radixserve.api.supervisor import (
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 
+# messages taken from the engine per wake-up beyond the awaited one (the loop's other work
+# runs in between)
+_DRAIN_MAX = 256
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,9 +55,51 @@ class RequestRejected(ValueError):
         self.overloaded = overloaded
 
 
+class _Mailbox:
+    """What the engine sent one request, for the one coroutine that reads it. Invariants:
+    items come out in the order they were put; ``put_nowait`` never blocks; at most one
+    reader waits at a time. (Lighter than ``asyncio.Queue``: a delta per token per request
+    goes through it.)"""
+
+    __slots__ = ("_items", "_loop", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._items:
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    async def get(self) -> Any:
+        """The next item, waiting for one."""
+        await self._wait()
+        return self._items.popleft()
+
+    async def get_all(self) -> list[Any]:
+        """Every item there is, waiting for at least one."""
+        await self._wait()
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+
 @dataclass
 class _Pending:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: _Mailbox = field(default_factory=_Mailbox)
     remaining: int = 1  # samples not finished yet (as the caller has consumed them)
     owed: int = 1  # samples the engine has not sent a finished delta for yet
 
@@ -376,9 +423,7 @@ class EngineClient:
         finished = False
         try:
             while pending.remaining:
-                items = [await pending.queue.get()]
-                while not pending.queue.empty():
-                    items.append(pending.queue.get_nowait())
+                items = await pending.queue.get_all()
                 batch: list[p.Delta] = []
                 error: BaseException | None = None
                 for item in items:
@@ -502,9 +547,22 @@ class EngineClient:
 
     # -- background tasks -----------------------------------------------------------------
     async def _receive_loop(self, pull: zmq.asyncio.Socket) -> None:
+        # One awaited receive per wake-up, then whatever else has already arrived is taken
+        # through a plain (shadow) socket: an engine faster than the frontend sends many
+        # small messages, and an awaited receive costs a future and several event-state
+        # checks each. The next awaited receive checks the socket's events itself, so
+        # draining it here loses no wake-up.
+        drain = zmq.Socket.shadow(pull.underlying)
+        decode = p.from_engine_decoder.decode
         while True:
             raw = await pull.recv()
-            self._dispatch(p.from_engine_decoder.decode(raw))
+            self._dispatch(decode(raw))
+            for _ in range(_DRAIN_MAX):
+                try:
+                    raw = drain.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._dispatch(decode(raw))
 
     def _dispatch(self, msg: p.FromEngine) -> None:
         if isinstance(msg, p.Outputs):
