@@ -8,6 +8,8 @@
     python benchmarks/serving.py --stub
     # the same, streamed over gRPC vs HTTP (SSE) from one server, in one run
     python benchmarks/serving.py --stub --grpc
+    # ... both APIs loaded by h2load (native) instead of Python clients: the servers alone
+    python benchmarks/serving.py --stub --grpc --h2load
     # any other server:
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --model NAME --workload random
 
@@ -379,13 +381,77 @@ def _cpu_s(pid: int) -> float:
 
 
 def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its children that have been waited for (the
+    h2load runs; the server is waited for only at the end)."""
     import resource
 
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
 
 
-def run_stub_grpc(args) -> dict[str, float]:
+class _H2Load:
+    """The stub's streamed requests sent by ``h2load`` (nghttp2's native load generator) to
+    both APIs, so that no Python client's cost is in the comparison: HTTP/1.1 with one
+    connection per request in flight, gRPC over ``--grpc-channels`` HTTP/2 connections
+    with the same number of streams in flight. h2load reads each response to its end but
+    not its content: the bodies are checked once here, with the Python clients, before."""
+
+    def __init__(self, url: str, target: str, model: str, job: Job, args) -> None:
+        import shutil
+        import struct
+        import tempfile
+
+        from radixserve.api.proto.radixserve.v1 import generate_pb2 as pb
+
+        if shutil.which("h2load") is None:
+            raise SystemExit("--h2load needs h2load (Debian: apt-get install nghttp2-client)")
+        self._dir = tempfile.TemporaryDirectory()
+        http_body, grpc_body = f"{self._dir.name}/http.json", f"{self._dir.name}/grpc.bin"
+        with open(http_body, "wb") as f:
+            f.write(
+                orjson.dumps(
+                    {
+                        "model": model,
+                        "prompt": job.prompt,
+                        "max_tokens": job.max_tokens,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "stream": True,
+                        "stream_options": {"include_usage": True},
+                    }
+                )
+            )
+        message = pb.GenerateRequest(
+            text=job.prompt,
+            sampling_params=pb.SamplingParams(
+                max_tokens=job.max_tokens, temperature=0, ignore_eos=True
+            ),
+        ).SerializeToString()
+        with open(grpc_body, "wb") as f:  # gRPC framing: not compressed, length, message
+            f.write(b"\0" + struct.pack(">I", len(message)) + message)
+        concurrency, channels = args.stub_concurrency, args.grpc_channels
+        self.args = {
+            "http": ["--h1", "-c", str(concurrency), "-d", http_body,
+                     "-H", "content-type: application/json", url + "/v1/completions"],
+            "grpc": ["-c", str(channels), "-m", str(-(-concurrency // channels)),
+                     "-d", grpc_body, "-H", "content-type: application/grpc",
+                     "-H", "te: trailers",
+                     f"http://{target}/radixserve.v1.GenerateService/Generate"],
+        }  # fmt: skip
+
+    async def run(self, label: str, n: int) -> tuple[list[Result], float]:
+        from grpc_transport import h2load
+
+        req_s = await h2load(self.args[label], n)
+        # h2load reports throughput only: every request counts as one full result
+        done = [Result(ok=True) for _ in range(n)]
+        return done, n / req_s
+
+
+def run_stub_grpc(args) -> dict[str, float | str]:
     """One stub server with ``--grpc-port``: the same streamed jobs over HTTP (SSE) and over
     gRPC, alternating (HTTP, gRPC) ``--grpc-rounds`` times; each side's median run counts."""
     grpc_port = 8766
@@ -405,36 +471,50 @@ def run_stub_grpc(args) -> dict[str, float]:
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
         jobs = [Job("hello " * 16, 16) for _ in range(args.stub_requests)]
-        run_async(run_load(server.url, model, jobs[:64], 32, float("inf"), True))
-        run_async(run_grpc_load(target, jobs[:64], 32, channels))
+        for warm in (
+            run_async(run_load(server.url, model, jobs[:64], 32, float("inf"), True))[0],
+            run_async(run_grpc_load(target, jobs[:64], 32, channels))[0],
+        ):  # both APIs answer the job in full (h2load does not look inside the answers)
+            bad = [r for r in warm if not r.ok or r.output_tokens != jobs[0].max_tokens]
+            if bad:
+                raise RuntimeError(f"warm-up failed: {bad[0]}")
         runs: dict[str, list[dict]] = {"http": [], "grpc": []}
+        native = _H2Load(server.url, target, model, jobs[0], args) if args.h2load else None
         for _ in range(args.grpc_rounds):
             for label in ("http", "grpc"):
-                if label == "http":
+                if native is not None:
+                    coro = native.run(label, len(jobs))
+                elif label == "http":
                     coro = run_load(server.url, model, jobs, args.stub_concurrency, float("inf"))
                 else:
                     coro = run_grpc_load(target, jobs, args.stub_concurrency, channels)
                 server_cpu, client_cpu = _cpu_s(server.proc.pid), _own_cpu_s()
                 s = summarize(*run_async(coro))
+                if native is not None:  # throughput only
+                    s = {k: v for k, v in s.items() if not k.endswith(("_ms", "tok_s"))}
                 s["server_cpu_ms"] = 1e3 * (_cpu_s(server.proc.pid) - server_cpu) / len(jobs)
                 s["client_cpu_ms"] = 1e3 * (_own_cpu_s() - client_cpu) / len(jobs)
                 runs[label].append(s)
+                ttft = s.get("median_ttft_ms")
                 print(
                     f"stub {label:>4} streamed: {s['request_throughput']:.0f} req/s "
-                    f"({s['failed']} failed), median TTFT {s.get('median_ttft_ms', 0):.1f} ms, "
+                    f"({s['failed']} failed), median TTFT "
+                    f"{'not measured' if ttft is None else f'{ttft:.1f} ms'}, "
                     f"CPU per request: server {s['server_cpu_ms']:.2f} ms (frontend process), "
                     f"client {s['client_cpu_ms']:.2f} ms"
                 )
-        out: dict[str, float] = {}
+        out: dict[str, float | str] = {}
         for label, series in runs.items():
             series.sort(key=lambda s: s["request_throughput"])
             median = series[len(series) // 2]
             out[f"{label}_streamed_req_s"] = median["request_throughput"]
             out[f"{label}_failed"] = sum(s["failed"] for s in series)
-            out[f"{label}_median_ttft_ms"] = median.get("median_ttft_ms", 0.0)
+            if "median_ttft_ms" in median:
+                out[f"{label}_median_ttft_ms"] = median["median_ttft_ms"]
             out[f"{label}_server_cpu_ms_per_req"] = median["server_cpu_ms"]
             out[f"{label}_client_cpu_ms_per_req"] = median["client_cpu_ms"]
         out["grpc_channels"] = channels
+        out["load_generator"] = "h2load" if native is not None else "python"
         return out
     finally:
         server.stop()
@@ -469,6 +549,12 @@ def main() -> None:
     )
     parser.add_argument("--grpc-channels", type=int, default=4, help="gRPC client connections")
     parser.add_argument("--grpc-rounds", type=int, default=3, help="HTTP/gRPC alternations")
+    parser.add_argument(
+        "--h2load",
+        action="store_true",
+        help="with --stub --grpc: load both APIs with h2load (native) instead of the Python "
+        "clients, so that only the server's cost is compared (no TTFT figures)",
+    )
     parser.add_argument("--probe-health", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -477,7 +563,8 @@ def main() -> None:
         return
 
     if args.stub and args.grpc:
-        print(json.dumps({k: round(v, 2) for k, v in run_stub_grpc(args).items()}))
+        out = run_stub_grpc(args)
+        print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}))
         return
     if args.stub:
         print(json.dumps({k: round(v, 2) for k, v in run_stub(args).items()}))
