@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from radixserve import LLM
+from radixserve import LLM, SamplingParams
 from radixserve.executor.distributed import TensorParallelGroup, WorkerSpec
 from radixserve.executor.loader.dummy import dummy_weights
 from radixserve.executor.loader.sharded import ShardLayout
@@ -48,14 +48,17 @@ def _greedy_warm(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in first + rest]
 
 
-def test_tp2_cuda_runner_equals_tp1_and_transformers(tiny_models):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_cuda_runner_equals_tp1_and_transformers(tiny_models, arch):
     """Llama with GQA (4 heads, 2 kv heads: one per rank), untied LM head, vocabulary split
-    256 + 256; chunked prefill and a prefix hit; every rank on the CUDA runner's code."""
-    path = tiny_models["llama"]
+    256 + 256; Qwen3 with q/k norm; chunked prefill and a prefix hit; every rank on the
+    CUDA runner's code."""
+    path = tiny_models[arch]
     device = "cuda" if GPU else "cpu"
     tp1 = LLM(str(path), device=device, **KWARGS)
     assert type(tp1.engine.runner) is CudaModelRunner
     reference = _greedy_warm(tp1)
+    reference_logprobs = _logprobs(tp1)
     tp1.engine.close()
     assert reference == hf_greedy(path, PROMPTS, NEW_TOKENS)
 
@@ -70,8 +73,26 @@ def test_tp2_cuda_runner_equals_tp1_and_transformers(tiny_models):
         assert isinstance(ops, AllReduceLayerOps) and isinstance(ops.inner, TritonLayerOps)
         assert tp2.engine.model.config.num_key_value_heads == 1  # this rank's
         assert _greedy_warm(tp2) == reference
+        # sampled-row and prompt logprobs: gathered logits of the sampled rows and prompt
+        # chunks (ModelRunner.prompt_logits on every rank)
+        for x, y in zip(reference_logprobs, _logprobs(tp2), strict=True):
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+            for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
+                assert lx.token_id == ly.token_id
+                assert lx.logprob == pytest.approx(ly.logprob, abs=1e-4)
+                assert [t for t, _ in lx.top] == [t for t, _ in ly.top]
+            assert len(x.prompt_logprobs) == len(y.prompt_logprobs) > 1
+            for px, py in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:], strict=True):
+                assert px.logprob == pytest.approx(py.logprob, abs=1e-4)
     finally:
         tp2.engine.close()
+
+
+def _logprobs(llm: LLM):
+    params = SamplingParams(
+        temperature=0.0, max_tokens=2, logprobs=3, prompt_logprobs=2, ignore_eos=True
+    )
+    return llm.generate(PROMPTS[1:3], params, use_tqdm=False)
 
 
 class _OneRank:
