@@ -11,9 +11,13 @@ from typing import Any
 
 import torch
 
+from radixserve.core.page_table import PageTable
 from radixserve.executor.device import PreparedStep, StepResult
 from radixserve.executor.distributed import DeviceLost, TensorParallelGroup, encode_step
+from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.model_runner import ModelRunner, _ModelInputs
+from radixserve.executor.models.llama_tp import TensorParallelLlama
+from radixserve.executor.sampler import Sampler
 
 
 class TensorParallelRunner:
@@ -58,6 +62,13 @@ class TensorParallelRunner:
 class TPModelRunner(TensorParallelRunner, ModelRunner):
     """The CPU ``ModelRunner`` on rank 0 of a tensor-parallel group (gloo)."""
 
-    def __init__(self, model, kv_cache, page_table, sampler, tp: TensorParallelGroup) -> None:
+    def __init__(
+        self,
+        model: TensorParallelLlama,
+        kv_cache: KVCache,
+        page_table: PageTable,
+        sampler: Sampler,
+        tp: TensorParallelGroup,
+    ) -> None:
         ModelRunner.__init__(self, model, kv_cache, page_table, sampler)
         self._start_tp(tp)
