@@ -196,6 +196,9 @@ class TPGroup:
     Invariant: every operation either completes on every rank or raises ``DeviceLost`` on
     the ranks that see the failure (a closed connection at once, a silent rank after the
     timeout); after one failure the group is not used again.
+    Under NCCL an operation returns once queued on the GPU stream, so a failure shows up
+    later (NCCL's watchdog aborts the process after the timeout): an untested path, as is
+    NCCL with more than one rank.
     """
 
     def __init__(

@@ -26,7 +26,9 @@ def place_model(model: LlamaForCausalLM, device: torch.device) -> None:
     model.rotary.sin_signed = model.rotary.sin_signed.to(device)
 
 
-def cuda_kv_cache(model: LlamaForCausalLM, num_pages: int, page_size: int, device: torch.device):
+def cuda_kv_cache(
+    model: LlamaForCausalLM, num_pages: int, page_size: int, device: torch.device
+) -> KVCache:
     """The KV cache of this rank's kv heads on ``device`` (``num_pages`` includes the
     scratch page)."""
     c = model.config
