@@ -8,7 +8,12 @@
 # 1. installs radixserve from the working tree plus the wheels in .whl/ (into /tmp/site);
 # 2. runs the tests marked `cuda` (bf16 kernels against torch references; greedy tokens of
 #    tiny random Llama / Qwen3 models equal to transformers on CUDA and to radixserve's CPU
-#    path in float32, with CUDA graphs and eager);
+#    path in float32, with CUDA graphs and eager: the TP=1 CUDA path through the runner
+#    seam the tensor-parallel runner shares; and a one-rank tensor-parallel group over NCCL
+#    whose greedy tokens equal the plain CUDA runner's);
+# 2b. tensor parallelism on one GPU: NCCL present, and `-tp` / `-dp x -tp` asking for more
+#    GPUs than are visible fails at start-up with the GPU-count error (TP=2 over NCCL needs
+#    two GPUs: never run here);
 # 3. runs benchmarks/gpu_bench.py on the Llama-3.1-8B-shaped dummy model in bf16;
 # 4. with time left, benchmarks/gpu_fused_ops.py (our Triton row-wise kernels against eager
 #    PyTorch and torch.compile).
@@ -48,8 +53,32 @@ print(f"torch {torch.__version__}, triton {triton.__version__}, transformers "
 PY
 
 echo "== tests marked cuda ($(left) s left)"
-timeout 170 python3 -m pytest -m cuda tests/executor/cuda -q -p no:cacheprovider --durations=8
+timeout 190 python3 -m pytest -m cuda tests/executor/cuda -q -p no:cacheprovider --durations=8
 echo "cuda tests: exit $?"
+
+echo "== tensor parallelism on one GPU ($(left) s left)"
+timeout 60 python3 - <<'PY'
+import torch
+import torch.distributed as dist
+
+from radixserve.engine.config import EngineConfig
+from radixserve.executor.placement import replica_environments
+
+n = torch.cuda.device_count()
+nccl = dist.is_nccl_available()
+print(f"NCCL available: {nccl} (version {torch.cuda.nccl.version() if nccl else '-'}); {n} GPU(s)")
+try:
+    EngineConfig(device="cuda", tensor_parallel_size=n + 1)
+    print(f"FAIL: -tp {n + 1} on {n} GPU(s) was accepted")
+except ValueError as exc:
+    print(f"ok: -tp {n + 1} refused at start-up: {exc}")
+try:
+    replica_environments(2, n, {}, n)
+    print(f"FAIL: -dp 2 x -tp {n} on {n} GPU(s) was accepted")
+except ValueError as exc:
+    print(f"ok: -dp 2 x -tp {n} refused: {exc}")
+PY
+echo "tensor parallelism checks: exit $?"
 
 echo "== benchmark ($(left) s left)"
 timeout $(( $(left) > 60 ? $(left) : 60 )) python3 benchmarks/gpu_bench.py | tee "$OUT/bench.log"

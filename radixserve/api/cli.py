@@ -106,7 +106,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("tensor parallelism (CPU, gloo; torchrun's conventions)")
+    g = parser.add_argument_group(
+        "tensor parallelism (gloo on CPU, NCCL on cuda; torchrun's conventions)"
+    )
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks in all")
     g.add_argument("--nnodes", type=int, default=1, help="machines the ranks span")
     g.add_argument("--node-rank", type=int, default=0, help="this machine (0 runs the engine)")

@@ -122,9 +122,12 @@ class EngineClient:
         tokenizer: Any,
         startup_timeout_s: float = 600.0,
         supervision: SupervisorConfig | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """``tokenizer``: the model's (Rust) tokenizer, for detokenizing outputs here."""
+        """``tokenizer``: the model's (Rust) tokenizer, for detokenizing outputs here.
+        ``env``: the engine process's environment (None: this process's)."""
         self.config = config
+        self.env = env
         self.tokenizer = tokenizer
         self.startup_timeout_s = startup_timeout_s
         self.supervision = supervision or SupervisorConfig()
@@ -196,6 +199,7 @@ class EngineClient:
                 outbox,
             ],
             stdin=subprocess.DEVNULL,
+            env=self.env,
         )
         deadline = time.monotonic() + self.startup_timeout_s
         while self._fresh_ready is None:

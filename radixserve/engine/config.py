@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+from radixserve.executor.placement import check_gpu_count
 from radixserve.executor.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -53,6 +55,10 @@ class EngineConfig:
     # auto: the checkpoint's weights; dummy: random weights for the config alone (a folder
     # holding only config.json is enough; token-id prompts only without a tokenizer).
     load_format: str = "auto"  # auto | dummy
+    # The model runner: auto = the CUDA runner (Triton kernels) on cuda, the CPU runner on
+    # cpu; "cuda" on a cpu device runs the CUDA runner's code on CPU tensors under Triton's
+    # interpreter (TRITON_INTERPRET=1): how the tests cover the CUDA path without a GPU.
+    runner: str = "auto"  # auto | cpu | cuda
     cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph
     disable_cuda_graph: bool = False
     # Dense-layer weights held and multiplied quantized (CPU): auto = a GGUF file in the
@@ -66,8 +72,9 @@ class EngineConfig:
     memory_budget_gb: float | None = None
     # structured output: a grammar that takes longer to compile fails its request
     grammar_compile_timeout_s: float = 30.0
-    # Tensor parallelism (CPU, gloo): the model split over this many ranks, rank 0 in this
-    # process and one worker process per other rank; across nnodes machines, torchrun style.
+    # Tensor parallelism (gloo on CPU, NCCL on cuda): the model split over this many ranks,
+    # rank 0 in this process and one worker process per other rank, rank r of a node on
+    # cuda:LOCAL_RANK; across nnodes machines, torchrun style.
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -103,6 +110,19 @@ class EngineConfig:
             raise ValueError(f"device must be one of auto, cpu, cuda; got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for, but torch sees no CUDA GPU")
+        if self.runner not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"runner must be one of auto, cpu, cuda; got {self.runner!r}")
+        if self.runner == "cpu" and self.resolved_device == "cuda":
+            raise ValueError("runner 'cpu' runs on the CPU only; the cuda device uses 'cuda'")
+        if (
+            self.runner == "cuda"
+            and self.resolved_device == "cpu"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
+            raise ValueError(
+                "runner 'cuda' on the cpu device runs Triton kernels in Triton's interpreter: "
+                "set TRITON_INTERPRET=1 (slow; meant for tests)"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.cuda_graph_max_bs < 1:
@@ -142,11 +162,8 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if tp > 1 and self.simulated_device:
             raise ValueError("tensor parallelism needs a model (not a simulated device)")
-        if tp > 1 and self.resolved_device != "cpu":
-            raise ValueError(
-                "tensor parallelism runs on the CPU (gloo) in this version: the CUDA path "
-                "(NCCL) is not wired; use device='cpu'"
-            )
+        if tp > 1 and self.resolved_device == "cuda":  # one GPU per rank of this node
+            check_gpu_count(tp // nnodes, torch.cuda.device_count(), f"-tp {tp} on cuda")
 
     @property
     def overlap(self) -> bool:
@@ -156,6 +173,11 @@ class EngineConfig:
         if self.simulated_device:
             return self.simulated_device_time
         return self.resolved_device == "cuda"  # the GPU runs while the host prepares
+
+    @property
+    def resolved_runner(self) -> str:
+        """``cpu`` or ``cuda``: the model runner (``auto``: the device's)."""
+        return self.resolved_device if self.runner == "auto" else self.runner
 
     @property
     def resolved_device(self) -> str:

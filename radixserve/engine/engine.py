@@ -39,12 +39,7 @@ from radixserve.executor.device import (
     ThreadDevice,
     TimedDevice,
 )
-from radixserve.executor.distributed import (
-    DeviceLost,
-    TensorParallelGroup,
-    TPModelRunner,
-    default_threads,
-)
+from radixserve.executor.distributed import DeviceLost, TensorParallelGroup, default_threads
 from radixserve.executor.grammar import GrammarService
 from radixserve.executor.kv_cache import KVCache, bytes_per_page
 from radixserve.executor.loader import Checkpoint, load_checkpoint
@@ -62,6 +57,7 @@ from radixserve.executor.quant import (
 )
 from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.executor.simulated import CostModel, SimulatedRunner
+from radixserve.executor.tp_runner import TPModelRunner
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -157,7 +153,7 @@ class Engine:
             )
         elif config.simulated_device:
             self.runner = SimulatedRunner(CostModel(0.0, 0.0, 0.0), self.vocab_size)
-        elif self.torch_device.type == "cuda":
+        elif config.resolved_runner == "cuda":
             from radixserve.executor.cuda.build import build_cuda_runner  # needs triton
 
             self.runner, self.sampler = build_cuda_runner(
@@ -169,6 +165,7 @@ class Engine:
                 self.eos_token_ids,
                 self.torch_device,
                 None if config.disable_cuda_graph else config.cuda_graph_max_bs,
+                self.tp,
             )
         else:
             mc = self.model_config
@@ -312,6 +309,7 @@ class Engine:
         loaded = self.tp.loaded
         self.model_config = ModelConfig.from_hf_dict(loaded.checkpoint.hf_config)
         self.model, self.dtype = loaded.model, loaded.dtype
+        self.torch_device = self.tp.group.device  # rank 0's: cuda:0 on GPUs
         return loaded.checkpoint, loaded.scheme
 
     def _init_simulated(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:

@@ -28,6 +28,8 @@ def worker_spec(config: EngineConfig, source: ModelSource) -> WorkerSpec:
         nnodes=config.nnodes,
         master_addr=config.master_addr,
         master_port=config.master_port,
+        device=config.resolved_device,
+        runner=config.resolved_runner,
     )
 
 

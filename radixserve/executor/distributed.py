@@ -5,7 +5,8 @@ One rank (0) runs the engine: scheduler, radix cache, page pool, sampler. Every 
 its shard of the weights and its own KV pages (same page ids, its own kv heads). Each step,
 rank 0 broadcasts the step's ``ForwardBatch`` arrays (int64 tensors, no pickle) on a
 control group; then all ranks run the forward together, summing row-parallel outputs with
-all-reduces and gathering the sampled rows' logits on a second group. Gloo on CPU.
+all-reduces and gathering the sampled rows' logits on a second group: gloo for CPU
+tensors, NCCL for GPU ones (``placement.tensor_backend``); the control group is always gloo.
 """
 
 from __future__ import annotations
@@ -29,20 +30,16 @@ import numpy as np
 import torch
 from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
-from radixserve.core.page_table import PageTable
-from radixserve.executor.device import PreparedStep, StepResult
 from radixserve.executor.forward_batch import ForwardBatch
-from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.loader import Checkpoint
 from radixserve.executor.loader.dummy import dummy_weights
 from radixserve.executor.loader.gguf_loader import gguf_hf_config, open_reader, read_metadata
 from radixserve.executor.loader.safetensors_loader import read_hf_config
 from radixserve.executor.loader.sharded import ShardLayout, load_sharded_checkpoint
 from radixserve.executor.model_config import ModelConfig
-from radixserve.executor.model_runner import ModelRunner, _ModelInputs
 from radixserve.executor.models.llama_tp import TensorParallelLlama
+from radixserve.executor.placement import rank_device, tensor_backend
 from radixserve.executor.quant import QuantScheme, quantize_model, resolve_quantization
-from radixserve.executor.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +88,10 @@ class WorkerSpec:
     nnodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    device: str = "cpu"  # cpu | cuda: each rank's tensors (cuda:LOCAL_RANK)
+    # the model runner every rank builds: "cpu" (ModelRunner) or "cuda" (CudaModelRunner,
+    # Triton kernels; on CPU tensors under the Triton interpreter, as the tests run it)
+    runner: str = "cpu"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -102,6 +103,10 @@ class WorkerSpec:
     @property
     def local_world_size(self) -> int:
         return self.world_size // self.nnodes
+
+    def rank_device(self, rank: int) -> torch.device:
+        """Rank ``rank``'s device: ``cuda:LOCAL_RANK`` on GPUs (torchrun's convention)."""
+        return rank_device(self.device, rank % self.local_world_size)
 
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """The engine's rule (``EngineConfig.torch_dtype``): auto = the checkpoint's float32,
@@ -147,14 +152,53 @@ def _gloo(store: Any, rank: int, size: int, timeout_s: float, addr: str) -> Proc
     return ProcessGroupGloo(store, rank, size, opts)
 
 
+def _nccl(store: Any, rank: int, size: int, timeout_s: float, device: torch.device) -> Any:
+    """An NCCL group bound to this rank's GPU (connected now: a bad setup fails at start-up)."""
+    if not torch.distributed.is_nccl_available():
+        raise RuntimeError(
+            "tensor parallelism on cuda needs NCCL, which this torch build does not have "
+            "(torch.distributed.is_nccl_available() is False)"
+        )
+    from torch.distributed import ProcessGroupNCCL
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    pg = ProcessGroupNCCL(store, rank, size, opts)
+    pg.eager_connect_single_device(device)
+    return pg
+
+
+def tensor_group(
+    backend: str,
+    store: Any,
+    rank: int,
+    size: int,
+    timeout_s: float,
+    addr: str,
+    device: torch.device,
+) -> Any:
+    """The process group of the forward's collectives: ``backend`` is gloo or nccl
+    (``placement.tensor_backend`` of the device type)."""
+    if backend == "gloo":
+        return _gloo(store, rank, size, timeout_s, addr)
+    if backend == "nccl":
+        return _nccl(store, rank, size, timeout_s, device)
+    raise ValueError(f"tensor-parallel backend must be gloo or nccl, got {backend!r}")
+
+
 class TPGroup:
     """One rank's membership of the group: a TCP store on the master address (rank 0 hosts
-    it) and two gloo process groups over it, ``pg`` for the collectives of the forward and
-    ``control`` for rank 0's step broadcasts (a worker waits on it between steps).
+    it) and two process groups over it, ``pg`` for the collectives of the forward (gloo on
+    CPU, NCCL on ``device`` when it is a GPU) and ``control``, always gloo on the CPU, for
+    rank 0's step broadcasts and the start-up handshake (a worker waits on it between
+    steps).
 
     Invariant: every operation either completes on every rank or raises ``DeviceLost`` on
     the ranks that see the failure (a closed connection at once, a silent rank after the
     timeout); after one failure the group is not used again.
+    Under NCCL an operation returns once queued on the GPU stream, so a failure shows up
+    later (NCCL's watchdog aborts the process after the timeout): an untested path, as is
+    NCCL with more than one rank.
     """
 
     def __init__(
@@ -165,10 +209,13 @@ class TPGroup:
         master_port: int,
         timeout_s: float,
         listen_fd: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.device = device or torch.device("cpu")
+        self.backend = tensor_backend(self.device.type)
         timeout = timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))  # joining: loads vary
         if rank == 0:
             store = TCPStore(
@@ -184,8 +231,14 @@ class TPGroup:
         else:
             store = TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
         self._store = store
-        self.pg = _gloo(
-            PrefixStore("radixserve/tp", store), rank, world_size, timeout_s, master_addr
+        self.pg = tensor_group(
+            self.backend,
+            PrefixStore("radixserve/tp", store),
+            rank,
+            world_size,
+            timeout_s,
+            master_addr,
+            self.device,
         )
         self.control = _gloo(
             PrefixStore("radixserve/control", store),
@@ -204,13 +257,16 @@ class TPGroup:
                 f"answering): {exc}"
             ) from None
 
-    def all_reduce(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+    def all_reduce(
+        self, tensor: torch.Tensor, timeout_s: float | None = None, control: bool = False
+    ) -> None:
+        pg = self.control if control else self.pg
         if timeout_s is None:
-            self._wait(self.pg.allreduce([tensor]), "all-reduce")
+            self._wait(pg.allreduce([tensor]), "all-reduce")
             return
         opts = AllreduceOptions()
         opts.timeout = timedelta(seconds=timeout_s)
-        self._wait(self.pg.allreduce([tensor], opts), "all-reduce")
+        self._wait(pg.allreduce([tensor], opts), "all-reduce")
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
@@ -326,7 +382,8 @@ class ShardedModel:
 
 
 def load_shard_model(spec: WorkerSpec, group: TPGroup) -> ShardedModel:
-    """Read this rank's shard and build its part of the model (CPU)."""
+    """Read this rank's shard and build its part of the model on ``group.device`` (each
+    tensor moved there as it is taken: host memory holds the shard, never the model)."""
     path = Path(spec.path)
     if spec.load_format == "dummy":
         hf_config = read_hf_config(path)
@@ -341,12 +398,15 @@ def load_shard_model(spec: WorkerSpec, group: TPGroup) -> ShardedModel:
         full = dummy_weights(layout.config, dtype)
         weights = {name: layout.shard_tensor(name, full.pop(name)) for name in list(full)}
     checkpoint.weights = {}
+    if group.device.type != "cpu":
+        for name in list(weights):
+            weights[name] = weights[name].to(group.device, dtype)
     model = TensorParallelLlama(layout, weights, dtype, group)
     scheme = resolve_quantization(
         spec.quantization, spec.quantization_group_size, checkpoint.gguf_tensor_types
     )
-    if spec.quantization == "auto" and dtype != torch.bfloat16:
-        scheme = None  # the engine's rule: auto quantizes for bfloat16 only
+    if spec.quantization == "auto" and (group.device.type != "cpu" or dtype != torch.bfloat16):
+        scheme = None  # the engine's rule: auto quantizes for bfloat16 on the CPU only
     if scheme is not None:
         quantize_model(model, scheme)
     return ShardedModel(checkpoint, model, dtype, scheme)
@@ -373,14 +433,15 @@ def handshake(
     page_size: int = 0,
 ) -> tuple[int, int]:
     """Rank 0 sends the KV cache's size; every rank checks it built the same kind of model.
-    Returns (num_pages, page_size); ``ValueError`` on every rank if any disagrees."""
+    Returns (num_pages, page_size); ``ValueError`` on every rank if any disagrees. CPU
+    integers: on the control group (gloo), whatever the tensor backend."""
     mine = _agreement(model, scheme)
     msg = torch.tensor([num_pages, page_size, *mine], dtype=torch.int64)
     startup = max(STARTUP_TIMEOUT_S, group.timeout_s)  # ranks load at their own pace
-    group.broadcast(msg, timeout_s=startup)
+    group.broadcast(msg, control=True, timeout_s=startup)
     agreed = msg[2:].tolist() == mine
     flag = torch.tensor([0 if agreed else 1], dtype=torch.int64)
-    group.all_reduce(flag, timeout_s=startup)
+    group.all_reduce(flag, timeout_s=startup, control=True)
     if int(flag.item()):
         raise ValueError(
             "the tensor-parallel ranks built different models (dtype, kv heads or "
@@ -475,7 +536,13 @@ class TensorParallelGroup:
             try:
                 spec = self.spec
                 result["group"] = TPGroup(
-                    0, spec.world_size, spec.master_addr, port, spec.timeout_s, listen_fd
+                    0,
+                    spec.world_size,
+                    spec.master_addr,
+                    port,
+                    spec.timeout_s,
+                    listen_fd,
+                    device=spec.rank_device(0),
                 )
             except BaseException as exc:
                 result["error"] = exc
@@ -588,43 +655,3 @@ class TensorParallelGroup:
                 self.send(torch.tensor([OP_STOP] + [0] * (HEADER_LEN - 1), dtype=torch.int64))
             self.lost = DeviceLost("the tensor-parallel group was closed")
         self._reap(grace_s=10.0)
-
-
-class TPModelRunner(ModelRunner):
-    """``ModelRunner`` on rank 0 of a tensor-parallel group.
-
-    Invariant: before running a step's model work, ``run`` sends the step to every rank;
-    all collectives of the step happen inside ``_compute`` on every rank in the same order
-    (the worker mirrors it: ``worker.run_step``). A failure there is ``DeviceLost`` (the
-    group is out of step); sampling, local to rank 0, fails only its batch.
-    """
-
-    def __init__(
-        self,
-        model: TensorParallelLlama,
-        kv_cache: KVCache,
-        page_table: PageTable,
-        sampler: Sampler,
-        tp: TensorParallelGroup,
-    ) -> None:
-        super().__init__(model, kv_cache, page_table, sampler)
-        self.tp = tp
-        tp.start(model, kv_cache.num_pages, kv_cache.page_size)
-
-    @torch.inference_mode()
-    def run(self, step: PreparedStep) -> StepResult:
-        inputs: _ModelInputs = step.inputs
-        fb = inputs.forward_batch
-        self.tp.check()
-        plans = [(p.first_row, int(p.targets.numel())) for p in inputs.prompt_logprobs]
-        try:
-            self.tp.send(*encode_step(fb, self.future.resolve(fb.input_ids), inputs.copies, plans))
-            logits, prompt_logprobs = self._compute(inputs)
-        except DeviceLost as exc:
-            self.tp.fail_after(exc)
-            raise self.tp.lost from None  # type: ignore[misc]
-        except Exception as exc:  # the other ranks may be inside a collective: out of step
-            self.tp.fail(f"rank 0 failed inside a step ({type(exc).__name__}: {exc})")
-            raise self.tp.lost from exc  # type: ignore[misc]
-        tokens, logprobs = self._sample(inputs, logits)
-        return StepResult(tokens, logprobs, prompt_logprobs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,14 +63,20 @@ class ModelRunner:
     earlier steps' tokens from the ``FutureTokens`` buffer and publishes its own sampled
     tokens there. Pending page copies run before the forward, so copied pages are complete
     before anything reads or extends them.
+
+    The model work of a step is ``forward_step`` then ``prompt_logits`` per prompt-logprob
+    span (``_compute`` on rank 0, ``follow_step`` on a tensor-parallel worker, so both make
+    the same collectives in the same order); a subclass with other kernels (the CUDA
+    runner) overrides those two and inherits the rest. A worker's runner has no page table
+    or sampler (``page_table``/``sampler`` None): it only follows steps.
     """
 
     def __init__(
         self,
         model: LlamaForCausalLM,
         kv_cache: KVCache,
-        page_table: PageTable,
-        sampler: Sampler,
+        page_table: PageTable | None,
+        sampler: Sampler | None,
         max_rows: int | None = None,
     ) -> None:
         self.model = model
@@ -79,7 +86,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.sampler = sampler
-        self.future = FutureTokens(max_rows or page_table.table.shape[0])
+        self.future = FutureTokens(max_rows or _rows(page_table))
         c = model.config
         self.attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
 
@@ -148,20 +155,80 @@ class ModelRunner:
         the model work of a step (under tensor parallelism, every collective of the step
         happens in here, before anything that could fail on this rank alone)."""
         fb = inputs.forward_batch
-        if inputs.copies is not None:
-            self.kv_cache.copy_pages(*inputs.copies)
-        input_ids = self.future.resolve(fb.input_ids)
-        hidden = self.model.forward(
-            torch.from_numpy(input_ids), torch.from_numpy(fb.positions), self.attention, inputs.meta
-        )
-        logits = None
-        if inputs.sampling is not None:
+        sampling = inputs.sampling
+        hidden, logits = self.forward_step(
+            fb,
+            self.future.resolve(fb.input_ids),
+            inputs.copies,
+            inputs.meta,
+            logits=sampling is not None,
             # Plain greedy needs only an argmax: skip widening the logits to float32.
-            logits = self.model.compute_logits(
-                hidden[torch.from_numpy(fb.logits_indices)],
-                upcast=not inputs.sampling.argmax_only,
-            )
+            upcast=sampling is not None and not sampling.argmax_only,
+            graph_ok=sampling is not None
+            and bool(inputs.sample.all())
+            and not inputs.prompt_logprobs,
+        )
         return logits, self._prompt_logprobs(inputs, hidden)
+
+    def forward_step(
+        self,
+        fb: ForwardBatch,
+        input_ids: np.ndarray,
+        copies: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: object,
+        logits: bool,
+        upcast: bool,
+        graph_ok: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Page copies, the forward over ``input_ids`` (placeholders resolved) and, when
+        ``logits``, the logits of rows ``fb.logits_indices``. Returns (hidden states, or
+        None when a replayed graph made only logits; logits or None). ``graph_ok``: every
+        row is sampled and nothing else reads the hidden states (the CUDA runner may then
+        replay a graph)."""
+        if copies is not None:
+            self.kv_cache.copy_pages(*copies)
+        hidden = self.model.forward(
+            torch.from_numpy(input_ids), torch.from_numpy(fb.positions), self.attention, meta
+        )
+        out = None
+        if logits:
+            out = self.model.compute_logits(
+                hidden[torch.from_numpy(fb.logits_indices)], upcast=upcast
+            )
+        return hidden, out
+
+    def prompt_logits(
+        self, hidden: torch.Tensor, first_row: int, num: int
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """(j, float32 logits of hidden rows ``first_row + j ..``) in bounded chunks
+        covering ``num`` rows (each chunk a collective under tensor parallelism)."""
+        for j in range(0, num, _PROMPT_LOGITS_ROWS):
+            rows = hidden[first_row + j : first_row + min(j + _PROMPT_LOGITS_ROWS, num)]
+            yield j, self.model.compute_logits(rows, upcast=True)
+
+    def follow_step(
+        self,
+        fb: ForwardBatch,
+        copies: tuple[torch.Tensor, torch.Tensor] | None,
+        plans: list[tuple[int, int]],
+    ) -> None:
+        """A tensor-parallel worker's part of a step rank 0 runs: the model work of
+        ``_compute`` (same methods, same order, so the same collectives), its results
+        dropped; ``plans``: the prompt-logprob spans (first hidden row, rows)."""
+        graph_ok = fb.logits_indices.size == fb.num_requests and not plans
+        hidden, _ = self.forward_step(
+            fb,
+            fb.input_ids,
+            copies,
+            self.attention.prepare(fb),
+            logits=bool(fb.logits_indices.size),
+            upcast=False,
+            graph_ok=graph_ok,
+        )
+        for first, num in plans:
+            assert hidden is not None
+            for _ in self.prompt_logits(hidden, first, num):
+                pass
 
     def _sample(
         self, inputs: _ModelInputs, logits: torch.Tensor | None
@@ -171,9 +238,9 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprobs] = {}
         sampling = inputs.sampling
         if sampling is not None:
-            assert logits is not None
+            assert logits is not None and self.sampler is not None
             sampled = self.sampler(logits, sampling, self.future.resolve)
-            sampled_np = sampled.numpy()
+            sampled_np = self._to_host(sampled)
             self.future.store(inputs.slots, sampled_np)
             if sampling.grammar is not None:  # before the next step fills its masks
                 sampling.grammar.accept(sampled_np)
@@ -185,18 +252,25 @@ class ModelRunner:
                     logprobs[rid] = lp
         return tokens, logprobs
 
+    def _to_host(self, sampled: torch.Tensor) -> np.ndarray:
+        """The sampled ids on the host (the CUDA runner's one synchronisation per step)."""
+        return sampled.numpy()
+
     def _prompt_logprobs(
-        self, inputs: _ModelInputs, hidden: torch.Tensor
+        self, inputs: _ModelInputs, hidden: torch.Tensor | None
     ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         out: dict[str, tuple[int, list[TokenLogprobs]]] = {}
         for plan in inputs.prompt_logprobs:
-            num = plan.targets.numel()
+            assert hidden is not None and self.sampler is not None
             entries: list[TokenLogprobs] = []
-            for j in range(0, num, _PROMPT_LOGITS_ROWS):  # bounded [rows, vocab] logits
-                first = plan.first_row + j
-                rows = hidden[first : plan.first_row + min(j + _PROMPT_LOGITS_ROWS, num)]
-                logits = self.model.compute_logits(rows, upcast=True)
-                chunk_targets = plan.targets[j : j + _PROMPT_LOGITS_ROWS]
+            targets = plan.targets.to(hidden.device)
+            for j, logits in self.prompt_logits(hidden, plan.first_row, targets.numel()):
+                chunk_targets = targets[j : j + _PROMPT_LOGITS_ROWS]
                 entries.extend(self.sampler.logprobs_for(logits, chunk_targets, plan.num_top))
             out[plan.request_id] = (plan.start, entries)
         return out
+
+
+def _rows(page_table: PageTable | None) -> int:
+    """Rows of the future-token buffer: one per request slot (a worker samples nothing)."""
+    return 1 if page_table is None else page_table.table.shape[0]

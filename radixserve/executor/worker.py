@@ -2,8 +2,9 @@
 
 Rank, group size and rendezvous come from torchrun's environment variables (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``LOCAL_RANK`` for logs). The worker
-loads its shard, agrees on the KV cache with rank 0, then runs every step rank 0
-broadcasts until told to stop. If the group fails (a rank died, rank 0 went silent past
+loads its shard (on ``cuda:LOCAL_RANK`` when the spec's device is cuda), agrees on the KV
+cache with rank 0, then follows every step rank 0 broadcasts with the same kind of runner
+as rank 0's (``ModelRunner.follow_step``) until told to stop. If the group fails (a rank died, rank 0 went silent past
 the timeout) or its parent process dies, it exits with an error instead of waiting.
 """
 
@@ -18,7 +19,6 @@ import time
 
 import torch
 
-from radixserve.executor.attention import TorchNativeAttention
 from radixserve.executor.distributed import (
     HEADER_LEN,
     OP_NOOP,
@@ -26,60 +26,53 @@ from radixserve.executor.distributed import (
     DeviceLost,
     TPGroup,
     WorkerSpec,
-    WorkerStep,
     decode_step,
     default_threads,
     handshake,
     load_shard_model,
 )
 from radixserve.executor.kv_cache import KVCache
-from radixserve.executor.model_runner import _PROMPT_LOGITS_ROWS, CPU_MLP_BLOCK_ROWS
+from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.models.llama_tp import TensorParallelLlama
 
 logger = logging.getLogger("radixserve.worker")
 
 
-def run_step(
-    step: WorkerStep,
-    model: TensorParallelLlama,
-    kv_cache: KVCache,
-    attention: TorchNativeAttention,
-) -> None:
-    """This rank's part of one step: the same collectives, in the same order, as rank 0's
-    ``ModelRunner._compute`` (page copies, forward, sampled rows' logits, prompt-logprob
-    chunks). The results stay on rank 0; here only the KV pages change."""
-    fb = step.batch
-    if step.copies is not None:
-        kv_cache.copy_pages(*step.copies)
-    hidden = model.forward(
-        torch.from_numpy(fb.input_ids),
-        torch.from_numpy(fb.positions),
-        attention,
-        attention.prepare(fb),
-    )
-    if fb.logits_indices.size:
-        model.compute_logits(hidden[torch.from_numpy(fb.logits_indices)], upcast=False)
-    for first, num in step.plans:
-        for j in range(0, num, _PROMPT_LOGITS_ROWS):
-            model.compute_logits(hidden[first + j : first + min(j + _PROMPT_LOGITS_ROWS, num)])
+def worker_runner(
+    spec: WorkerSpec, model: TensorParallelLlama, num_pages: int, page_size: int
+) -> ModelRunner:
+    """This rank's runner, the same kind as rank 0's (``spec.runner``), over a KV cache of
+    rank 0's size with this rank's kv heads; it only follows steps."""
+    device = model.embed.device
+    if spec.runner == "cuda":
+        from radixserve.executor.cuda.build import build_worker_runner  # needs triton
 
-
-def serve(spec: WorkerSpec, rank: int, master_addr: str, master_port: int) -> None:
-    torch.set_num_threads(spec.num_threads or default_threads(spec))
-    group = TPGroup(rank, spec.world_size, master_addr, master_port, spec.timeout_s)
-    loaded = load_shard_model(spec, group)
-    model = loaded.model
-    num_pages, page_size = handshake(group, model, loaded.scheme)
+        return build_worker_runner(model, num_pages, page_size, device)
     c = model.config
     kv_cache = KVCache(
         c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim, model.dtype
     )
-    model.mlp_block_rows = CPU_MLP_BLOCK_ROWS  # as ModelRunner sets it on CPU
-    attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
+    return ModelRunner(model, kv_cache, None, None)
+
+
+def serve(spec: WorkerSpec, rank: int, master_addr: str, master_port: int) -> None:
+    torch.set_num_threads(spec.num_threads or default_threads(spec))
+    device = spec.rank_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton kernels and NCCL use the current device
+    group = TPGroup(rank, spec.world_size, master_addr, master_port, spec.timeout_s, device=device)
+    loaded = load_shard_model(spec, group)
+    model = loaded.model
+    num_pages, page_size = handshake(group, model, loaded.scheme)
+    runner = worker_runner(spec, model, num_pages, page_size)
+    c = model.config
     logger.info(
-        "rank %d/%d ready: %d heads, %d kv heads, %d KV pages",
+        "rank %d/%d ready on %s (%s runner, %s collectives): %d heads, %d kv heads, %d KV pages",
         rank,
         spec.world_size,
+        device,
+        spec.runner,
+        group.backend,
         c.num_attention_heads,
         c.num_key_value_heads,
         num_pages,
@@ -95,7 +88,8 @@ def serve(spec: WorkerSpec, rank: int, master_addr: str, master_port: int) -> No
                 return
             payload = torch.empty(int(header[7]), dtype=torch.int64)
             group.broadcast(payload, control=True)
-            run_step(decode_step(header, payload, page_size), model, kv_cache, attention)
+            step = decode_step(header, payload, page_size)
+            runner.follow_step(step.batch, step.copies, step.plans)
 
 
 def _watch_parent() -> None:

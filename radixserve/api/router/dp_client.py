@@ -9,6 +9,7 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -23,6 +24,7 @@ from radixserve.api.router.policy import (
 )
 from radixserve.api.supervisor import SupervisorConfig
 from radixserve.engine.config import EngineConfig
+from radixserve.executor.placement import replica_environments
 
 _SUMMED = (
     "running",
@@ -49,8 +51,9 @@ class DataParallelClient:
     that runs it; ``stats`` is the sum over engines; ``alive`` while any engine is (the
     dead ones get no new requests, their running ones fail with ``EngineDead`` as with
     one engine). On CPU each engine gets its share of the cores unless ``num_threads``
-    says otherwise; on CUDA all share the visible GPU (one GPU per replica: run one
-    ``serve`` per GPU with ``CUDA_VISIBLE_DEVICES`` behind ``radixserve router``).
+    says otherwise; on CUDA engine i (with its tensor-parallel workers) sees only GPUs
+    ``[i*tp, (i+1)*tp)`` of the visible ones (``CUDA_VISIBLE_DEVICES``), and too few
+    visible GPUs is a ``ValueError`` here, before any process starts.
     """
 
     def __init__(
@@ -79,9 +82,16 @@ class DataParallelClient:
         ):  # the engines share the cores instead of each taking them all
             config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // size))
         self.config = config
+        envs: list[dict[str, str] | None] = [None] * size
+        if config.resolved_device == "cuda" and not config.simulated_device:
+            envs = list(
+                replica_environments(
+                    size, config.tensor_parallel_size, dict(os.environ), torch.cuda.device_count()
+                )
+            )
         # each engine is supervised (watchdog, restarts) on its own
         self.clients = [
-            EngineClient(config, tokenizer, supervision=supervision) for _ in range(size)
+            EngineClient(config, tokenizer, supervision=supervision, env=env) for env in envs
         ]
         self.tracker = RequestTracker()
         for client in self.clients:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -10,16 +11,36 @@ from radixserve.core.page_table import PageTable
 from radixserve.executor.cuda.layer_ops import TritonLayerOps
 from radixserve.executor.cuda.runner import CudaModelRunner
 from radixserve.executor.cuda.sampler import DeviceSampler
+from radixserve.executor.distributed import TensorParallelGroup
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 def place_model(model: LlamaForCausalLM, device: torch.device) -> None:
     """Route the model's row-wise ops through Triton and move its rotary tables to
     ``device`` (its weights are created or moved there by the loader)."""
-    model.ops = TritonLayerOps()
+    model.use_layer_ops(TritonLayerOps())
     model.rotary.cos = model.rotary.cos.to(device)
     model.rotary.sin_signed = model.rotary.sin_signed.to(device)
+
+
+def cuda_kv_cache(
+    model: LlamaForCausalLM, num_pages: int, page_size: int, device: torch.device
+) -> KVCache:
+    """The KV cache of this rank's kv heads on ``device`` (``num_pages`` includes the
+    scratch page)."""
+    c = model.config
+    return KVCache(
+        c.num_hidden_layers,
+        num_pages,
+        page_size,
+        c.num_key_value_heads,
+        c.head_dim,
+        model.dtype,
+        device=device,
+    )
 
 
 def build_cuda_runner(
@@ -31,10 +52,17 @@ def build_cuda_runner(
     eos_token_ids: tuple[int, ...],
     device: torch.device,
     cuda_graph_max_bs: int | None,
+    tp: TensorParallelGroup | None = None,
 ) -> tuple[CudaModelRunner, DeviceSampler]:
     """The runner over a KV cache of ``num_pages`` pages plus one scratch page (written by
-    the padding rows of CUDA graphs; the page pool never hands it out)."""
-    c = model.config
+    the padding rows of CUDA graphs; the page pool never hands it out). With ``tp`` (rank 0
+    of a tensor-parallel group): the TP runner, without CUDA graphs.
+
+    Why no graphs under tensor parallelism: capturing NCCL collectives is possible
+    (torch supports it), but a replayed graph's all-reduce is invisible to the group's
+    failure handling (a dead rank would stall the replay instead of raising
+    ``DeviceLost``), and no machine available to this project has two GPUs to verify a
+    captured TP step; eager steps are correct and their failures are seen."""
     place_model(model, device)
     # The overlapped loop runs steps on a worker thread that needs the GIL briefly between
     # steps (tokens out, next inputs in) while the host thread schedules in Python: a
@@ -42,16 +70,22 @@ def build_cuda_runner(
     # Its effect on the idle fraction is for the GPU check to measure.
     if device.type == "cuda":
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
-    kv_cache = KVCache(
-        c.num_hidden_layers,
-        num_pages + 1,
-        page_size,
-        c.num_key_value_heads,
-        c.head_dim,
-        model.dtype,
-        device=device,
-    )
+    kv_cache = cuda_kv_cache(model, num_pages + 1, page_size, device)
     sampler = DeviceSampler(vocab_size, eos_token_ids)
+    if tp is not None:
+        from radixserve.executor.cuda.tp_runner import CudaTPModelRunner
+
+        if cuda_graph_max_bs:
+            logger.warning(
+                "CUDA graphs are off under tensor parallelism (size %d): decode steps run "
+                "eagerly, so a failed collective is seen by the group instead of stalling a "
+                "graph replay",
+                tp.spec.world_size,
+            )
+        runner: CudaModelRunner = CudaTPModelRunner(
+            model, kv_cache, page_table, sampler, device, num_pages, tp
+        )
+        return runner, sampler
     runner = CudaModelRunner(
         model,
         kv_cache,
@@ -62,3 +96,13 @@ def build_cuda_runner(
         cuda_graph_max_bs=cuda_graph_max_bs,
     )
     return runner, sampler
+
+
+def build_worker_runner(
+    model: LlamaForCausalLM, num_pages: int, page_size: int, device: torch.device
+) -> CudaModelRunner:
+    """A tensor-parallel worker's CUDA runner: rank 0's KV size (``num_pages`` includes
+    the scratch page), no sampler, no graphs; it only follows steps."""
+    place_model(model, device)
+    kv_cache = cuda_kv_cache(model, num_pages, page_size, device)
+    return CudaModelRunner(model, kv_cache, None, None, device, scratch_page=num_pages - 1)

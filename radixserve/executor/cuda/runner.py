@@ -3,8 +3,6 @@ on the device, one device-to-host copy per step."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -16,13 +14,11 @@ from radixserve.executor.cuda.attention import (
 )
 from radixserve.executor.cuda.graph_runner import CudaGraphRunner, StagedInputs
 from radixserve.executor.cuda.sampler import DeviceSampler
-from radixserve.executor.device import PreparedStep, StepResult
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.future_tokens import FutureTokens
 from radixserve.executor.kv_cache import KVCache
-from radixserve.executor.model_runner import ModelRunner, _ModelInputs
+from radixserve.executor.model_runner import ModelRunner, _ModelInputs, _rows
 from radixserve.executor.models.llama import LlamaForCausalLM
-from radixserve.executor.sampler import TokenLogprobs
 
 
 class CudaModelRunner(ModelRunner):
@@ -35,15 +31,17 @@ class CudaModelRunner(ModelRunner):
     again only for logprobs asked for); a decode-only step whose every row is sampled
     replays a CUDA graph when ``graphs`` is set and the batch fits a bucket, else runs
     eagerly with the same kernels. ``step_events`` (when a list): a (start, end) CUDA event
-    pair per step, for measuring device busy time.
+    pair per step, for measuring device busy time. The step's model work goes through
+    ``forward_step`` / ``prompt_logits`` like ``ModelRunner``'s (so the tensor-parallel
+    mixin and worker drive this runner as they drive the CPU one).
     """
 
     def __init__(
         self,
         model: LlamaForCausalLM,
         kv_cache: KVCache,
-        page_table: PageTable,
-        sampler: DeviceSampler,
+        page_table: PageTable | None,
+        sampler: DeviceSampler | None,
         device: torch.device,
         scratch_page: int,
         cuda_graph_max_bs: int | None = None,
@@ -54,7 +52,7 @@ class CudaModelRunner(ModelRunner):
         self.kv_cache = kv_cache
         self.page_table = page_table
         self.sampler = sampler
-        self.future = FutureTokens(max_rows or page_table.table.shape[0])
+        self.future = FutureTokens(max_rows or _rows(page_table))
         self.device = device
         c = model.config
         self.attention = TritonAttention(kv_cache, c.num_attention_heads, c.head_dim)
@@ -62,8 +60,10 @@ class CudaModelRunner(ModelRunner):
         self._staging = torch.empty(0, dtype=torch.int64)
         self._staged_event: torch.cuda.Event | None = None
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # this step's
         self.graphs: CudaGraphRunner | None = None
         if cuda_graph_max_bs and device.type == "cuda":
+            assert page_table is not None
             self.graphs = CudaGraphRunner(
                 model,
                 self.attention,
@@ -116,81 +116,67 @@ class CudaModelRunner(ModelRunner):
         )
 
     # -- device side ----------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(self, step: PreparedStep) -> StepResult:
-        inputs: _ModelInputs = step.inputs
-        fb = inputs.forward_batch
-        host: TritonHostMetadata = inputs.meta
-        events = None
+    def _compute(self, inputs: _ModelInputs):  # type: ignore[override]
         if self.step_events is not None:
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        if inputs.copies is not None:
-            src, dst = inputs.copies
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._events[0].record()
+        return super()._compute(inputs)
+
+    def forward_step(
+        self,
+        fb: ForwardBatch,
+        input_ids: np.ndarray,
+        copies: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: object,
+        logits: bool,
+        upcast: bool,
+        graph_ok: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        host: TritonHostMetadata = meta  # type: ignore[assignment]
+        if copies is not None:
+            src, dst = copies
             self.kv_cache.copy_pages(src.to(self.device), dst.to(self.device))
-        staged = self._stage(self.future.resolve(fb.input_ids), fb)
-        sampling = inputs.sampling
+        staged = self._stage(input_ids, fb)
         num = fb.num_requests
-        use_graph = (
+        if (
             self.graphs is not None
             and host.is_decode
-            and sampling is not None
-            and bool(inputs.sample.all())
-            and not inputs.prompt_logprobs
+            and logits
+            and graph_ok
             and self.graphs.can_run(num, fb.page_tables.shape[1])
+        ):
+            out = self.graphs.replay(staged)
+            return None, (out.float() if upcast else out)
+        triton_meta = TritonMetadata(
+            is_decode=host.is_decode,
+            num_tokens=host.num_tokens,
+            max_q_len=host.max_q_len,
+            num_splits=self.attention.num_splits(num, host.max_seq_len),
+            query_start_loc=staged.query_start_loc,
+            seq_lens=staged.seq_lens,
+            page_tables=staged.page_tables,
+            slot_mapping=staged.slot_mapping,
         )
-        hidden = None
-        logits = None
-        if use_graph:
-            assert self.graphs is not None
-            logits = self.graphs.replay(staged)
-        else:
-            meta = TritonMetadata(
-                is_decode=host.is_decode,
-                num_tokens=host.num_tokens,
-                max_q_len=host.max_q_len,
-                num_splits=self.attention.num_splits(num, host.max_seq_len),
-                query_start_loc=staged.query_start_loc,
-                seq_lens=staged.seq_lens,
-                page_tables=staged.page_tables,
-                slot_mapping=staged.slot_mapping,
-            )
-            hidden = self.model.forward(staged.input_ids, staged.positions, self.attention, meta)
-        tokens = np.full(num, -1, dtype=np.int64)
-        logprobs: dict[str, TokenLogprobs] = {}
-        if sampling is not None:
-            if logits is None:
-                assert hidden is not None
-                logits = self.model.compute_logits(
-                    hidden[staged.logits_indices], upcast=not sampling.argmax_only
-                )
-            elif not sampling.argmax_only:
-                logits = logits.float()
-            sampled = self.sampler(logits, sampling, self.future.resolve)
-            if events is not None:
-                events[1].record()
-            sampled_np = sampled.cpu().numpy()  # the step's one synchronisation
-            self.future.store(inputs.slots, sampled_np)
-            if sampling.grammar is not None:  # before the next step fills its masks
-                sampling.grammar.accept(sampled_np)
-            tokens[inputs.sample] = sampled_np
-            for rid, lp in zip(
-                inputs.sampled_ids, self.sampler.logprobs_of(sampled, sampling), strict=True
-            ):
-                if lp is not None:
-                    logprobs[rid] = lp
-        elif events is not None:
-            events[1].record()
-        if events is not None and self.step_events is not None:
-            self.step_events.append(events)
-        prompt_logprobs = {}
-        if inputs.prompt_logprobs:
-            assert hidden is not None
-            plans = [
-                dataclasses.replace(p, targets=p.targets.to(self.device))
-                for p in inputs.prompt_logprobs
-            ]
-            prompt_logprobs = self._prompt_logprobs(
-                dataclasses.replace(inputs, prompt_logprobs=plans), hidden
-            )
-        return StepResult(tokens, logprobs, prompt_logprobs)
+        hidden = self.model.forward(staged.input_ids, staged.positions, self.attention, triton_meta)
+        out = None
+        if logits:
+            out = self.model.compute_logits(hidden[staged.logits_indices], upcast=upcast)
+        return hidden, out
+
+    def _to_host(self, sampled: torch.Tensor) -> np.ndarray:
+        self._end_events()
+        return sampled.cpu().numpy()  # the step's one synchronisation
+
+    def _sample(self, inputs: _ModelInputs, logits: torch.Tensor | None):  # type: ignore[override]
+        out = super()._sample(inputs, logits)
+        self._end_events()  # a step that sampled nothing
+        return out
+
+    def _end_events(self) -> None:
+        if self._events is not None and self.step_events is not None:
+            self._events[1].record()
+            self.step_events.append(self._events)
+        self._events = None

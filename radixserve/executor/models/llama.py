@@ -147,6 +147,10 @@ class LlamaForCausalLM:
             sublayer_out = self._mlp(w, x)
         return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
 
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        """Run the row-wise ops with ``ops`` (the CUDA path's Triton kernels)."""
+        self.ops = ops
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T, hidden] embedding rows (a fresh tensor: the residual stream is updated in place)."""
         return F.embedding(input_ids, self.embed)

@@ -24,23 +24,31 @@ class Collectives(Protocol):
 
 
 class AllReduceLayerOps(LayerOps):
-    """``LayerOps`` whose residual add first sums the sublayer output across the group.
+    """``LayerOps`` whose residual add first sums the sublayer output across the group; the
+    ops themselves are ``inner``'s (the C kernels on CPU, Triton on the CUDA path).
 
     Invariant: every ``add`` reaching ``add_rms_norm`` in ``LlamaForCausalLM.forward`` is the
     output of a row-parallel projection (o or down), a partial sum on each rank; the
     all-reduce makes it the full output, so the residual stream is the same on every rank
     and equal to the single-rank model's."""
 
-    def __init__(self, group: Collectives, use_native: bool = True) -> None:
-        super().__init__(use_native)
+    def __init__(self, group: Collectives, inner: LayerOps | None = None) -> None:
+        # not LayerOps.__init__: every op is inner's
         self.group = group
+        self.inner = inner or LayerOps()
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.silu_and_mul(x)
 
     def add_rms_norm(
         self, add: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         if add is not None:
             self.group.all_reduce(add)
-        return super().add_rms_norm(add, residual, weight, eps)
+        return self.inner.add_rms_norm(add, residual, weight, eps)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        return self.inner.rotary(x, cos, sin_signed)
 
 
 class TensorParallelLlama(LlamaForCausalLM):
@@ -64,6 +72,10 @@ class TensorParallelLlama(LlamaForCausalLM):
         self.layout = layout
         self.full_config = layout.config
         self.group = group
+
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        """``ops`` with the row-parallel all-reduce still folded into the residual add."""
+        self.ops = AllReduceLayerOps(self.group, ops)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: each rank fills the rows of its own ids, zeros
