@@ -390,15 +390,16 @@ class Scheduler:
             if later:
                 self._preempt(self._victim(later))
                 continue
-            if len(self.running) == 1:
+            need = self.kv.pool.pages_for(num_tokens)
+            if len(self.running) == 1 and need > self.kv.pool.num_pages:
                 self.running.pop()
                 self._fail(
                     req,
-                    f"the request needs {self.kv.pool.pages_for(num_tokens)} KV pages, "
+                    f"the request needs {need} KV pages, "
                     f"more than the {self.kv.pool.num_pages} the cache holds",
                     failed,
                 )
-            else:
+            else:  # (alone, it waits for pages others hold: a step in flight, a tree lock)
                 self._preempt(req)
             return False
         return True

@@ -154,7 +154,9 @@ def test_a_slowloris_client_is_cut_off_while_others_are_served(port):
     elapsed = time.monotonic() - start
     status, error = _status_and_error(received)
     assert status == 408 and error["code"] == "header_timeout"
-    assert LIMITS.header_timeout_s <= elapsed < LIMITS.header_timeout_s + 2.5
+    # (the event loop's timers run on a clock read once per loop turn, so one can fire a
+    # fraction of a millisecond before its time as this process measures it)
+    assert LIMITS.header_timeout_s - 0.05 <= elapsed < LIMITS.header_timeout_s + 2.5
 
 
 def test_the_connection_cap_answers_503_and_frees_up(port):

@@ -134,6 +134,28 @@ def test_request_too_large_for_the_pool_fails_with_reason():
     assert s.kv.pool.num_free == 4
 
 
+def test_a_lone_request_waits_for_pages_held_elsewhere_instead_of_failing():
+    """Pages held outside the running set (a step still in flight, a tree lock) are no
+    reason to fail a request that fits the pool: it is preempted and resumes later."""
+    s = make(num_pages=8, page_size=4)
+    held = s.kv.pool.alloc(4)  # half the pool, held by someone else for a while
+    r = req("r", 8, max_tokens=12)  # 20 tokens: 5 pages, more than the 4 left
+    s.add_request(r)
+    ended: list[Request] = []
+    for _ in range(40):
+        batch = s.schedule()
+        ended.extend(batch.failed)
+        sampled = np.array([fake_token(q) for q in batch.requests], dtype=np.int64)
+        for q in s.update_after_step(batch, sampled):
+            q.token_ids[q.num_tokens - 1] = fake_token_at(q, q.num_tokens - 1)
+    assert not ended and s.stats.num_preemptions > 0  # preempted, not failed
+    s.kv.pool.decref(held)
+    ended = run(s)
+    assert ended == [r] and r.finish_reason is FinishReason.LENGTH
+    assert r.output_token_ids.tolist() == [fake_token_at(r, p) for p in range(8, 20)]
+    assert s.kv.pool.num_free == s.kv.pool.num_pages
+
+
 def test_prompt_larger_than_pool_fails_at_admission():
     s = make(num_pages=2, page_size=4)
     r = req("r", 20)

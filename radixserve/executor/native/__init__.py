@@ -60,6 +60,10 @@ def _cache_dir() -> Path:
 _EXTRA_FLAGS = {"elementwise.c": ["-ffast-math"]}
 
 
+# changes whenever the way a library is built changes (not only its flags)
+_RECIPE = "compile-then-link-2"
+
+
 def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -67,7 +71,7 @@ def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
         return None
     flags = [*_FLAGS, *_EXTRA_FLAGS.get(source.name, []), *variant_flags]
     key = hashlib.sha256(
-        source.read_bytes() + " ".join([compiler, *flags]).encode() + _cpu_flags().encode()
+        source.read_bytes() + " ".join([compiler, *flags, _RECIPE]).encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
@@ -76,7 +80,16 @@ def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
     # build into a temporary name, then rename: concurrent builders never see half a file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *flags, "-o", tmp, str(source), "-lm"]
+    # Compiled and linked in two steps: linking with -ffast-math would add crtfastmath.o,
+    # whose constructor turns on flush-to-zero for the whole process when the library is
+    # loaded (denormals would vanish in torch and numpy too).
+    compile_flags = [f for f in flags if f != "-shared"]
+    link_flags = [f for f in flags if f in ("-shared", "-fopenmp", "-fPIC")]
+    obj = tmp[: -len(".so")] + ".o"
+    cmds = [
+        [compiler, *compile_flags, "-c", "-o", obj, str(source)],
+        [compiler, *link_flags, "-o", tmp, obj, "-lm"],
+    ]
     # a first run on a new machine (or after an upgrade) pays about a second per kernel
     print(
         f"radixserve: building native CPU kernel {source.name} (first run only)",
@@ -84,12 +97,15 @@ def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
         flush=True,
     )
     try:
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        for cmd in cmds:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     except (OSError, subprocess.SubprocessError) as exc:
         stderr = getattr(exc, "stderr", b"") or b""
         log.warning("building %s failed (%s): %s", source.name, exc, stderr.decode()[-2000:])
         Path(tmp).unlink(missing_ok=True)
         return None
+    finally:
+        Path(obj).unlink(missing_ok=True)
     os.replace(tmp, target)
     return target
 
