@@ -140,7 +140,7 @@ def main() -> None:
     if not args.skip_1b:
         for name, quantization in PRECISIONS.items():
             sizes = weights_gib_1b(quantization)
-            copy = sizes.pop("onednn_copy", 0.0)  # bf16 Linear's second, reordered copy
+            copy = sizes.pop("onednn_copy", 0.0)  # the tied LM head's reordered copy
             result[f"weights_gib_1b_{name}"] = round(sum(sizes.values()), 3)
             result[f"onednn_copy_gib_1b_{name}"] = round(copy, 3)
     print(json.dumps(result))

@@ -591,8 +591,9 @@ def quantize_model(model: Any, scheme: QuantScheme) -> None:
 
 def weight_memory(model: Any) -> dict[str, int]:
     """Bytes of the model's weights by precision (``bfloat16``, ``float32``, ``int8``,
-    ``int4``), each tensor counted once (tied embeddings once), and ``onednn_copy``: the
-    bfloat16 copies reordered for oneDNN that ``Linear`` keeps beside its weights."""
+    ``int4``), each tensor counted once (tied embeddings once). A bfloat16 ``Linear`` on
+    CPU holds its weight only reordered for oneDNN, which is what counts for it; a tied LM
+    head's reordered copy, beside the embedding table, is ``onednn_copy``."""
     out: dict[str, int] = {}
     seen: set[int] = set()
 
@@ -613,10 +614,13 @@ def weight_memory(model: Any) -> dict[str, int]:
             add("int4", value.nbytes)
             add_tensor(value.bias)
         elif isinstance(value, Linear):
-            add_tensor(value.weight)
+            plain = value.plain_weight
+            add_tensor(plain)
             add_tensor(value.bias)
-            if value.packed is not None:  # the oneDNN-reordered copy Linear also holds
-                add("onednn_copy", value.packed.nbytes)
+            if value.packed is not None:  # the oneDNN-reordered weight: a copy beside a
+                # plain weight kept for another user (a tied head), else its only form
+                key = "onednn_copy" if plain is not None else str(value.packed.dtype)
+                add(key.removeprefix("torch."), value.packed.nbytes)
         elif isinstance(value, torch.Tensor):
             add_tensor(value)
 

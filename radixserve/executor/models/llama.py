@@ -94,7 +94,8 @@ class LlamaForCausalLM:
                 raise ValueError(f"layer {i}: q/k/v projections do not match the config")
         self.norm = take("model.norm.weight")
         lm_head = take_optional("lm_head.weight")
-        self.lm_head = Linear(self.embed if (lm_head is None or c.tie_word_embeddings) else lm_head)
+        tied = lm_head is None or c.tie_word_embeddings
+        self.lm_head = Linear(self.embed if tied else lm_head, shared=tied)
         for name in list(weights):
             if "rotary_emb" in name:
                 weights.pop(name)
