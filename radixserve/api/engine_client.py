@@ -76,22 +76,14 @@ class _Mailbox:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def _wait(self) -> None:
+    async def get_all(self) -> list[Any]:
+        """Every item there is, waiting for at least one."""
         while not self._items:
             waiter = self._waiter = self._loop.create_future()
             try:
                 await waiter
             finally:
                 self._waiter = None
-
-    async def get(self) -> Any:
-        """The next item, waiting for one."""
-        await self._wait()
-        return self._items.popleft()
-
-    async def get_all(self) -> list[Any]:
-        """Every item there is, waiting for at least one."""
-        await self._wait()
         items = list(self._items)
         self._items.clear()
         return items
@@ -377,36 +369,16 @@ class EngineClient:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[p.Delta]:
-        """Yield the deltas of ``n`` samples, with their text, until all have finished.
-        Cancelling (client gone) aborts the request in the engine."""
-        outputs, pending = self._start(
+        """Yield the deltas of ``n`` samples, with their text, until all have finished
+        (``generate_batches``, one delta at a time). Cancelling (client gone) aborts the
+        request in the engine."""
+        batches = self.generate_batches(
             request_id, prompt_token_ids, params, n, cache_salt, priority
         )
-        tracker = self.tracker
-        finished = False
-        try:
-            while True:
-                item = await pending.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                item, stopped_here = outputs.process(item)
-                if item is None:
-                    continue
-                if stopped_here:  # a stop string ended this sample: the engine can let go
-                    self._send(p.AbortRequest(request_id, item.index))
-                tracker.observe(item)
-                yield item
-                if item.finished:
-                    pending.remaining -= 1
-                    if pending.remaining == 0:
-                        finished = True
-                        return
-        finally:
-            tracker.close(request_id)
-            self._forget(request_id)
-            if not finished and self.alive:
-                self._send(p.AbortRequest(request_id))
+        async with contextlib.aclosing(batches):  # closing this closes that: the abort
+            async for batch in batches:
+                for delta in batch:
+                    yield delta
 
     async def generate_batches(
         self,

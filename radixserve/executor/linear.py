@@ -63,8 +63,6 @@ class Linear:
         return self._weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            if x.dtype == torch.bfloat16:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return F.linear(x, self.weight, self.bias)  # (rare: rebuilds the weight)
-        return F.linear(x, self._weight, self.bias)
+        if self.packed is not None and x.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
