@@ -76,14 +76,17 @@ class _Mailbox:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def get_all(self) -> list[Any]:
-        """Every item there is, waiting for at least one."""
+    async def wait(self) -> None:
+        """Return once there is an item."""
         while not self._items:
             waiter = self._waiter = self._loop.create_future()
             try:
                 await waiter
             finally:
                 self._waiter = None
+
+    def take_all(self) -> list[Any]:
+        """Every item there is (maybe none), in order."""
         items = list(self._items)
         self._items.clear()
         return items
@@ -369,16 +372,25 @@ class EngineClient:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[p.Delta]:
-        """Yield the deltas of ``n`` samples, with their text, until all have finished
-        (``generate_batches``, one delta at a time). Cancelling (client gone) aborts the
-        request in the engine."""
-        batches = self.generate_batches(
+        """Yield the deltas of ``n`` samples, with their text, until all have finished.
+        Cancelling (client gone) aborts the request in the engine."""
+        outputs, pending = self._start(
             request_id, prompt_token_ids, params, n, cache_salt, priority
         )
-        async with contextlib.aclosing(batches):  # closing this closes that: the abort
-            async for batch in batches:
+        finished = False
+        try:
+            while pending.remaining:
+                batch, error = self._deltas(request_id, outputs, pending)
                 for delta in batch:
                     yield delta
+                if error is not None:
+                    finished = True
+                    raise error
+                if pending.remaining:
+                    await pending.queue.wait()
+            finished = True
+        finally:
+            self._end(request_id, finished)
 
     async def generate_batches(
         self,
@@ -395,37 +407,47 @@ class EngineClient:
         outputs, pending = self._start(
             request_id, prompt_token_ids, params, n, cache_salt, priority
         )
-        tracker = self.tracker
         finished = False
         try:
             while pending.remaining:
-                items = await pending.queue.get_all()
-                batch: list[p.Delta] = []
-                error: BaseException | None = None
-                for item in items:
-                    if isinstance(item, BaseException):
-                        error = item
-                        break
-                    delta, stopped_here = outputs.process(item)
-                    if delta is None:
-                        continue
-                    if stopped_here:  # a stop string ended this sample: the engine can let go
-                        self._send(p.AbortRequest(request_id, delta.index))
-                    tracker.observe(delta)
-                    if delta.finished:
-                        pending.remaining -= 1
-                    batch.append(delta)
+                batch, error = self._deltas(request_id, outputs, pending)
                 if batch:
                     yield batch
                 if error is not None:
                     finished = True
                     raise error
+                if pending.remaining:
+                    await pending.queue.wait()
             finished = True
         finally:
-            tracker.close(request_id)
-            self._forget(request_id)
-            if not finished and self.alive:
-                self._send(p.AbortRequest(request_id))
+            self._end(request_id, finished)
+
+    def _deltas(
+        self, request_id: str, outputs: RequestOutputProcessor, pending: _Pending
+    ) -> tuple[list[p.Delta], BaseException | None]:
+        """The deltas made of everything the engine has sent the request so far, and the
+        error that ended it, if one did."""
+        batch: list[p.Delta] = []
+        for item in pending.queue.take_all():
+            if isinstance(item, BaseException):
+                return batch, item
+            delta, stopped_here = outputs.process(item)
+            if delta is None:
+                continue
+            if stopped_here:  # a stop string ended this sample: the engine can let go
+                self._send(p.AbortRequest(request_id, delta.index))
+            self.tracker.observe(delta)
+            if delta.finished:
+                pending.remaining -= 1
+            batch.append(delta)
+        return batch, None
+
+    def _end(self, request_id: str, finished: bool) -> None:
+        """The caller is done with ``request_id``; unless it finished, the engine aborts it."""
+        self.tracker.close(request_id)
+        self._forget(request_id)
+        if not finished and self.alive:
+            self._send(p.AbortRequest(request_id))
 
     def _start(
         self,
