@@ -18,10 +18,10 @@ import time
 
 import numpy as np
 
-from radixserve.api import protocol as p
 from radixserve.core.page_pool import PagePool
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.radix_summary import summarize
+from radixserve.serving import protocol as p
 
 VOCAB = 50_000
 

@@ -50,8 +50,8 @@ async def h2load(args: list[str], requests: int) -> float:
 async def grpc_server(k: int):
     import grpc
 
-    from radixserve.api.proto.radixserve.v1 import generate_pb2 as pb
-    from radixserve.api.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
+    from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
+    from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
 
     class Null(pb_grpc.GenerateServiceServicer):
         async def Generate(self, request, context):
@@ -142,7 +142,7 @@ def main() -> None:
 
     import tempfile
 
-    from radixserve.api.proto.radixserve.v1 import generate_pb2 as pb
+    from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
 
     message = pb.GenerateRequest(
         text="hello " * 16,

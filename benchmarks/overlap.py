@@ -28,11 +28,11 @@ import time
 
 import numpy as np
 
-from radixserve.api import protocol as p
-from radixserve.api.engine_process import wire_delta
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.engine import Engine
+from radixserve.serving import protocol as p
+from radixserve.serving.engine_process import wire_delta
 
 VOCAB = 30000
 

@@ -59,7 +59,7 @@ def launch(args: list[str], ready_path: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "radixserve.api.cli", *args, "--port", str(port)],
+        [sys.executable, "-m", "radixserve.cli", *args, "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -20,11 +20,11 @@ from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.request import Request
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.engine.simulator import Simulator, shared_prefix_trace
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.simulated import CostModel, SimulatedRunner, VirtualClock
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.tools.simulator import Simulator, shared_prefix_trace
 
 
 def step_overhead(num_running: int, num_waiting: int, steps: int, policy: str) -> np.ndarray:

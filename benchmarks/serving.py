@@ -218,7 +218,7 @@ class Launched:
     def __init__(self, extra: list[str], port: int = 8765) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.api.cli", "serve", "--port", str(port), *extra],
+            [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(port), *extra],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -315,7 +315,7 @@ async def grpc_request(stub, job: Job) -> Result:
     """One streamed Generate call (radixserve.v1), timed as ``one_request`` times SSE."""
     import grpc
 
-    from radixserve.api.proto.radixserve.v1 import generate_pb2 as pb
+    from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
 
     req = pb.GenerateRequest(
         text=job.prompt,
@@ -351,7 +351,7 @@ async def run_grpc_load(target: str, jobs: list[Job], concurrency: int, channels
     wall time."""
     import grpc
 
-    from radixserve.api.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
+    from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
 
     slots = asyncio.Semaphore(concurrency)
     options = [("grpc.use_local_subchannel_pool", 1)]  # a connection per channel
@@ -404,7 +404,7 @@ class _H2Load:
         import struct
         import tempfile
 
-        from radixserve.api.proto.radixserve.v1 import generate_pb2 as pb
+        from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
 
         if shutil.which("h2load") is None:
             raise SystemExit("--h2load needs h2load (Debian: apt-get install nghttp2-client)")

@@ -13,7 +13,7 @@ Prints outcome counts, TTFT/TPOT percentiles by time window and, last, one JSON 
 
 import sys
 
-from radixserve.api.soak import main
+from radixserve.tools.soak import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -115,7 +115,7 @@ class Server:
             cmd = [
                 python,
                 "-m",
-                "radixserve.api.cli",
+                "radixserve.cli",
                 "serve",
                 "--model",
                 model,

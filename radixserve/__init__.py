@@ -8,8 +8,8 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+from radixserve.core.version import __version__
 
 _LAZY = {
     "LLM": "radixserve.engine.llm",

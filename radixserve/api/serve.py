@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import uvicorn
 
 from radixserve.api.http_limits import HttpLimits, limited_protocol
-from radixserve.api.server import ServerConfig, create_app
-from radixserve.engine.config import EngineConfig
+from radixserve.api.openai.server import ServerConfig, create_app
+from radixserve.serving.frontend import EngineConfig
 
 
 class DrainingServer(uvicorn.Server):
@@ -36,7 +36,7 @@ def serve(
     limits = http_limits or HttpLimits()
     app = create_app(engine_config, server_config)
     if grpc_port is not None:  # the gRPC API beside HTTP, on the same engine client
-        from radixserve.api.grpc_server import GrpcConfig, add_grpc
+        from radixserve.api.grpc.service import GrpcConfig, add_grpc
 
         add_grpc(app, GrpcConfig(grpc_port, host, server_config.max_body_bytes, shutdown_timeout_s))
     config = uvicorn.Config(

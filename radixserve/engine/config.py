@@ -72,6 +72,9 @@ class EngineConfig:
     memory_budget_gb: float | None = None
     # structured output: a grammar that takes longer to compile fails its request
     grammar_compile_timeout_s: float = 30.0
+    # Sampling fields a request leaves unset: auto = the model's generation_config.json
+    # (offline, HTTP and gRPC alike); neutral = OpenAI-style (temperature 1, top_p 1, ...).
+    generation_config: str = "auto"
     # Tensor parallelism (gloo on CPU, NCCL on cuda): the model split over this many ranks,
     # rank 0 in this process and one worker process per other rank, rank r of a node on
     # cuda:LOCAL_RANK; across nnodes machines, torchrun style.
@@ -105,6 +108,10 @@ class EngineConfig:
         if self.simulated_kv_tokens is not None and self.simulated_kv_tokens < self.page_size:
             raise ValueError(
                 f"simulated_kv_tokens must be >= page_size, got {self.simulated_kv_tokens}"
+            )
+        if self.generation_config not in ("auto", "neutral"):
+            raise ValueError(
+                f"generation_config must be one of auto, neutral; got {self.generation_config!r}"
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be one of auto, cpu, cuda; got {self.device!r}")

@@ -14,14 +14,16 @@ import torch
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
+from radixserve.core.radix_summary import RadixSummaryData, summarize
 from radixserve.core.request import FinishReason, Request
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.faults import FaultInjector
+from radixserve.engine.inputs import InputProcessor, sampling_defaults
 from radixserve.engine.model_source import ModelSource, resolve_model
-from radixserve.engine.outputs import SequenceDelta
+from radixserve.engine.outputs import CacheFlushResult, EngineStats, SequenceDelta
 from radixserve.engine.parallel import worker_spec
 from radixserve.engine.structured import GrammarWaitList
 from radixserve.engine.tokenizer import (
@@ -59,14 +61,15 @@ from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.executor.simulated import CostModel, SimulatedRunner
 from radixserve.executor.tp_runner import TPModelRunner
 from radixserve.scheduler.kv_manager import KVManager
-from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from radixserve.scheduler.scheduler import EngineOverloaded, Scheduler, SchedulerConfig
+
+__all__ = ["Engine", "EngineOverloaded"]  # EngineOverloaded: add_request's refusal
 
 logger = logging.getLogger(__name__)
 
 _SIMULATED_KV_PAGES = 1 << 16
 _SIMULATED_MAX_MODEL_LEN = 8192
 _IDLE_POLL_S = 0.002  # longest doze of an idle step while a batch wait is pending
-_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass
@@ -118,11 +121,13 @@ class Engine:
         else:
             num_pages, generation_config, model_eos = self._load_model(config)
         self.eos_token_ids = self._eos_ids(model_eos, generation_config)
-        self.default_sampling = {
-            k: generation_config[k] for k in _SAMPLING_DEFAULT_KEYS if k in generation_config
-        }
-        if generation_config.get("do_sample") is False:
-            self.default_sampling["temperature"] = 0.0
+        # every prompt and SamplingParams of this engine is made and checked here
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            sampling_defaults(generation_config, config.generation_config),
+        )
 
         self.pool = PagePool(num_pages, config.page_size)
         self.page_table = PageTable(config.max_num_seqs, self.pool.pages_for(self.max_model_len))
@@ -347,37 +352,23 @@ class Engine:
         return tuple(sorted(ids))
 
     # -- requests -------------------------------------------------------------------------
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The sampling defaults unset fields take (``inputs.sampling_defaults``)."""
+        return self.inputs.defaults
+
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
-        """The model's generation_config defaults, with ``overrides`` on top."""
-        return SamplingParams(**{**self.default_sampling, **overrides})
+        """The model's sampling defaults, with ``overrides`` (not None) on top."""
+        return self.inputs.sampling_params(**overrides)
 
     def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return self.inputs.encode(prompt)
 
     def validate_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Token ids of ``prompt``; ``ValueError`` if it is empty, out of vocabulary or too long."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            token_ids = self.tokenize(prompt)
-        else:
-            token_ids = [int(t) for t in prompt]
-            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}"
-                )
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
+        """Token ids of ``prompt``; ``ValueError`` if it is empty, out of vocabulary or too
+        long (``InputProcessor.prompt_ids``); ``params`` is checked against the vocabulary."""
         params.check_vocab(self.vocab_size)
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {total} tokens ({len(token_ids)} in the prompt, "
-                f"{params.max_tokens} for the completion)."
-            )
-        return token_ids
+        return self.inputs.prompt_ids(prompt, params)
 
     def add_request(
         self,
@@ -686,6 +677,50 @@ class Engine:
             assert self.prefix_cache.protected_pages == 0, "radix nodes still locked at idle"
             self.prefix_cache.reset()
         assert self.pool.num_free == self.pool.num_pages, "pages leaked at idle"
+
+    # -- what the engine reports --------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Counters for the serving layer's heartbeat and ``/metrics``."""
+        s, cache, pool = self.scheduler, self.prefix_cache, self.pool
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_pages_total=pool.num_pages,
+            kv_pages_free=pool.num_free,
+            cache_hit_tokens=cache.hit_tokens if cache else 0,
+            cache_queried_tokens=cache.queried_tokens if cache else 0,
+            preemptions=s.stats.num_preemptions,
+            steps=self.num_steps,
+            kv_pages_evictable=cache.evictable_pages if cache else 0,
+            kv_pages_protected=cache.protected_pages if cache else 0,
+            radix_nodes=cache.num_nodes if cache else 0,
+        )
+
+    def radix_summary(self, max_nodes: int = 256, max_depth: int = 8) -> RadixSummaryData:
+        """A bounded summary of the prefix cache (empty without one); ``ValueError`` for
+        bounds out of range."""
+        if self.prefix_cache is None:
+            return RadixSummaryData(page_size=self.pool.page_size)
+        return summarize(self.prefix_cache, max_nodes=max_nodes, max_depth=max_depth)
+
+    def flush_cache(self) -> CacheFlushResult:
+        """The debug flush: at idle, check the page accounting, then empty the radix tree
+        and count the free pages (all of them, unless some leaked). Busy: nothing changes."""
+        pool, cache = self.pool, self.prefix_cache
+        nodes = cache.num_nodes if cache is not None else 0
+        if self.has_unfinished():
+            return CacheFlushResult(False, pool.num_pages, pool.num_free, nodes)
+        error = None
+        try:
+            self.check_page_accounting()
+            if cache is not None and cache.protected_pages:
+                error = f"{cache.protected_pages} radix pages still locked at idle"
+        except AssertionError as exc:
+            error = f"page accounting: {exc}"
+        if cache is not None:
+            cache.reset()
+        pool.flush()
+        return CacheFlushResult(True, pool.num_pages, pool.num_free, nodes, error)
 
     def cache_stats(self) -> dict[str, float]:
         """Prefix-cache statistics (zeros when the cache is disabled)."""

@@ -31,6 +31,8 @@ class LLM:
         self._ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` samples with: the model's generation_config.json
+        defaults (``generation_config="auto"``), or the neutral ones (``"neutral"``)."""
         return self.engine.default_sampling_params()
 
     # -- generate -------------------------------------------------------------------------
@@ -102,16 +104,9 @@ class LLM:
     def apply_chat_template(
         self, messages: Messages, add_generation_prompt: bool = True
     ) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise ValueError("this model has no chat template; use generate() with plain text")
-        if not messages:
-            raise ValueError("messages must not be empty")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        """Token ids of a conversation through the model's chat template (the server's
+        path too: ``engine.inputs``)."""
+        return self.engine.inputs.chat_ids(messages, add_generation_prompt=add_generation_prompt)
 
     # -- streaming ------------------------------------------------------------------------
     def stream(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 
 @dataclass
 class SequenceDelta:
@@ -72,3 +74,35 @@ class RequestOutput:
     @property
     def num_completion_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+class EngineStats(msgspec.Struct):
+    """The engine's counters after a step (``Engine.stats``); the serving layer sends it
+    as is (msgpack), so it is a ``msgspec.Struct``. Page counts satisfy
+    ``kv_pages_free + held = kv_pages_total``; ``kv_pages_evictable`` pages are held by the
+    radix tree alone and free on demand."""
+
+    running: int
+    waiting: int
+    kv_pages_total: int
+    kv_pages_free: int
+    cache_hit_tokens: int
+    cache_queried_tokens: int
+    preemptions: int
+    steps: int
+    kv_pages_evictable: int = 0  # held by the radix tree only: free on demand
+    kv_pages_protected: int = 0  # in the radix tree and in use by running requests
+    radix_nodes: int = 0
+
+
+@dataclass(frozen=True)
+class CacheFlushResult:
+    """What ``Engine.flush_cache`` did. ``idle`` False: the engine had requests, nothing
+    was flushed; otherwise ``kv_pages_free`` counts after the tree let go of everything
+    (all ``kv_pages_total`` unless pages leaked); ``error``: a failed accounting check."""
+
+    idle: bool
+    kv_pages_total: int
+    kv_pages_free: int
+    radix_nodes_before: int
+    error: str | None = None

@@ -57,3 +57,18 @@ def run_node(config: EngineConfig) -> int:
                 codes.append(proc.wait(1.0))
                 break
     return max((abs(c) for c in codes), default=0)
+
+
+def replica_environments(
+    data_parallel: int, tensor_parallel: int, environ: dict[str, str]
+) -> list[dict[str, str]]:
+    """Each data-parallel replica's process environment on cuda: ``environ`` with
+    ``CUDA_VISIBLE_DEVICES`` narrowed to that replica's GPUs (``executor.placement``);
+    ``ValueError`` when fewer GPUs are visible than replicas x ranks."""
+    import torch
+
+    from radixserve.executor import placement
+
+    return placement.replica_environments(
+        data_parallel, tensor_parallel, environ, torch.cuda.device_count()
+    )

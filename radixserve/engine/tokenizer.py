@@ -126,3 +126,16 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> PreTrainedTokenizerFast:
         chat_template=meta.get("tokenizer.chat_template"),
         clean_up_tokenization_spaces=False,
     )
+
+
+def load_model_tokenizer(model: str | Path | None) -> tuple[str, Any]:
+    """(model name, tokenizer) of a model as ``EngineConfig.model`` names it: an HF folder's
+    tokenizer, or one rebuilt from a GGUF file's metadata (what a frontend needs without
+    loading the weights)."""
+    from radixserve.engine.model_source import resolve_model
+    from radixserve.executor.loader.gguf_loader import read_metadata
+
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        return source.name, tokenizer_from_gguf(read_metadata(source.path))
+    return source.name, load_hf_tokenizer(source.path)

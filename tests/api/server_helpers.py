@@ -28,7 +28,7 @@ class ServerProcess:
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"radixserve-test-{self.port}.log"
         self._log_file = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "radixserve.api.cli", "serve", "--port", str(self.port), *args],
+            [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(self.port), *args],
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
         )
@@ -47,7 +47,7 @@ class ServerProcess:
         children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
         for pid in children:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"radixserve.api.engine_process" in cmdline:
+            if b"radixserve.serving.engine_process" in cmdline:
                 return int(pid)
         raise RuntimeError("no engine process found")
 

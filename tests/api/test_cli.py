@@ -10,19 +10,21 @@ import pytest
 
 def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "radixserve.api.cli", *args],
+        [sys.executable, "-m", "radixserve.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
     )
 
 
+@pytest.mark.slow  # runs the CLI in a subprocess
 def test_generate_streams_a_chat_answer_with_the_default_model():
     result = _run("generate", "Tell me about Paris", "--max-tokens", "24", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
 
+@pytest.mark.slow  # runs the CLI in a subprocess
 def test_generate_no_chat_on_a_tiny_model(tiny_llama):
     result = _run(
         "generate",
@@ -39,6 +41,7 @@ def test_generate_no_chat_on_a_tiny_model(tiny_llama):
     assert result.stdout.strip() != ""
 
 
+@pytest.mark.slow  # runs the CLI in a subprocess
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -58,6 +61,7 @@ def test_unknown_dtype_is_rejected_by_the_parser():
     assert result.returncode == 2 and "invalid choice" in result.stderr
 
 
+@pytest.mark.slow  # runs the CLI in a subprocess
 def test_simulate_runs_a_trace_and_reports(tmp_path):
     import json
 
@@ -83,6 +87,7 @@ def test_simulate_runs_a_trace_and_reports(tmp_path):
     assert bad.returncode == 2 and "does not exist" in bad.stderr
 
 
+@pytest.mark.slow  # runs the CLI in a subprocess
 def test_generate_prints_its_timings_on_stderr(tiny_llama):
     result = _run(
         "generate", "Paris is", "--model", str(tiny_llama), "--no-chat", "--max-tokens", "6",
@@ -107,14 +112,14 @@ def test_generate_prints_its_timings_on_stderr(tiny_llama):
 def test_generate_samples_with_the_generation_config_or_a_non_greedy_default(
     flags, model_defaults, expected
 ):
-    from radixserve.api.cli import build_parser, generate_sampling
+    from radixserve.cli import build_parser, generate_sampling
 
     args = build_parser().parse_args(["generate", "hi", *flags])
     assert generate_sampling(args, model_defaults) == expected
 
 
 def test_overlap_and_timed_device_flags_reach_the_engine_config():
-    from radixserve.api.cli import build_parser, engine_kwargs
+    from radixserve.cli import build_parser, engine_kwargs
     from radixserve.engine.config import EngineConfig
 
     def config(*args: str) -> EngineConfig:
@@ -133,7 +138,7 @@ def test_overlap_and_timed_device_flags_reach_the_engine_config():
 
 
 def test_device_and_load_format_flags_reach_the_engine_config():
-    from radixserve.api.cli import build_parser, engine_kwargs
+    from radixserve.cli import build_parser, engine_kwargs
     from radixserve.engine.config import EngineConfig
 
     flags = "--device cpu --load-format dummy --cuda-graph-max-bs 64 --disable-cuda-graph"

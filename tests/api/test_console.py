@@ -19,6 +19,8 @@ import pytest
 from tests.api.console_helpers import PAYLOAD, TRIGGER, build_chain_model
 from tests.api.server_helpers import ServerProcess
 
+pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
+
 KEY = "console-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ARTIFACTS = (

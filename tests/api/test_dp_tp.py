@@ -12,9 +12,12 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.server_helpers import ServerProcess
+
+pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
 
 _ARGS = ("--dtype", "float32", "--page-size", "4", "--kv-cache-memory", "0.02")
 _PROMPTS = [

@@ -12,6 +12,8 @@ from schemathesis import GenerationMode
 
 from tests.api.server_helpers import ServerProcess
 
+pytestmark = pytest.mark.slow  # starts a server and fuzzes it (pytest -m "not slow" leaves it out)
+
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_llama):

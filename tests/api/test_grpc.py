@@ -18,12 +18,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.api.proto.radixserve.v1 import generate_pb2 as pb
-from radixserve.api.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
+from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
+from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
 from tests.api.server_helpers import ServerProcess, free_port
 
+pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
+
 REPO = Path(__file__).resolve().parents[2]
-PROTO = "radixserve/api/proto/radixserve/v1/generate.proto"
+PROTO = "radixserve/api/grpc/proto/radixserve/v1/generate.proto"
 KEY = "grpc-test-key"
 
 
@@ -442,7 +444,7 @@ def test_a_taken_grpc_port_fails_startup(tiny_llama):
             [
                 sys.executable,
                 "-m",
-                "radixserve.api.cli",
+                "radixserve.cli",
                 "serve",
                 "--model",
                 str(tiny_llama),

@@ -14,6 +14,8 @@ import uvicorn
 
 from radixserve.api.http_limits import HttpLimits, limited_protocol
 
+pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
+
 LIMITS = HttpLimits(
     max_header_bytes=4096,
     max_headers=20,
@@ -202,7 +204,7 @@ def test_bad_limits_are_a_value_error(field, value):
 
 
 def test_serve_flags_reach_the_limits():
-    from radixserve.api.cli import build_parser, http_limits
+    from radixserve.cli import build_parser, http_limits
 
     args = build_parser().parse_args(
         ["serve", "--max-headers", "7", "--header-timeout", "2.5", "--max-connections", "9"]

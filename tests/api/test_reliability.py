@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.api.asgi import ASGIApp, HTTPRequest, json_response
-from radixserve.api.supervisor import (
+from radixserve.serving.supervisor import (
     IDLE_SILENCE_S,
     ProgressWatch,
     RestartBackoff,
@@ -25,6 +25,8 @@ from radixserve.api.supervisor import (
 )
 from tests.api.server_helpers import ServerProcess
 from tests.api.test_asgi import _Client, _noop, _scope
+
+pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
 
 
 class FakeClock:
@@ -223,7 +225,7 @@ def test_a_hung_engine_is_restarted(tiny_llama):
 def test_a_malformed_fault_spec_stops_serve_before_it_starts():
     env = {**os.environ, "RADIXSERVE_FAULTS": "step_exception:often"}
     proc = subprocess.run(
-        [sys.executable, "-m", "radixserve.api.cli", "serve", "--port", "1"],
+        [sys.executable, "-m", "radixserve.cli", "serve", "--port", "1"],
         env=env,
         capture_output=True,
         text=True,
@@ -240,7 +242,7 @@ def _soak(tiny_llama, *soak_args: str) -> dict:
         [
             sys.executable,
             "-m",
-            "radixserve.api.cli",
+            "radixserve.cli",
             "soak",
             "--concurrency",
             "6",

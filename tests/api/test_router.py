@@ -19,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.server_helpers import ServerProcess, free_port
 
+pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
+
 _WORKER_ARGS = ("--dtype", "float32", "--page-size", "4")
 _PREFIX = "The quick brown fox jumps over the lazy dog. " * 6
 
@@ -36,7 +38,7 @@ class RouterProcess:
             [
                 sys.executable,
                 "-m",
-                "radixserve.api.cli",
+                "radixserve.cli",
                 "router",
                 "--port",
                 str(self.port),
@@ -235,7 +237,7 @@ def test_data_parallel_serve_equals_one_engine_and_uses_both(workers, tiny_llama
         engines = [
             int(pid)
             for pid in children
-            if b"radixserve.api.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"radixserve.serving.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ]
         assert len(engines) == 2
         os.kill(engines[0], signal.SIGKILL)

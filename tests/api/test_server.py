@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.server_helpers import ServerProcess
 
+pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
+
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
@@ -297,27 +299,39 @@ def test_native_generate_and_detokenize(server):
 
 
 def test_clients_that_time_out_are_aborted(tiny_llama):
-    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32", "--disable-radix-cache")
+    """200 streaming clients give up after 1 s (their streams could not finish by then);
+    every one of them did time out, the engine aborted their requests and, once idle,
+    every KV page is back in the pool (checked by the engine's own accounting)."""
+    srv = ServerProcess(
+        "--model",
+        str(tiny_llama),
+        "--dtype",
+        "float32",
+        "--disable-radix-cache",
+        "--enable-debug-endpoints",
+    )
     try:
 
-        async def one(client: httpx.AsyncClient) -> None:
+        async def one(client: httpx.AsyncClient) -> str:
             body = {"prompt": "count", "max_tokens": 1500, "stream": True, "ignore_eos": True}
+            chunks = 0
             try:
-                async with client.stream(
-                    "POST", srv.url + "/v1/completions", json=body, timeout=0.5
-                ) as r:
-                    async for _ in r.aiter_bytes():
-                        pass
-            except httpx.TimeoutException:
-                pass
+                async with asyncio.timeout(1.0):
+                    async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                        async for _ in r.aiter_bytes():
+                            chunks += 1
+            except TimeoutError:
+                return "timed out"
+            return f"finished after {chunks} chunks"
 
-        async def many() -> None:
+        async def many() -> list[str]:
             limits = httpx.Limits(max_connections=250)
-            async with httpx.AsyncClient(limits=limits) as client:
-                await asyncio.gather(*(one(client) for _ in range(200)))
+            async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+                return await asyncio.gather(*(one(client) for _ in range(200)))
 
-        asyncio.run(many())
-        deadline = time.monotonic() + 5
+        outcomes = asyncio.run(many())
+        assert outcomes == ["timed out"] * 200, sorted(set(outcomes))
+        deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             text = httpx.get(srv.url + "/metrics").text
             stats = {
@@ -332,6 +346,11 @@ def test_clients_that_time_out_are_aborted(tiny_llama):
             time.sleep(0.2)
         else:
             raise AssertionError(f"requests or pages left: {stats}")
+        # the engine generated far fewer tokens than 200 x 1500: the requests were aborted
+        assert stats["radixserve_engine_steps_total"] < 1500, stats
+        flushed = httpx.post(srv.url + "/debug/flush_cache").json()
+        assert flushed["idle"] and flushed["error"] is None, flushed
+        assert flushed["pages_leaked"] == 0 and flushed["kv_pages_free"] > 0, flushed
         ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
     finally:

@@ -9,6 +9,8 @@ import pytest
 from radixserve import SamplingParams
 from tests.api.server_helpers import ServerProcess
 
+pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
+
 MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [

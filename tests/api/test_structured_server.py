@@ -4,7 +4,6 @@ undeclared fields are 400s naming the field, and the server keeps serving."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from typing import Literal
@@ -14,10 +13,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from radixserve.api.asgi import APIError
-from radixserve.api.structured import GrammarChecker, ToolContext, ToolStreamer, parse_tool_calls
-from radixserve.engine.tokenizer import load_hf_tokenizer
 from tests.api.server_helpers import ServerProcess
+
+pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
 
 
 class Item(BaseModel):
@@ -318,41 +316,3 @@ def test_tool_history_goes_through_the_template(client):
             max_tokens=4,
         )
     assert info.value.body["param"] == "messages.0.tool_calls.0.function.arguments"
-
-
-def test_grammar_compile_timeout_is_a_400(tiny_llama):
-    checker = GrammarChecker(load_hf_tokenizer(tiny_llama), timeout_s=1e-6)
-    spec = {"regex": "(" + "|".join(f"w{i}[a-z]{{1,9}}" for i in range(400)) + ")+"}
-    with pytest.raises(APIError) as info:
-        asyncio.run(checker.check(spec, 512, "structured_outputs"))
-    assert info.value.status == 400 and info.value.param == "structured_outputs.regex"
-    assert "did not compile within" in info.value.message
-    checker.close()
-
-
-def test_tool_call_parsers_on_fixed_text():
-    ctx = ToolContext(tools=[WEATHER], functions={"get_weather": {}}, mode="auto")
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    content, calls = parse_tool_calls(text, ctx)
-    assert content == "Let me check.\n"
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", {"city": "Oslo"})
-    ]
-    # streamed in small pieces: content before the marker streams, the call is held back
-    streamer = ToolStreamer(ctx)
-    streamed = "".join(streamer.feed(text[i : i + 3]) for i in range(0, len(text), 3))
-    rest, scalls = streamer.finish()
-    assert streamed + rest == content and len(scalls) == 1
-    assert parse_tool_calls("no call here <tool", ctx) == ("no call here <tool", [])
-    assert parse_tool_calls('<tool_call>{"name": "nope"}</tool_call>', ctx)[1] == []
-    llama = ToolContext(
-        tools=[WEATHER], functions={"get_weather": {}}, mode="auto", parser="llama3_json"
-    )
-    content, calls = parse_tool_calls(
-        '{"name": "get_weather", "parameters": {"city": "Rome"}}; '
-        '{"name": "get_weather", "parameters": {"city": "Bern"}}',
-        llama,
-    )
-    assert content is None
-    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Rome", "Bern"]
-    assert parse_tool_calls("Hello there", llama) == ("Hello there", [])

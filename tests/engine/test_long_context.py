@@ -12,6 +12,8 @@ from radixserve import LLM
 from tests.conftest import build_tiny_model
 from tests.helpers import greedy, hf_greedy
 
+pytestmark = pytest.mark.slow  # compares long contexts (pytest -m "not slow" leaves it out)
+
 PROMPT_LEN, PREFIX_LEN, NEW_TOKENS = 7000, 5000, 8
 PAGE_SIZE, BUDGET = 16, 1500  # 5,000 = 312.5 pages; chunks of 1,500 end mid-page
 

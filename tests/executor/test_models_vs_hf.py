@@ -36,6 +36,7 @@ def test_chunked_prefill_matches_transformers(tiny_llama):
     assert generate_ids(llm, prompts, greedy(NEW_TOKENS)) == expected
 
 
+@pytest.mark.slow  # the real model against transformers
 def test_smollm2_gguf_matches_transformers(smollm2_path):
     llm = LLM(str(smollm2_path), dtype="float32")
     texts = [

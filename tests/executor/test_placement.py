@@ -108,7 +108,7 @@ def test_runner_choice(monkeypatch):
 
 
 def test_data_parallel_replicas_each_get_their_gpus(gpus, monkeypatch):
-    from radixserve.api.router import dp_client
+    from radixserve.serving import dp_client
 
     made: list[dp_client.DataParallelClient] = []
 

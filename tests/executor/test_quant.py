@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from radixserve import LLM
-from radixserve.api.cli import build_parser, engine_kwargs
+from radixserve.cli import build_parser, engine_kwargs
 from radixserve.engine.config import EngineConfig
 from radixserve.executor.quant import (
     GGUF_SCHEMES,
@@ -113,7 +113,9 @@ def test_native_dequantizer_reads_pytorch_int4_layout():
         pytest.skip("no C compiler: the native dequantizer is off, PyTorch's kernels run")
     if os.environ.get("RADIXSERVE_NATIVE") == "0":
         pytest.skip("native kernels disabled")
-    assert quant._dequantizer() is not None
+    lib = quant._dequantizer()
+    assert lib is not None and lib is quant.load_qlinear()  # the native library, in use
+    assert quant._int4_layout_ok(lib)  # its output equals the reference dequantization
 
 
 # -- GGUF types ---------------------------------------------------------------------------------

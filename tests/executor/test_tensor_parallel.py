@@ -30,6 +30,8 @@ from radixserve.executor.models.llama_tp import TensorParallelLlama
 from tests.conftest import build_tiny_model
 from tests.helpers import generate_ids, greedy, hf_greedy
 
+pytestmark = pytest.mark.slow  # starts process groups (pytest -m "not slow" leaves it out)
+
 NEW_TOKENS = 16
 
 
@@ -382,7 +384,7 @@ def test_two_nodes_on_one_machine(tiny_llama):
         [
             sys.executable,
             "-m",
-            "radixserve.api.cli",
+            "radixserve.cli",
             "serve",
             "--model",
             str(tiny_llama),
@@ -421,7 +423,7 @@ def test_two_nodes_on_one_machine(tiny_llama):
 
 
 def test_parallel_flags_reach_the_engine_config():
-    from radixserve.api.cli import build_parser, engine_kwargs
+    from radixserve.cli import build_parser, engine_kwargs
     from radixserve.engine.config import EngineConfig
 
     flags = "-tp 4 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500"

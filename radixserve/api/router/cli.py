@@ -1,10 +1,11 @@
-"""``radixserve router`` flags and entry point (kept apart from api/cli.py: light imports)."""
+"""``radixserve router`` flags and entry point, and ``serve``'s data-parallel flags (light
+imports: the router runs without torch)."""
 
 from __future__ import annotations
 
 import argparse
 
-from radixserve.api.router.policy import POLICIES
+from radixserve.serving.balancer import POLICIES
 
 
 def add_balance_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -36,7 +37,7 @@ def add_balance_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
 
 
 def balance_config(args: argparse.Namespace):
-    from radixserve.api.router.policy import BalanceConfig
+    from radixserve.serving.balancer import BalanceConfig
 
     return BalanceConfig(
         cache_threshold=args.cache_threshold,
@@ -46,10 +47,7 @@ def balance_config(args: argparse.Namespace):
     )
 
 
-def add_router_parser(sub: argparse._SubParsersAction) -> None:
-    r = sub.add_parser(
-        "router", help="route OpenAI API requests over several `radixserve serve` replicas"
-    )
+def add_router_args(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--worker",
         action="append",

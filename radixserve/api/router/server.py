@@ -25,7 +25,7 @@ from radixserve.api.asgi import (
     StreamResponse,
     json_response,
 )
-from radixserve.api.router.policy import BalanceConfig, Balancer, NoWorkerAvailable, token_key
+from radixserve.serving.balancer import BalanceConfig, Balancer, NoWorkerAvailable, token_key
 
 log = logging.getLogger(__name__)
 

@@ -193,6 +193,7 @@ class _EagerReplay:
         self.replay = run
 
 
+@pytest.mark.slow  # many interpreted Triton launches
 def test_graph_runner_static_buffers_and_padding_on_cpu(tiny_models):
     """The graph runner's replay path (static buffers, padding rows on the scratch page,
     bucket choice) with each 'graph' re-running the forward on the static buffers: the

@@ -23,6 +23,8 @@ from radixserve.executor.cuda.layer_ops import TritonLayerOps  # noqa: E402
 from radixserve.executor.cuda.runner import CudaModelRunner  # noqa: E402
 from radixserve.executor.cuda.tp_runner import CudaTPModelRunner  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts process groups (pytest -m "not slow" leaves it out)
+
 PREFIX = list(range(3, 24))  # 21 tokens: a shared prefix ending mid-page (page size 4)
 PROMPTS = [[*PREFIX, 40, 41], [5, 6, 7], [*PREFIX, 50, 51, 52], list(range(60, 75))]
 NEW_TOKENS = 4

@@ -1,0 +1,148 @@
+"""What completions and chat share: running a request to its end (``collect``) or as
+server-sent events (``stream_events``), usage, and the JSON/SSE framing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from radixserve.api.asgi import APIError
+from radixserve.api.openai.converter import engine_error
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving.engine_client import EngineDead, RequestRejected
+from radixserve.serving.metrics import RequestTimer
+from radixserve.serving.protocol import Delta
+
+if TYPE_CHECKING:
+    from radixserve.api.openai.server import OpenAIServer
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def usage(prompts: list[list[int]], completion_tokens: int, cached: int) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@dataclass
+class SampleOutput:
+    """One finished sample: its text, token count, finish reason and logprobs."""
+
+    text: str = ""
+    tokens: int = 0
+    reason: str | None = None
+    error: str | None = None
+    logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class Collected:
+    """Every sample of a request, by choice index (prompt i, sample j: ``i * n + j``)."""
+
+    outputs: dict[int, SampleOutput]
+    prompt_logprobs: dict[int, list]  # by prompt: from the sample that computed the prompt
+    cached_tokens: int
+    completion_tokens: int
+
+
+async def collect(
+    server: OpenAIServer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    cache_salt: str | None,
+    priority: int,
+) -> Collected:
+    """Run the request to its end; a sample that failed in the engine is a 500."""
+    frontend, n = server.frontend, params.n
+    started = time.monotonic()
+    try:
+        items = [x async for x in frontend.run(prompts, params, cache_salt, priority)]
+    except (RequestRejected, EngineDead) as exc:
+        raise engine_error(exc) from None
+    outs: dict[int, SampleOutput] = {}
+    cached: dict[int, int] = {}
+    prompt_lps: dict[int, list] = {}
+    first = None
+    for i, d in items:
+        if d.prompt_logprobs:
+            prompt_lps[i] = d.prompt_logprobs
+        o = outs.setdefault(i * n + d.index, SampleOutput())
+        o.text += d.text
+        o.tokens += len(d.token_ids)
+        o.logprobs.extend(d.logprobs or ())
+        if d.token_ids and first is None:
+            first = time.monotonic()
+        if d.finished:
+            o.reason, o.error = d.finish_reason, d.error
+            cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
+    errors = [o.error for o in outs.values() if o.reason == "error"]
+    if errors:
+        raise APIError(500, errors[0] or "generation failed", type_="internal_error")
+    total = sum(o.tokens for o in outs.values())
+    metrics = frontend.metrics
+    for o in outs.values():
+        metrics.request_success.labels(o.reason or "unknown").inc()
+    metrics.e2e.observe(time.monotonic() - started)
+    if first is not None:
+        metrics.ttft.observe(first - started)
+    metrics.generation_tokens.inc(total)
+    metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+    return Collected(dict(sorted(outs.items())), prompt_lps, sum(cached.values()), total)
+
+
+async def stream_events(
+    server: OpenAIServer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    body: Any,
+    on_delta: Callable[[int, Delta], bytes],
+    on_finish: Callable[[int, str | None], bytes],
+    head: Callable[[], Iterable[bytes]],
+    usage_obj: dict,
+) -> AsyncIterator[bytes]:
+    """Shared SSE loop: head frames, per-delta frames, then usage and [DONE]."""
+    n = params.n
+    timer = RequestTimer(server.frontend.metrics)
+    cached: dict[int, int] = {}
+    try:
+        for frame in head():
+            yield frame
+        async for i, d in server.frontend.run(prompts, params, body.cache_salt, body.priority):
+            idx = i * n + d.index
+            timer.delta(idx, d)
+            if d.text or d.logprobs:
+                frame = on_delta(idx, d)
+                if frame:  # empty: held back (a tool call being generated)
+                    yield frame
+            if d.finished:
+                cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
+                if d.finish_reason == "error":
+                    yield sse(
+                        APIError(500, d.error or "generation failed", "internal_error").body()
+                    )
+                yield on_finish(idx, d.finish_reason)
+        timer.finish(sum(len(p) for p in prompts))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield sse(
+                {
+                    **usage_obj,
+                    "choices": [],
+                    "usage": usage(prompts, timer.tokens, sum(cached.values())),
+                }
+            )
+    except (RequestRejected, EngineDead) as exc:
+        yield sse(engine_error(exc).body())
+    yield DONE

@@ -1,0 +1,113 @@
+"""OpenAI-compatible request bodies, validated with pydantic (never on the output hot path)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # e.g. continuous_usage_stats: a 400
+
+    include_usage: StrictBool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI's plus vLLM's extras).
+    Undeclared fields are kept (``model_extra``) so that the server answers 400 naming
+    them instead of ignoring them (``api.structured.reject_unknown_fields``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    user: str | None = None
+    # extras (vLLM's); None: the model's default (engine.inputs), as for temperature, top_p
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    priority: StrictInt = 0
+    cache_salt: str | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs extra
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: calls it made
+    tool_call_id: str | None = None  # tool: the call this answers
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = None
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
+
+    tokens: list[StrictInt]
+
+
+class GenerateRequest(BaseModel):
+    """The native ``/generate`` body (SGLang's shape): text or token ids, sampling params."""
+
+    model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
+
+    text: str | None = None
+    input_ids: list[StrictInt] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: StrictBool = False
+    priority: StrictInt = 0
+    cache_salt: str | None = None
+
+
+_REF = "#/components/schemas/{model}"
+
+
+def body_schema(model: type[BaseModel]) -> dict:
+    """The model's JSON schema with references into OpenAPI's ``components/schemas``
+    (nested definitions stay under ``$defs``; ``openapi_document`` moves them there)."""
+    return model.model_json_schema(ref_template=_REF)

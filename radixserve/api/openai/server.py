@@ -1,0 +1,185 @@
+"""The OpenAI-compatible HTTP API: one ``OpenAIServer`` over the serving frontend, its
+route families (``completions``, ``chat``, ``native``), the console, health, metrics and
+the OpenAPI document."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from pydantic import BaseModel
+
+from radixserve.api import auth
+from radixserve.api.asgi import (
+    APIError,
+    ASGIApp,
+    HTTPRequest,
+    Response,
+    error_response,
+    json_response,
+)
+from radixserve.api.console.debug import add_debug_routes
+from radixserve.api.console.routes import register_console
+from radixserve.api.openai import chat, completions, native
+from radixserve.api.openai.converter import parse_body
+from radixserve.core.version import __version__
+from radixserve.serving.frontend import EngineConfig, Frontend, ServingConfig
+from radixserve.serving.supervisor import SupervisorConfig
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str | None = None
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 8 * 2**20
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop: int = 16
+    tool_call_parser: str = "hermes"  # hermes | llama3_json
+    grammar_compile_timeout_s: float = 10.0  # longer: the request is a 400
+    data_parallel_size: int = 1  # engine processes behind this frontend (serving/dp_client)
+    dp_policy: str = "cache-aware"
+    dp_balance: Any = None  # serving.balancer.BalanceConfig (None: its defaults)
+    supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
+    enable_debug_endpoints: bool = False  # /debug/* (see console/debug.py)
+
+    def serving(self) -> ServingConfig:
+        """The transport-independent part, for the serving frontend."""
+        return ServingConfig(
+            served_model_name=self.served_model_name,
+            data_parallel_size=self.data_parallel_size,
+            dp_policy=self.dp_policy,
+            dp_balance=self.dp_balance,
+            supervision=self.supervision,
+            grammar_compile_timeout_s=self.grammar_compile_timeout_s,
+        )
+
+
+class OpenAIServer:
+    """The OpenAI API of one server process over its ``Frontend``. Invariants: bad input is
+    answered 400 before anything reaches the engine; every request sent to the engine is
+    either answered or aborted (client gone); output JSON is written with orjson, SSE
+    frames preformatted."""
+
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
+        self.config = config
+        self.frontend = Frontend(engine_config, config.serving())
+        self.keys = auth.ApiKeys(config.api_keys)
+
+    def parse(self, request: HTTPRequest, model: type[BaseModel]) -> Any:
+        """The JSON body of ``request`` validated as ``model`` (400 naming the field)."""
+        content_type = request.headers.get("content-type", "")
+        if "application/json" not in content_type:
+            raise APIError(400, "Content-Type must be application/json")
+        try:
+            data = orjson.loads(request.body)
+        except orjson.JSONDecodeError as exc:
+            raise APIError(400, f"could not parse the JSON body: {exc}") from None
+        return parse_body(model, data)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.frontend.model_name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist.",
+                type_="NotFoundError",
+                param="model",
+                code="model_not_found",
+            )
+
+
+_PROTECTED_PREFIXES = ("/v1/", "/debug/")
+_PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
+
+
+def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> ASGIApp:
+    config = config or ServerConfig()
+    server = OpenAIServer(engine_config, config)
+    frontend = server.frontend
+
+    def authorize(request: HTTPRequest) -> APIError | None:
+        path = request.path
+        if not (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS):
+            return None
+        if server.keys.allows(request.headers.get("authorization")):
+            return None
+        return APIError(401, auth.MISSING_KEY_MESSAGE, "authentication_error")
+
+    app = ASGIApp(config.max_body_bytes, authorize, frontend.start, frontend.shutdown)
+    register_console(app, frontend)
+    if config.enable_debug_endpoints:
+        add_debug_routes(app, frontend)
+    app.server = server  # type: ignore[attr-defined] # (the gRPC frontend shares it)
+
+    @app.route("GET", "/health")
+    async def health(_: HTTPRequest) -> Response:
+        reason = frontend.client.unhealthy_reason()
+        if reason is None:
+            return Response(headers=[])
+        return error_response(APIError(503, reason, "service_unavailable_error"))
+
+    @app.route("GET", "/version")
+    async def version(_: HTTPRequest) -> Response:
+        return json_response({"version": __version__})
+
+    @app.route("GET", "/metrics")
+    async def metrics(_: HTTPRequest) -> Response:
+        return Response(
+            frontend.metrics.render(), headers=[(b"content-type", b"text/plain; version=0.0.4")]
+        )
+
+    @app.route("GET", "/openapi.json")
+    async def openapi(_: HTTPRequest) -> Response:
+        return json_response(openapi_document(app))
+
+    @app.route("GET", "/v1/models")
+    async def models(_: HTTPRequest) -> Response:
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": frontend.model_name,
+                        "object": "model",
+                        "created": frontend.created,
+                        "owned_by": "radixserve",
+                        "max_model_len": frontend.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    native.add_routes(app, server)
+    completions.add_routes(app, server)
+    chat.add_routes(app, server)
+    return app
+
+
+def openapi_document(app: ASGIApp) -> dict:
+    """OpenAPI 3.1 for the routes as registered: paths, methods, request body schemas."""
+    components: dict[str, dict] = {}
+    paths: dict[str, dict] = {}
+    error = {"description": "an OpenAI-shaped error: {error: {message, type, param, code}}"}
+    for path, methods in sorted(app.routes.items()):
+        for method, route in methods.items():
+            if not route.in_schema:
+                continue
+            op: dict[str, Any] = {
+                "operationId": f"{method.lower()}_{path.strip('/').replace('/', '_') or 'root'}",
+                "responses": {"200": {"description": "OK"}, "4XX": error, "503": error},
+            }
+            if route.body_schema is not None:
+                schema = dict(route.body_schema)
+                components.update(schema.pop("$defs", {}))
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": schema}},
+                }
+            paths.setdefault(path, {})[method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "radixserve", "version": __version__},
+        "paths": paths,
+        "components": {"schemas": components},
+    }

@@ -1,0 +1,289 @@
+"""Tool calling at the OpenAI chat API: the request's tools and tool_choice checked, tool
+calls parsed out of the generated text (whole or streamed: hermes ``<tool_call>`` tags or
+Llama 3 JSON), and chat messages with tool calls made ready for the template."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.api.asgi import APIError
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass
+class ToolContext:
+    """What a chat request asked of tools. Invariant: ``functions`` maps each declared
+    function's name to its parameters schema; ``mode`` is none, auto, required or named
+    (``named`` then holds a declared name); ``parse`` is false only for mode none."""
+
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    functions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    mode: str = "none"
+    named: str | None = None
+    parallel: bool = True
+    parser: str = "hermes"
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    def grammar_spec(self) -> dict[str, Any] | None:
+        """required / named: a JSON schema that every output satisfies, so the output is
+        always a valid call (named: the function's arguments; required: a list of calls)."""
+        if self.mode == "named":
+            assert self.named is not None
+            return {"json": self.functions[self.named]}
+        if self.mode != "required":
+            return None
+        one_of = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": params},
+                "required": ["name", "parameters"],
+            }
+            for name, params in self.functions.items()
+        ]
+        schema: dict[str, Any] = {
+            "type": "array",
+            "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of},
+            "minItems": 1,
+        }
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return {"json": schema}
+
+
+_EMPTY_PARAMS = {"type": "object", "properties": {}}
+
+
+def tool_context(body: Any, parser: str) -> ToolContext:
+    """Validate ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` of a chat request."""
+    tools = body.tools
+    choice = body.tool_choice
+    if tools is None:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if body.parallel_tool_calls is not None:
+            raise APIError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls")
+        return ToolContext()
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type") != "function" or not isinstance(fn, dict):
+            raise APIError(
+                400, "each tool must be {type: function, function: {...}}", param=f"tools.{i}"
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+            raise APIError(
+                400,
+                "tool function names are 1-64 letters, digits, _ . -",
+                param=f"tools.{i}.function.name",
+            )
+        params = fn.get("parameters", _EMPTY_PARAMS)
+        if not isinstance(params, dict):
+            raise APIError(
+                400, "parameters must be a JSON schema object", param=f"tools.{i}.function"
+            )
+        if name in functions:
+            raise APIError(400, f"tool {name!r} is declared twice", param=f"tools.{i}")
+        functions[name] = params
+    ctx = ToolContext(
+        tools=tools,
+        functions=functions,
+        parallel=body.parallel_tool_calls is not False,
+        parser=parser,
+    )
+    if choice is None or choice in ("auto", "none", "required"):
+        ctx.mode = choice or "auto"
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in functions:
+            raise APIError(
+                400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+            )
+        ctx.mode, ctx.named = "named", name
+    else:
+        raise APIError(
+            400,
+            "tool_choice must be none, auto, required or {type: function, function: {name}}",
+            param="tool_choice",
+        )
+    return ctx
+
+
+def tool_call(name: str, arguments: Any) -> dict[str, Any]:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": args},
+    }
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_HERMES_START = "<tool_call>"
+_LLAMA_START = "<|python_tag|>"
+
+
+def _call_from_object(obj: Any, functions: dict[str, Any]) -> dict[str, Any] | None:
+    if not isinstance(obj, dict) or obj.get("name") not in functions:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return tool_call(obj["name"], args) if isinstance(args, dict) else None
+
+
+def parse_tool_calls(text: str, ctx: ToolContext) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a finished chat output. Text that does not parse as calls
+    stays content."""
+    if ctx.mode == "named":
+        assert ctx.named is not None
+        try:
+            args = json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [tool_call(ctx.named, args)]
+    if ctx.mode == "required":
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text, []
+        calls = [_call_from_object(obj, ctx.functions) for obj in items]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return None, calls  # type: ignore[return-value]
+    if ctx.parser == "hermes":
+        start = text.find(_HERMES_START)
+        if start < 0:
+            return text, []
+        calls = []
+        for m in _HERMES.finditer(text, start):
+            try:
+                call = _call_from_object(json.loads(m.group(1)), ctx.functions)
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[:start]
+        return (content if content.strip() else None), calls
+    # llama3_json: the whole output is one call object, or several separated by ';'
+    body = text.strip()
+    if body.startswith(_LLAMA_START):
+        body = body[len(_LLAMA_START) :].strip()
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    decoder = json.JSONDecoder()
+    pos = 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            return text, []
+        call = _call_from_object(obj, ctx.functions)
+        if call is None:
+            return text, []
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in " \n\t;":
+            pos += 1
+    return None, calls
+
+
+class ToolStreamer:
+    """Splits a streamed chat output into content that can go out now and text held back
+    because it is (or may become) a tool call. Invariant: the content streamed plus the
+    content of ``finish`` equals the content ``parse_tool_calls`` gives for the whole text,
+    and the calls equal its calls (ids aside)."""
+
+    def __init__(self, ctx: ToolContext) -> None:
+        self.ctx = ctx
+        self.text = ""
+        self.sent = 0  # characters of text already streamed as content
+        self.holding = ctx.mode in ("named", "required")  # all JSON: nothing streams
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.holding:
+            return ""
+        if self.ctx.parser == "hermes":
+            marker = _HERMES_START
+            at = self.text.find(marker, max(0, self.sent - len(marker)))
+            if at >= 0:
+                self.holding = True
+                end = at
+            else:  # hold back a tail that could be the start of the marker
+                keep = 0
+                for k in range(min(len(marker) - 1, len(self.text)), 0, -1):
+                    if marker.startswith(self.text[-k:]):
+                        keep = k
+                        break
+                end = len(self.text) - keep
+        else:  # llama3_json: an output that starts with "{" or the python tag may be a call
+            head = self.text.lstrip()
+            if (
+                not head
+                or _LLAMA_START.startswith(head)
+                or head[0] == "{"
+                or head.startswith(_LLAMA_START)
+            ):
+                self.holding = head.startswith(("{", _LLAMA_START))
+                return ""
+            end = len(self.text)
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return out
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """(content not streamed yet, tool calls) once the output is complete."""
+        content, calls = parse_tool_calls(self.text, self.ctx)
+        if calls:
+            return (content or "")[self.sent :], calls
+        return self.text[self.sent :], []
+
+
+def template_message(m: Any, i: int, content: str) -> dict[str, Any]:
+    """Chat message ``i`` for the template: assistant ``tool_calls`` with their arguments
+    as objects (what templates iterate over), ``tool`` messages with their call id."""
+    msg: dict[str, Any] = {"role": m.role, "content": content}
+    if m.tool_calls:
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(
+                    400, "tool_calls entries need function.name", param=f"messages.{i}.tool_calls"
+                )
+            args = fn.get("arguments") or "{}"
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    raise APIError(
+                        400,
+                        "function.arguments must be JSON",
+                        param=f"messages.{i}.tool_calls.{j}.function.arguments",
+                    ) from None
+            calls.append(
+                {
+                    "id": call.get("id"),
+                    "type": "function",
+                    "function": {"name": fn["name"], "arguments": args},
+                }
+            )
+        msg["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        msg["name"] = m.name
+    return msg

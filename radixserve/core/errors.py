@@ -1,0 +1,14 @@
+"""Errors every floor may raise and every transport knows how to answer."""
+
+from __future__ import annotations
+
+
+class InputError(ValueError):
+    """A request's prompt or parameters are invalid. ``param`` names the request field
+    (OpenAI's error ``param``), ``code`` an OpenAI error code where one applies: a
+    transport answers it as bad input (HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code

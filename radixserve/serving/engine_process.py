@@ -1,0 +1,190 @@
+"""The engine process: a plain busy loop — receive, schedule + forward (one step), send."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import msgspec
+import zmq
+
+from radixserve.engine.config import EngineConfig
+from radixserve.engine.engine import Engine, EngineOverloaded
+from radixserve.serving import protocol as p
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.25
+IDLE_POLL_MS = 50
+
+
+def _radix_summary(engine: Engine, query: p.RadixQuery) -> p.RadixSummary:
+    """A bounded summary of the prefix cache, timed (it runs on the engine loop)."""
+    started = time.perf_counter()
+    try:
+        s = engine.radix_summary(max_nodes=query.max_nodes, max_depth=query.max_depth)
+    except ValueError as exc:
+        return p.RadixSummary(query.query_id, [], 0, 0, 0, 0, 0, 0, False, 0.0, str(exc))
+    cost_ms = (time.perf_counter() - started) * 1e3
+    return p.RadixSummary(
+        query.query_id,
+        s.nodes,
+        s.namespaces,
+        s.total_nodes,
+        s.total_tokens,
+        s.evictable_pages,
+        s.protected_pages,
+        s.page_size,
+        s.truncated,
+        cost_ms,
+    )
+
+
+def flush_cache(engine: Engine, query_id: int) -> p.CacheFlushed:
+    """``Engine.flush_cache`` as the answer to a ``FlushCache`` query."""
+    r = engine.flush_cache()
+    return p.CacheFlushed(
+        query_id, r.idle, r.kv_pages_total, r.kv_pages_free, r.radix_nodes_before, r.error
+    )
+
+
+def decode_messages(raw: bytes, push: zmq.Socket) -> list[p.ToEngine]:
+    """The messages of one frontend send. Should one of them not decode (the frontend
+    checks every request, so this is a bug, not input), the others still do and a request
+    that did not is rejected by id: nothing sent is left unanswered."""
+    try:
+        return p.to_engine_decoder.decode(raw)
+    except msgspec.ValidationError:
+        pass
+    messages: list[p.ToEngine] = []
+    for item in p.to_engine_items_decoder.decode(raw):
+        try:
+            messages.append(p.to_engine_item_decoder.decode(item))
+        except msgspec.ValidationError as exc:
+            loose = msgspec.msgpack.decode(item)
+            request_id = loose.get("request_id") if isinstance(loose, dict) else None
+            logger.error("undecodable message from the frontend: %s", exc)
+            if isinstance(request_id, str) and loose.get("type") == "generate":
+                push.send(p.encoder.encode(p.Rejected(request_id, f"bad request: {exc}")))
+    return messages
+
+
+def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> int:
+    """Entry point of the engine process: load the model, then loop until SIGTERM."""
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when to stop
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(inbox)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(outbox)
+    engine = Engine(config, detokenize=False)  # the frontend detokenizes
+    push.send(
+        p.encoder.encode(
+            p.Ready(
+                engine.source.name,
+                engine.vocab_size,
+                engine.max_model_len,
+                engine.inputs.defaults,
+            )
+        )
+    )
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    last_beat = 0.0
+    exit_code = 0
+    while not stopping:
+        timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
+        if poller.poll(timeout):
+            while True:
+                try:
+                    raw = pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                for msg in decode_messages(raw, push):
+                    _handle(engine, msg, push)
+        deltas = engine.step() if engine.has_unfinished() else engine.check_device()
+        now = time.monotonic()
+        if deltas:
+            msg = p.Outputs([wire_delta(d) for d in deltas], engine.stats())
+            push.send(p.encoder.encode(msg))
+            last_beat = now
+        elif now - last_beat >= HEARTBEAT_S:
+            push.send(p.encoder.encode(p.Heartbeat(engine.stats())))
+            last_beat = now
+        if engine.fatal_error is not None:  # e.g. a tensor-parallel rank died
+            logger.error("%s", engine.fatal_error)
+            exit_code = 1
+            break
+    engine.close()
+    push.close(linger=1000)
+    pull.close(linger=0)
+    ctx.term()
+    return exit_code
+
+
+def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
+    if isinstance(msg, p.AbortRequest):
+        engine.abort(msg.request_id, msg.index)
+        return
+    if isinstance(msg, p.RadixQuery):
+        push.send(p.encoder.encode(_radix_summary(engine, msg)))
+        return
+    if isinstance(msg, p.FlushCache):
+        push.send(p.encoder.encode(flush_cache(engine, msg.query_id)))
+        return
+    try:
+        engine.add_request(
+            msg.request_id,
+            msg.prompt_token_ids,
+            msg.params,
+            cache_salt=msg.cache_salt,
+            priority=msg.priority,
+        )
+    except EngineOverloaded as exc:
+        push.send(p.encoder.encode(p.Rejected(msg.request_id, str(exc), overloaded=True)))
+    except (ValueError, TypeError) as exc:
+        push.send(p.encoder.encode(p.Rejected(msg.request_id, str(exc))))
+
+
+def wire_delta(d) -> p.Delta:
+    return p.Delta(
+        d.request_id,
+        d.index,
+        d.new_token_ids,
+        d.text,
+        d.finished,
+        d.finish_reason,
+        d.error,
+        d.num_prompt_tokens,
+        d.num_cached_tokens,
+        [(lp.token_id, lp.logprob, lp.top) for lp in d.logprobs] if d.logprobs else None,
+        d.queue_time_s,
+        [(lp.token_id, lp.logprob, lp.top) for lp in d.prompt_logprobs]
+        if d.prompt_logprobs
+        else None,
+    )
+
+
+def main() -> None:
+    """``python -m radixserve.serving.engine_process CONFIG_JSON INBOX OUTBOX`` (JSON, not pickle)."""
+    import dataclasses
+    import json
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    raw, inbox, outbox = sys.argv[1:4]
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    config = EngineConfig(**{k: v for k, v in json.loads(raw).items() if k in fields})
+    sys.exit(run_engine_process(config, inbox, outbox))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The engine as a service to transports: what the HTTP routes, gRPC and the console share.
+
+One ``Frontend`` per server process. It owns the engine client (one engine process, or N
+behind the data-parallel client), the model's tokenizer for this process (batched
+encoding, incremental detokenization), the request normalisation (``engine.inputs``, set
+up from what the engine reports when it is ready, so prompts and sampling defaults are the
+engine's own), the grammar pre-check and the metrics. Transports turn their wire format
+into prompt ids + ``SamplingParams`` through it and stream the deltas back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.engine.config import EngineConfig
+from radixserve.engine.inputs import InputProcessor
+from radixserve.engine.tokenizer import load_model_tokenizer
+from radixserve.serving.client import EngineClient
+from radixserve.serving.dp_client import DataParallelClient
+from radixserve.serving.engine_client import EngineProcessClient
+from radixserve.serving.grammar import DEFAULT_COMPILE_TIMEOUT_S, GrammarChecker
+from radixserve.serving.metrics import Metrics
+from radixserve.serving.protocol import Delta
+from radixserve.serving.supervisor import SupervisionCollector, SupervisorConfig
+from radixserve.serving.tokenize_batcher import TokenizeBatcher
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """How the engine(s) behind a server are run (transport-independent settings)."""
+
+    served_model_name: str | None = None
+    data_parallel_size: int = 1  # engine processes behind this frontend
+    dp_policy: str = "cache-aware"
+    dp_balance: Any = None  # balancer.BalanceConfig (None: its defaults)
+    supervision: SupervisorConfig = field(default_factory=SupervisorConfig)
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+
+
+def make_engine_client(
+    engine_config: EngineConfig, tokenizer: Any, config: ServingConfig
+) -> EngineClient:
+    """One engine process, or ``data_parallel_size`` of them behind one client."""
+    if config.data_parallel_size == 1:
+        return EngineProcessClient(engine_config, tokenizer, supervision=config.supervision)
+    return DataParallelClient(
+        engine_config,
+        tokenizer,
+        config.data_parallel_size,
+        config.dp_policy,
+        config.dp_balance,
+        supervision=config.supervision,
+    )
+
+
+class Frontend:
+    """The serving state of one server process.
+
+    Invariants: ``inputs`` exists once the engine is ready and uses the engine's vocabulary
+    size, context length and sampling defaults; ``run`` yields every delta of every sample
+    of its prompts and ends when all have finished (or raises the client's error); leaving
+    it early aborts what is still running in the engine.
+    """
+
+    def __init__(self, engine_config: EngineConfig, config: ServingConfig | None = None) -> None:
+        self.engine_config = engine_config
+        self.config = config = config or ServingConfig()
+        source_name, self.tokenizer = load_model_tokenizer(engine_config.model)
+        self.client = make_engine_client(engine_config, self.tokenizer.backend_tokenizer, config)
+        self.tokenize = TokenizeBatcher(self.tokenizer)
+        self.model_name = config.served_model_name or source_name
+        self.metrics = Metrics(lambda: self.client.stats)
+        if isinstance(self.client, DataParallelClient):  # per-engine series
+            self.metrics.registry.register(self.client.collector)
+        self.metrics.registry.register(SupervisionCollector(lambda: self.client))
+        self.grammar = GrammarChecker(self.tokenizer, config.grammar_compile_timeout_s)
+        self.created = int(time.time())
+        self._inputs: InputProcessor | None = None
+        self._token_texts: dict[int, str] = {}
+
+    async def start(self) -> None:
+        await self.client.start()
+
+    async def shutdown(self) -> None:
+        await self.client.shutdown()
+        self.grammar.close()
+
+    # -- requests in --------------------------------------------------------------------
+    @property
+    def inputs(self) -> InputProcessor:
+        """The engine's request normalisation, made when the engine first reported ready."""
+        if self._inputs is None:
+            ready = self.client.ready
+            assert ready is not None, "the engine has not started"
+            self._inputs = InputProcessor(
+                self.tokenizer, ready.vocab_size, ready.max_model_len, ready.sampling_defaults
+            )
+        return self._inputs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inputs.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.inputs.max_model_len
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (encoded with the other texts of this loop turn)."""
+        return await self.tokenize.encode(text, add_special_tokens)
+
+    async def chat_ids(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation through the chat template (``engine.inputs``)."""
+        text = self.inputs.render_chat(
+            messages, add_generation_prompt, continue_final_message, template_kwargs
+        )
+        return await self.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (cached: logprobs name the same tokens again and again)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    # -- outputs ------------------------------------------------------------------------
+    def observe(self, delta: Delta) -> None:
+        """Per-request engine timings (once per prompt: its first sample)."""
+        if delta.finished and delta.index == 0 and delta.queue_time_s is not None:
+            self.metrics.queue_time.observe(delta.queue_time_s)
+
+    async def run(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> AsyncIterator[tuple[int, Delta]]:
+        """Yield (prompt index, delta) for all prompts' ``params.n`` samples, as they come."""
+        base = request_id or uuid.uuid4().hex
+        if len(prompts) == 1:  # the common case: no fan-in queue, no extra tasks
+            async for delta in self.client.generate(
+                f"{base}-0", prompts[0], params, cache_salt, priority
+            ):
+                self.observe(delta)
+                yield 0, delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids: list[int]) -> None:
+            try:
+                async for delta in self.client.generate(
+                    f"{base}-{i}", ids, params, cache_salt, priority
+                ):
+                    await queue.put((i, delta))
+            except BaseException as exc:
+                await queue.put((i, exc))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+
+        tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+        remaining = len(prompts) * params.n
+        try:
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                self.observe(item)
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+
+__all__ = ["EngineConfig", "Frontend", "ServingConfig", "make_engine_client"]

@@ -1,0 +1,117 @@
+"""Prometheus metrics of the frontend (request timings, token counts) and the engine (its
+heartbeat stats, exported as they are reported)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from radixserve.serving.protocol import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator:
+        s = self._stats()
+        if s is None:
+            return
+        yield GaugeMetricFamily("radixserve_num_requests_running", "Requests running", s.running)
+        yield GaugeMetricFamily("radixserve_num_requests_waiting", "Requests waiting", s.waiting)
+        used = 1 - s.kv_pages_free / s.kv_pages_total if s.kv_pages_total else 0.0
+        yield GaugeMetricFamily("radixserve_kv_cache_usage_ratio", "KV pages in use", used)
+        yield CounterMetricFamily(
+            "radixserve_prefix_cache_queries", "Prompt tokens looked up", s.cache_queried_tokens
+        )
+        yield CounterMetricFamily(
+            "radixserve_prefix_cache_hits", "Prompt tokens found cached", s.cache_hit_tokens
+        )
+        yield CounterMetricFamily("radixserve_num_preemptions", "Preemptions", s.preemptions)
+        yield CounterMetricFamily("radixserve_engine_steps", "Engine steps", s.steps)
+
+
+class Metrics:
+    """One registry per app (tests start several)."""
+
+    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine_stats))
+        r = self.registry
+        self.prompt_tokens = Counter(
+            "radixserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "radixserve_generation_tokens", "Generated tokens", registry=r
+        )
+        self.request_success = Counter(
+            "radixserve_request_success",
+            "Finished requests by finish reason",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "radixserve_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "radixserve_inter_token_latency_seconds",
+            "Time between tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "radixserve_request_queue_time_seconds",
+            "Time from arrival at the engine to first admission",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "radixserve_e2e_request_latency_seconds",
+            "End-to-end latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Timings and token counts of one streamed request, into ``Metrics`` (shared by the
+    HTTP and gRPC frontends). Invariants: TTFT is observed once, at the first token of any
+    sample; ITL between consecutive token-bearing deltas of one sample; one success count
+    per finished sample; e2e and token totals once, at ``finish``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.started = time.monotonic()
+        self.first: float | None = None
+        self.last: dict[Hashable, float] = {}
+        self.tokens = 0  # generated so far, all samples
+
+    def delta(self, sample: Hashable, d: Any) -> None:
+        """Count one engine delta (``protocol.Delta``) of ``sample``."""
+        if d.token_ids:
+            now = time.monotonic()
+            if self.first is None:
+                self.first = now
+                self.metrics.ttft.observe(now - self.started)
+            elif sample in self.last:
+                self.metrics.itl.observe(now - self.last[sample])
+            self.last[sample] = now
+        self.tokens += len(d.token_ids)
+        if d.finished:
+            self.metrics.request_success.labels(d.finish_reason or "unknown").inc()
+
+    def finish(self, prompt_tokens: int) -> None:
+        """The request ended normally: its latency and token counts."""
+        self.metrics.e2e.observe(time.monotonic() - self.started)
+        self.metrics.generation_tokens.inc(self.tokens)
+        self.metrics.prompt_tokens.inc(prompt_tokens)

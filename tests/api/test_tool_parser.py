@@ -1,0 +1,53 @@
+"""Tool-call parsing (hermes tags, Llama 3 JSON; whole and streamed) and the frontend's
+grammar pre-check, without a server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from radixserve.api.openai.tool_parser import ToolContext, ToolStreamer, parse_tool_calls
+from radixserve.core.errors import InputError
+from radixserve.engine.tokenizer import load_hf_tokenizer
+from radixserve.serving.grammar import GrammarChecker
+from tests.api.test_structured_server import WEATHER
+
+
+def test_grammar_compile_timeout_is_a_400(tiny_llama):
+    checker = GrammarChecker(load_hf_tokenizer(tiny_llama), timeout_s=1e-6)
+    spec = {"regex": "(" + "|".join(f"w{i}[a-z]{{1,9}}" for i in range(400)) + ")+"}
+    with pytest.raises(InputError) as info:
+        asyncio.run(checker.check(spec, 512, "structured_outputs"))
+    assert info.value.param == "structured_outputs.regex"
+    assert "did not compile within" in str(info.value)
+    checker.close()
+
+
+def test_tool_call_parsers_on_fixed_text():
+    ctx = ToolContext(tools=[WEATHER], functions={"get_weather": {}}, mode="auto")
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    content, calls = parse_tool_calls(text, ctx)
+    assert content == "Let me check.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    # streamed in small pieces: content before the marker streams, the call is held back
+    streamer = ToolStreamer(ctx)
+    streamed = "".join(streamer.feed(text[i : i + 3]) for i in range(0, len(text), 3))
+    rest, scalls = streamer.finish()
+    assert streamed + rest == content and len(scalls) == 1
+    assert parse_tool_calls("no call here <tool", ctx) == ("no call here <tool", [])
+    assert parse_tool_calls('<tool_call>{"name": "nope"}</tool_call>', ctx)[1] == []
+    llama = ToolContext(
+        tools=[WEATHER], functions={"get_weather": {}}, mode="auto", parser="llama3_json"
+    )
+    content, calls = parse_tool_calls(
+        '{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+        '{"name": "get_weather", "parameters": {"city": "Bern"}}',
+        llama,
+    )
+    assert content is None
+    assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Rome", "Bern"]
+    assert parse_tool_calls("Hello there", llama) == ("Hello there", [])
