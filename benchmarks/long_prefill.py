@@ -1,7 +1,7 @@
 """Cold time to first token of long single prompts: radixserve, and vLLM's CPU build when given.
 
     python benchmarks/long_prefill.py                                  # radixserve only
-    python benchmarks/long_prefill.py --vllm-python /work/vllm-venv/bin/python
+    python benchmarks/long_prefill.py --vllm-python VENV/bin/python
 
 One prompt at a time, no prefix-cache hit (radixserve empties its tree between runs, vLLM
 runs with prefix caching off), ``max_tokens=1``: TTFT is the prefill of the whole prompt.
