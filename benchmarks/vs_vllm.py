@@ -1,7 +1,7 @@
 """radixserve vs vLLM's CPU build, side by side on the same HF folder, in one invocation.
 
-    python benchmarks/export_hf.py /tmp/smollm2-hf          # vLLM needs an HF folder
-    python benchmarks/vs_vllm.py --vllm-python VENV/bin/python --model /tmp/smollm2-hf
+    python benchmarks/export_hf.py HF_DIR          # vLLM needs an HF folder
+    python benchmarks/vs_vllm.py --vllm-python VENV/bin/python --model HF_DIR
 
 W1 (offline throughput) and W2 (shared prefix) run one ``generate`` over the whole workload
 per engine (start-up and a two-prompt warm-up excluded, empty prefix cache, greedy,
