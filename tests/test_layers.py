@@ -117,15 +117,38 @@ def test_the_check_catches_an_upward_and_a_skipping_import(tmp_path, monkeypatch
     ]
 
 
+# a router started for real (uvicorn, its startup tasks), answering a request
+ROUTER_RUNS = """
+import socket, sys, threading, time
+import httpx, uvicorn
+from radixserve.api.router.server import RouterConfig, create_router_app
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+app = create_router_app(RouterConfig(workers=("http://127.0.0.1:1",)))
+server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+threading.Thread(target=server.run, daemon=True).start()
+deadline = time.monotonic() + 30
+while True:
+    try:
+        workers = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=2)
+        break
+    except httpx.HTTPError:
+        assert time.monotonic() < deadline, "the router did not start"
+        time.sleep(0.1)
+assert workers.status_code == 200, workers.text
+server.should_exit = True
+assert "torch" not in sys.modules, "torch imported"
+"""
+
+
 @pytest.mark.parametrize(
     "code",
     [
         # the router's help, and building its app: no torch
         "import sys\nfrom radixserve.cli import main\ntry:\n    main(['router', '--help'])\n"
         "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'\n",
-        "import sys\nfrom radixserve.api.router.server import RouterConfig, create_router_app\n"
-        "create_router_app(RouterConfig(workers=('http://127.0.0.1:1',)))\n"
-        "assert 'torch' not in sys.modules, 'torch imported'\n",
+        ROUTER_RUNS,
         # the top-level help lists every command without loading any of them
         "import sys\nfrom radixserve.cli import main\ntry:\n    main(['--help'])\n"
         "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'torch imported'\n",
