@@ -1,4 +1,5 @@
-"""A small ASGI layer for the frontend: exact-path routing, whole bodies, JSON and SSE answers.
+"""A small ASGI layer for the frontend: exact-path routing (plus one trailing path parameter,
+``/v1/models/{model}``), whole bodies, JSON and SSE answers.
 
 Why not FastAPI/Starlette here: on a streamed 16-token completion their middleware stack,
 anyio task groups and per-request disconnect listeners cost more CPU than the rest of the
@@ -68,6 +69,7 @@ class HTTPRequest:
     headers: dict[str, str]
     body: bytes
     query: str = ""
+    path_params: dict[str, str] = field(default_factory=dict)  # ``{name}`` of the route
 
 
 @dataclass
@@ -110,7 +112,8 @@ class Route:
 
 
 class ASGIApp:
-    """Routes by exact path, then method. Invariants: every request is answered once — 404
+    """Routes by exact path (or a route whose last segment is a ``{name}`` parameter, when
+    no exact path matches), then method. Invariants: every request is answered once — 404
     for unknown paths, 405 (with Allow) for known paths with another method, 413 for bodies
     over ``max_body_bytes``, the handler's answer, an ``APIError``'s OpenAI-shaped body, or
     500 for anything else; nothing a handler raises reaches the server loop. ``authorize``
@@ -123,14 +126,30 @@ class ASGIApp:
         on_startup: Callable[[], Awaitable[None]],
         on_shutdown: Callable[[], Awaitable[None]],
     ) -> None:
-        self.routes: dict[str, dict[str, Route]] = {}
+        self.routes: dict[str, dict[str, Route]] = {}  # by path; templates as written
+        # path prefix -> how errors under it are answered (another API's error shape);
+        # elsewhere OpenAI's (``error_response``)
+        self.error_shapes: dict[str, Callable[[APIError], Response]] = {}
+        # "/v1/models" -> ("model", methods) for the route "/v1/models/{model}"
+        self._templates: dict[str, tuple[str, dict[str, Route]]] = {}
         self.max_body_bytes = max_body_bytes
         self.authorize = authorize
         self.on_startup, self.on_shutdown = on_startup, on_shutdown
 
+    def error(self, path: str, error: APIError) -> Response:
+        """``error`` answered in the shape of the API that ``path`` belongs to."""
+        for prefix, render in self.error_shapes.items():
+            if path.startswith(prefix):
+                return render(error)
+        return error_response(error)
+
     def route(self, method: str, path: str, **options: Any) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:
-            self.routes.setdefault(path, {})[method] = Route(handler, **options)
+            methods = self.routes.setdefault(path, {})
+            methods[method] = Route(handler, **options)
+            prefix, _, last = path.rpartition("/")
+            if last.startswith("{") and last.endswith("}"):
+                self._templates[prefix] = (last[1:-1], methods)
             return handler
 
         return register
@@ -158,15 +177,23 @@ class ASGIApp:
                 return
 
     async def _http(self, scope: dict, receive: Callable, send: Callable) -> None:
-        methods = self.routes.get(scope["path"])
+        path = scope["path"]
+        methods = self.routes.get(path)
+        params: dict[str, str] = {}
+        if methods is None or "{" in path:
+            prefix, _, last = path.rpartition("/")
+            template = self._templates.get(prefix)
+            methods = None
+            if template is not None and last:
+                methods, params = template[1], {template[0]: last}
         method = scope["method"]
         if methods is None:
             return await _send_response(
-                send, error_response(APIError(404, "Not Found", "NotFoundError"))
+                send, self.error(path, APIError(404, "Not Found", "NotFoundError"))
             )
         route = methods.get(method)
         if route is None:
-            answer = error_response(APIError(405, "Method Not Allowed", "MethodNotAllowed"))
+            answer = self.error(path, APIError(405, "Method Not Allowed", "MethodNotAllowed"))
             answer.headers.append((b"allow", ", ".join(sorted(methods)).encode()))
             return await _send_response(send, answer)
         request = HTTPRequest(
@@ -175,10 +202,11 @@ class ASGIApp:
             {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]},
             b"",
             scope.get("query_string", b"").decode("latin-1"),
+            params,
         )
         error = self.authorize(request)
         if error is not None:
-            return await _send_response(send, error_response(error))
+            return await _send_response(send, self.error(path, error))
         if method == "POST":
             try:
                 body = await self._read_body(receive)
@@ -186,7 +214,7 @@ class ASGIApp:
                 return  # nobody to answer
             if body is None:
                 error = APIError(413, f"request body exceeds {self.max_body_bytes} bytes")
-                return await _send_response(send, error_response(error))
+                return await _send_response(send, self.error(path, error))
             request.body = body
         if route.watch_disconnect:
             await self._run_watched(route, request, receive, send)
@@ -222,10 +250,11 @@ class ASGIApp:
         try:
             return await route.handler(request)
         except APIError as exc:
-            return error_response(exc)
+            return self.error(request.path, exc)
         except Exception as exc:
             log.exception("handler failed")
-            return error_response(APIError(500, f"internal error: {exc}", "internal_error"))
+            error = APIError(500, f"internal error: {exc}", "internal_error")
+            return self.error(request.path, error)
 
     async def _run_watched(
         self, route: Route, request: HTTPRequest, receive: Callable, send: Callable

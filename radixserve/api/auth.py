@@ -18,12 +18,16 @@ class ApiKeys:
     def __bool__(self) -> bool:
         return bool(self._keys)
 
-    def allows(self, authorization: str | None) -> bool:
-        """Whether an ``authorization`` header (or gRPC metadata) value carries a key."""
+    def allows(self, authorization: str | None, api_key: str | None = None) -> bool:
+        """Whether an ``authorization`` header (or gRPC metadata) value carries a key, or
+        ``api_key`` (Anthropic's ``x-api-key`` header) is one."""
         if not self._keys:
             return True
         header = authorization or ""
-        token = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+        if header.lower().startswith("bearer "):
+            token = header[7:].encode()
+        else:
+            token = (api_key or "").encode()
         ok = False
         for key in self._keys:  # every key checked
             ok |= hmac.compare_digest(token, key)

@@ -56,6 +56,7 @@ class RequestOutputProcessor:
                     delta.logprobs = delta.logprobs[: k + 1]
                 engine_running = not delta.finished
                 delta.finished, delta.finish_reason, delta.error = True, "stop", None
+                delta.stop_str = detok.stopped_by
                 delta.text = detok.take_delta(finished=True)
                 self.done[i] = True
                 return delta, engine_running

@@ -62,6 +62,8 @@ class Delta(msgspec.Struct, array_like=True):
     queue_time_s: float | None = None  # arrival → first admission (None: not admitted)
     # with the first token, if asked: (id, logprob, top) of prompt tokens 1.. (as logprobs)
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # set by the frontend when a stop string ended the sample: that string
+    stop_str: str | None = None
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

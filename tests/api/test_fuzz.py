@@ -46,7 +46,10 @@ FUZZED_OPERATIONS = {
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",
+    "GET /v1/models/{model}",
     "GET /health",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
 }
 EXAMPLES_PER_OPERATION = 25
 
@@ -69,8 +72,11 @@ def _check_response(case) -> None:
         f"body: {case.body!r}"
     )
     if response.status_code >= 400:
-        error = response.json()["error"]  # every error is OpenAI-shaped JSON
-        assert set(error) == {"message", "type", "param", "code"}
+        body = response.json()
+        if case.path.startswith("/v1/messages"):  # Anthropic's shape
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+        else:  # every other error is OpenAI-shaped JSON
+            assert set(body["error"]) == {"message", "type", "param", "code"}
 
 
 def _fuzz_operation(op, label: str, ran: dict[str, int]) -> None:

@@ -254,6 +254,63 @@ def test_echo_with_logprobs_covers_the_prompt(client, server):
     assert streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
 
 
+def test_prompt_logprobs_only_with_max_tokens_0(client):
+    """echo + logprobs + max_tokens 0 (OpenAI and vLLM accept it): the prompt and its
+    logprobs, no completion, streamed or not; without echo max_tokens 0 is a 400."""
+    model = _model(client)
+    prompt = "The quick brown fox jumps"
+    kwargs = dict(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    full = client.completions.create(**kwargs)
+    choice = full.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == full.usage.prompt_tokens
+    assert choice.logprobs.token_logprobs[0] is None
+    with_one = client.completions.create(**{**kwargs, "max_tokens": 1, "temperature": 0})
+    n = full.usage.prompt_tokens
+    assert with_one.choices[0].logprobs.token_logprobs[:n] == pytest.approx(
+        choice.logprobs.token_logprobs, abs=1e-5
+    )
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt=prompt, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_continuous_usage_stats_and_model_retrieve(client, server):
+    """guidellm's stream_options (usage in every chunk) and client.models.retrieve."""
+    model = _model(client)
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert all(c.usage is not None for c in chunks)
+    completion = [c.usage.completion_tokens for c in chunks]
+    assert completion == sorted(completion) and completion[-1] == 5 and completion[0] == 0
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == (
+        chunks[-1].usage.prompt_tokens + 5
+    )
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    r = httpx.get(server.url + "/v1/models/" + model)
+    assert r.status_code == 200 and r.json()["max_model_len"] > 0
+    bad = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "x", "stream": True, "stream_options": {"typo_option": True}},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("stream_options")
+
+
 def test_metrics_parse_and_move(server, client):
     def scrape() -> dict[str, float]:
         text = httpx.get(server.url + "/metrics").text

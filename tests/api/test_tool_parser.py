@@ -51,3 +51,31 @@ def test_tool_call_parsers_on_fixed_text():
     assert content is None
     assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Rome", "Bern"]
     assert parse_tool_calls("Hello there", llama) == ("Hello there", [])
+
+
+def test_calls_cut_off_by_max_tokens_keep_the_complete_ones():
+    required = ToolContext(tools=[WEATHER], functions={"get_weather": {}}, mode="required")
+    call = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    cut = f'[{call}, {call}, {{"name": "get_wea'
+    assert parse_tool_calls(cut, required) == (cut, [])  # not truncated: not calls
+    content, calls = parse_tool_calls(cut, required, truncated=True)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"] * 2
+    assert len(parse_tool_calls(f"[{call}, {call}]", required)[1]) == 2
+    hermes = ToolContext(tools=[WEATHER], functions={"get_weather": {}}, mode="auto")
+    text = f'<tool_call>{call.replace("parameters", "arguments")}</tool_call>\n<tool_call>{{"na'
+    assert parse_tool_calls(text, hermes)[1] == []
+    assert len(parse_tool_calls(text, hermes, truncated=True)[1]) == 1
+    streamer = ToolStreamer(hermes)
+    streamer.feed(text)
+    assert len(streamer.finish(truncated=True)[1]) == 1
+
+
+def test_parallel_tool_calls_false_returns_one_call():
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    one = ToolContext(tools=[WEATHER], functions={"get_weather": {}}, mode="auto", parallel=False)
+    many = ToolContext(tools=[WEATHER], functions={"get_weather": {}}, mode="auto")
+    assert len(parse_tool_calls(call * 3, many)[1]) == 3
+    assert len(parse_tool_calls(call * 3, one)[1]) == 1
+    # required without parallel calls: the grammar allows a single-item list
+    required = ToolContext(functions={"get_weather": {}}, mode="required", parallel=False)
+    assert required.grammar_spec()["json"]["maxItems"] == 1

@@ -66,10 +66,10 @@ async def _whole(
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
         reason = o.reason
         if tools.active:
-            content, calls = parse_tool_calls(o.text, tools)
+            content, calls = parse_tool_calls(o.text, tools, truncated=reason == "length")
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
-                reason = "tool_calls"
+                reason = "length" if reason == "length" else "tool_calls"
         logprobs = None
         if params.logprobs is not None:
             logprobs = chat_logprobs(server.frontend.token_text, o.logprobs)
@@ -128,11 +128,11 @@ def _stream(
         frames = b""
         streamer = streamers.pop(idx, None)
         if streamer is not None:
-            rest, calls = streamer.finish()
+            rest, calls = streamer.finish(truncated=reason == "length")
             if rest:
                 frames += frame(idx, {"content": rest})
             if calls:
-                reason = "tool_calls"
+                reason = "length" if reason == "length" else "tool_calls"
                 frames += frame(
                     idx, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}
                 )

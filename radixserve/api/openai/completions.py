@@ -36,6 +36,11 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         max_tokens = (
             cv.COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         )
+        # max_tokens 0 with echo: the prompt (and its logprobs) only, as OpenAI and vLLM
+        # allow; the engine computes one token, which is not returned
+        prompt_only = max_tokens == 0 and body.echo
+        if prompt_only:
+            max_tokens = 1
         params = cv.sampling_params(frontend, body, max_tokens, server.config)
         prompts = [cv.check_prompt(frontend, ids, max_tokens) for ids in prompts]
         spec = await structured_spec(frontend.grammar, body, frontend.vocab_size)
@@ -50,8 +55,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
                 params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return StreamResponse(_stream(server, rid, texts, prompts, params, body))
-        return await _whole(server, rid, texts, prompts, params, body)
+            return StreamResponse(_stream(server, rid, texts, prompts, params, body, prompt_only))
+        return await _whole(server, rid, texts, prompts, params, body, prompt_only)
 
 
 async def _whole(
@@ -61,12 +66,15 @@ async def _whole(
     prompts: list[list[int]],
     params: SamplingParams,
     body: CompletionRequest,
+    prompt_only: bool = False,
 ) -> Response:
     done = await collect(server, prompts, params, body.cache_salt, body.priority)
     token_text, n = server.frontend.token_text, params.n
     choices = []
     for idx, o in done.outputs.items():
         prefix = (texts[idx // n] or "") if body.echo else ""
+        if prompt_only:  # the token computed to get there is not part of the answer
+            o.text, o.logprobs, o.reason = "", [], "length"
         logprobs = None
         if params.logprobs is not None:
             logprobs = completion_logprobs(token_text, o.logprobs, len(prefix))
@@ -85,7 +93,9 @@ async def _whole(
             "created": int(time.time()),
             "model": server.frontend.model_name,
             "choices": choices,
-            "usage": usage(prompts, done.completion_tokens, done.cached_tokens),
+            "usage": usage(
+                prompts, 0 if prompt_only else done.completion_tokens, done.cached_tokens
+            ),
         }
     )
 
@@ -97,6 +107,7 @@ def _stream(
     prompts: list[list[int]],
     params: SamplingParams,
     body: CompletionRequest,
+    prompt_only: bool = False,
 ):
     n, token_text = params.n, server.frontend.token_text
     base = {
@@ -130,6 +141,8 @@ def _stream(
             echoed.add(i)
             lps = prompt_logprobs(token_text, prompts[i], d.prompt_logprobs)
             frames = b"".join(echo_frames(i, lps))
+        if prompt_only:  # the echo is the whole answer
+            return frames
         logprobs = None
         if d.logprobs:
             start = offsets.get(idx, len(texts[i] or "") if body.echo else 0)
@@ -139,6 +152,7 @@ def _stream(
         return frames + sse({**base, "choices": [choice]})
 
     def on_finish(idx, reason) -> bytes:
+        reason = "length" if prompt_only else reason
         choice = {"index": idx, "text": "", "logprobs": None, "finish_reason": reason}
         return sse({**base, "choices": [choice]})
 

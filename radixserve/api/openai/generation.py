@@ -46,6 +46,7 @@ class SampleOutput:
     reason: str | None = None
     error: str | None = None
     logprobs: list = field(default_factory=list)
+    stop_str: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass
@@ -86,7 +87,7 @@ async def collect(
         if d.token_ids and first is None:
             first = time.monotonic()
         if d.finished:
-            o.reason, o.error = d.finish_reason, d.error
+            o.reason, o.error, o.stop_str = d.finish_reason, d.error, d.stop_str
             cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
     errors = [o.error for o in outs.values() if o.reason == "error"]
     if errors:
@@ -113,16 +114,26 @@ async def stream_events(
     head: Callable[[], Iterable[bytes]],
     usage_obj: dict,
 ) -> AsyncIterator[bytes]:
-    """Shared SSE loop: head frames, per-delta frames, then usage and [DONE]."""
+    """Shared SSE loop: head frames, per-delta frames, then usage and [DONE]. ``usage_obj``
+    is the dict every frame is made from: with ``stream_options.continuous_usage_stats``
+    (vLLM's extension) it carries the usage so far, so every chunk does."""
     n = params.n
     timer = RequestTimer(server.frontend.metrics)
     cached: dict[int, int] = {}
+    options = body.stream_options
+    continuous = options is not None and options.continuous_usage_stats
     try:
+        if continuous:
+            usage_obj["usage"] = usage(prompts, 0, 0)
         for frame in head():
             yield frame
         async for i, d in server.frontend.run(prompts, params, body.cache_salt, body.priority):
             idx = i * n + d.index
             timer.delta(idx, d)
+            if continuous:
+                if d.finished:
+                    cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
+                usage_obj["usage"] = usage(prompts, timer.tokens, sum(cached.values()))
             if d.text or d.logprobs:
                 frame = on_delta(idx, d)
                 if frame:  # empty: held back (a tool call being generated)

@@ -8,9 +8,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # e.g. continuous_usage_stats: a 400
+    model_config = ConfigDict(extra="forbid")  # an unknown option: a 400 naming it
 
     include_usage: StrictBool = False
+    # vLLM's extension (guidellm always sends it): usage so far in every chunk
+    continuous_usage_stats: StrictBool = False
 
 
 class _Sampling(BaseModel):

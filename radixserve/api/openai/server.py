@@ -4,13 +4,16 @@ the OpenAPI document."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import orjson
 from pydantic import BaseModel
 
 from radixserve.api import auth
+from radixserve.api.anthropic import messages
 from radixserve.api.asgi import (
     APIError,
     ASGIApp,
@@ -89,7 +92,7 @@ class OpenAIServer:
             )
 
 
-_PROTECTED_PREFIXES = ("/v1/", "/debug/")
+_PROTECTED_PREFIXES = ("/v1/", "/debug/")  # (/v1/messages takes x-api-key too)
 _PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
 
 
@@ -102,7 +105,8 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         path = request.path
         if not (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS):
             return None
-        if server.keys.allows(request.headers.get("authorization")):
+        headers = request.headers
+        if server.keys.allows(headers.get("authorization"), headers.get("x-api-key")):
             return None
         return APIError(401, auth.MISSING_KEY_MESSAGE, "authentication_error")
 
@@ -133,26 +137,28 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     async def openapi(_: HTTPRequest) -> Response:
         return json_response(openapi_document(app))
 
+    def model_card() -> dict:
+        return {
+            "id": frontend.model_name,
+            "object": "model",
+            "created": frontend.created,
+            "owned_by": "radixserve",
+            "max_model_len": frontend.max_model_len,
+        }
+
     @app.route("GET", "/v1/models")
     async def models(_: HTTPRequest) -> Response:
-        return json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": frontend.model_name,
-                        "object": "model",
-                        "created": frontend.created,
-                        "owned_by": "radixserve",
-                        "max_model_len": frontend.max_model_len,
-                    }
-                ],
-            }
-        )
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.route("GET", "/v1/models/{model}")
+    async def model(request: HTTPRequest) -> Response:
+        server.check_model(unquote(request.path_params["model"]))
+        return json_response(model_card())
 
     native.add_routes(app, server)
     completions.add_routes(app, server)
     chat.add_routes(app, server)
+    messages.add_routes(app, server)  # Anthropic's Messages API
     return app
 
 
@@ -165,10 +171,17 @@ def openapi_document(app: ASGIApp) -> dict:
         for method, route in methods.items():
             if not route.in_schema:
                 continue
+            name = path.strip("/").replace("/", "_").replace("{", "").replace("}", "")
             op: dict[str, Any] = {
-                "operationId": f"{method.lower()}_{path.strip('/').replace('/', '_') or 'root'}",
+                "operationId": f"{method.lower()}_{name or 'root'}",
                 "responses": {"200": {"description": "OK"}, "4XX": error, "503": error},
             }
+            params = re.findall(r"\{([a-z_]+)\}", path)
+            if params:
+                op["parameters"] = [
+                    {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                    for p in params
+                ]
             if route.body_schema is not None:
                 schema = dict(route.body_schema)
                 components.update(schema.pop("$defs", {}))

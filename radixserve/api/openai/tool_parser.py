@@ -143,9 +143,22 @@ def _call_from_object(obj: Any, functions: dict[str, Any]) -> dict[str, Any] | N
     return tool_call(obj["name"], args) if isinstance(args, dict) else None
 
 
-def parse_tool_calls(text: str, ctx: ToolContext) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(
+    text: str, ctx: ToolContext, truncated: bool = False
+) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls) of a finished chat output. Text that does not parse as calls
-    stays content."""
+    stays content. ``truncated`` (the output ran into max_tokens): the calls that were
+    complete are returned, the one cut off is dropped. ``parallel_tool_calls: false``:
+    at most the first call."""
+    content, calls = _parse_calls(text, ctx, truncated)
+    if calls and not ctx.parallel:
+        calls = calls[:1]
+    return content, calls
+
+
+def _parse_calls(
+    text: str, ctx: ToolContext, truncated: bool
+) -> tuple[str | None, list[dict[str, Any]]]:
     if ctx.mode == "named":
         assert ctx.named is not None
         try:
@@ -153,12 +166,14 @@ def parse_tool_calls(text: str, ctx: ToolContext) -> tuple[str | None, list[dict
         except ValueError:
             return text, []
         return None, [tool_call(ctx.named, args)]
-    if ctx.mode == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
+    if ctx.mode == "required":  # a JSON array of {name, parameters} (the grammar's shape)
+        body = text.strip()
+        if not body.startswith("["):
             return text, []
-        calls = [_call_from_object(obj, ctx.functions) for obj in items]
+        objects, complete = _json_sequence(body, 1, ",]")
+        if not complete and not truncated:
+            return text, []
+        calls = [_call_from_object(obj, ctx.functions) for obj in objects]
         if not calls or any(c is None for c in calls):
             return text, []
         return None, calls  # type: ignore[return-value]
@@ -167,12 +182,16 @@ def parse_tool_calls(text: str, ctx: ToolContext) -> tuple[str | None, list[dict
         if start < 0:
             return text, []
         calls = []
-        for m in _HERMES.finditer(text, start):
+        matches = list(_HERMES.finditer(text, start))
+        for k, m in enumerate(matches):
             try:
                 call = _call_from_object(json.loads(m.group(1)), ctx.functions)
             except ValueError:
                 call = None
             if call is None:
+                cut_off = truncated and k == len(matches) - 1 and not m.group(0).endswith(">")
+                if cut_off and calls:
+                    break  # the last call was cut off by max_tokens: keep the others
                 return text, []
             calls.append(call)
         content = text[:start]
@@ -183,22 +202,33 @@ def parse_tool_calls(text: str, ctx: ToolContext) -> tuple[str | None, list[dict
         body = body[len(_LLAMA_START) :].strip()
     if not body.startswith("{"):
         return text, []
-    calls = []
+    objects, complete = _json_sequence(body, 0, " \n\t;")
+    if not complete and not (truncated and objects):
+        return text, []
+    calls = [_call_from_object(obj, ctx.functions) for obj in objects]
+    if any(c is None for c in calls):
+        return text, []
+    return None, calls  # type: ignore[return-value]
+
+
+def _json_sequence(body: str, pos: int, separators: str) -> tuple[list[Any], bool]:
+    """The JSON values of ``body`` from ``pos`` on, separated by any of ``separators``
+    (a closing ``]`` ends the sequence); whether it parsed to its end (False: the values
+    before the first one that did not parse)."""
     decoder = json.JSONDecoder()
-    pos = 0
-    while pos < len(body):
-        try:
-            obj, end = decoder.raw_decode(body, pos)
-        except ValueError:
-            return text, []
-        call = _call_from_object(obj, ctx.functions)
-        if call is None:
-            return text, []
-        calls.append(call)
-        pos = end
-        while pos < len(body) and body[pos] in " \n\t;":
+    values: list[Any] = []
+    while True:
+        while pos < len(body) and body[pos] in " \n\t" + separators.replace("]", ""):
             pos += 1
-    return None, calls
+        if pos >= len(body):
+            return values, "]" not in separators
+        if body[pos] == "]" and "]" in separators:
+            return values, not body[pos + 1 :].strip()
+        try:
+            value, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return values, False
+        values.append(value)
 
 
 class ToolStreamer:
@@ -244,9 +274,10 @@ class ToolStreamer:
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """(content not streamed yet, tool calls) once the output is complete."""
-        content, calls = parse_tool_calls(self.text, self.ctx)
+    def finish(self, truncated: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """(content not streamed yet, tool calls) once the output is complete
+        (``truncated``: it ran into max_tokens; see ``parse_tool_calls``)."""
+        content, calls = parse_tool_calls(self.text, self.ctx, truncated)
         if calls:
             return (content or "")[self.sent :], calls
         return self.text[self.sent :], []

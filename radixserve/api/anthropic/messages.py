@@ -1,0 +1,382 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` (whole or streamed with Anthropic's event
+sequence) and ``POST /v1/messages/count_tokens``.
+
+A request is converted into the chat messages and ``SamplingParams`` every other route
+makes (the model's chat template and sampling defaults, the same prompt check, tools
+through the same tool context and grammar path as Chat Completions), run on the serving
+frontend, and answered in Anthropic's shapes: content blocks (``text``, ``tool_use``),
+``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``), usage, and
+errors as ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from radixserve.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from radixserve.api.asgi import (
+    APIError,
+    ASGIApp,
+    HTTPRequest,
+    Response,
+    StreamResponse,
+    json_response,
+)
+from radixserve.api.openai import converter as cv
+from radixserve.api.openai.generation import collect
+from radixserve.api.openai.protocol import body_schema
+from radixserve.api.openai.structured import structured_spec
+from radixserve.api.openai.tool_parser import (
+    ToolContext,
+    ToolStreamer,
+    parse_tool_calls,
+    tool_context,
+)
+from radixserve.core.errors import InputError
+from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving.engine_client import EngineDead, RequestRejected
+from radixserve.serving.metrics import RequestTimer
+
+if TYPE_CHECKING:
+    from radixserve.api.openai.server import OpenAIServer
+
+PREFIX = "/v1/messages"
+# fields Anthropic's API has that this server does not implement: a 400 naming them
+_REFUSED = ("thinking", "container", "mcp_servers", "context_management")
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def anthropic_error(error: APIError) -> Response:
+    """An error in Anthropic's shape (overload is its 529 ``overloaded_error``)."""
+    status = error.status
+    if error.code == "overloaded":
+        status, kind = 529, "overloaded_error"
+    elif status == 503:
+        kind = "api_error"
+    else:
+        kind = _ERROR_TYPES.get(status, "api_error")
+    message = error.message
+    if error.param and not message.startswith(error.param):
+        message = f"{error.param}: {message}"
+    return json_response({"type": "error", "error": {"type": kind, "message": message}}, status)
+
+
+# -- request conversion -------------------------------------------------------------------
+def _block_text(content: Any, where: str) -> str:
+    """Text of a ``content`` that is a string or a list of text blocks."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, "must be a string or a list of text blocks", param=where)
+    parts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise APIError(400, "only text blocks are supported here", param=f"{where}.{j}")
+        text = block.get("text")
+        if not isinstance(text, str):
+            raise APIError(400, "text must be a string", param=f"{where}.{j}.text")
+        parts.append(text)
+    return "".join(parts)
+
+
+def chat_messages(body: Any) -> list[dict[str, Any]]:
+    """The conversation as chat-template messages: ``system`` first, ``tool_use`` blocks as
+    assistant tool calls, ``tool_result`` blocks as ``tool`` messages."""
+    out: list[dict[str, Any]] = []
+    if body.system is not None:
+        out.append({"role": "system", "content": _block_text(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        for j, block in enumerate(m.content):
+            where = f"messages.{i}.content.{j}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and m.role == "assistant":
+                name, args = block.get("name"), block.get("input", {})
+                if not isinstance(name, str) or not isinstance(args, dict):
+                    raise APIError(400, "tool_use needs a name and an input object", param=where)
+                call = {"name": name, "arguments": args}
+                calls.append({"id": block.get("id"), "type": "function", "function": call})
+            elif kind == "tool_result" and m.role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise APIError(400, "tool_result needs tool_use_id", param=where)
+                content = _block_text(block.get("content", ""), f"{where}.content")
+                results.append(
+                    {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
+                )
+            else:
+                raise APIError(
+                    400, f"{kind!r} blocks are not supported in {m.role} messages", param=where
+                )
+        out.extend(results)  # a user turn answers the calls before it says anything else
+        if texts or calls or not results:
+            message: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+    return out
+
+
+def tools_of(body: Any, parser: str) -> ToolContext:
+    """Anthropic's tools and tool_choice as the chat routes' tool context (``any`` is
+    OpenAI's ``required``, ``tool`` a named function)."""
+    for i, tool in enumerate(body.tools or ()):
+        if tool.type not in (None, "custom"):
+            raise APIError(400, f"server tools ({tool.type}) are not supported", f"tools.{i}")
+    functions = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description or "",
+                "parameters": t.input_schema,
+            },
+        }
+        for t in body.tools or ()
+    ]
+    choice = body.tool_choice
+    mapped: Any = None
+    parallel = None
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise APIError(400, "tool_choice of type tool needs a name", "tool_choice.name")
+            mapped = {"type": "function", "function": {"name": choice.name}}
+        else:
+            mapped = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use and functions:
+            parallel = False
+    request = types.SimpleNamespace(
+        tools=functions or None, tool_choice=mapped, parallel_tool_calls=parallel
+    )
+    return tool_context(request, parser)
+
+
+async def _prompt(server: OpenAIServer, body: Any, tools: ToolContext) -> list[int]:
+    template = {"tools": tools.tools} if tools.active else {}
+    try:
+        return await server.frontend.chat_ids(chat_messages(body), True, False, template)
+    except InputError as exc:
+        raise cv.input_error(exc) from None
+
+
+def _reject_refused(body: Any) -> None:
+    for name in _REFUSED:
+        if name in (body.model_extra or {}):
+            raise APIError(400, "this field is not supported by this server", param=name)
+
+
+# -- answers ------------------------------------------------------------------------------
+def _stop_reason(reason: str | None, stop_str: str | None, calls: bool) -> str:
+    if calls:
+        return "tool_use"
+    if reason == "length":
+        return "max_tokens"
+    if reason == "stop" and stop_str is not None:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    return {
+        "type": "tool_use",
+        "id": "toolu_" + call["id"].removeprefix("call_"),
+        "name": fn["name"],
+        "input": json.loads(fn["arguments"]),
+    }
+
+
+def _usage(prompt_len: int, cached: int, output_tokens: int) -> dict[str, int]:
+    return {
+        "input_tokens": prompt_len - cached,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": output_tokens,
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
+    frontend = server.frontend
+    app.error_shapes[PREFIX] = anthropic_error
+
+    @app.route("POST", PREFIX, watch_disconnect=True, body_schema=body_schema(MessagesRequest))
+    async def messages(request: HTTPRequest) -> Response | StreamResponse:
+        body: MessagesRequest = server.parse(request, MessagesRequest)
+        _reject_refused(body)
+        server.check_model(body.model)
+        tools = tools_of(body, server.config.tool_call_parser)
+        ids = await _prompt(server, body, tools)
+        try:
+            params = frontend.inputs.sampling_params(
+                max_tokens=body.max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                stop=body.stop_sequences or [],
+            )
+        except InputError as exc:
+            raise cv.input_error(exc) from None
+        cv.check_prompt(frontend, ids, body.max_tokens)
+        free_text = types.SimpleNamespace(response_format=None, structured_outputs=None)
+        spec = await structured_spec(frontend.grammar, free_text, frontend.vocab_size, tools)
+        if spec is not None:
+            params = dataclasses.replace(params, structured_output=spec)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        if body.stream:
+            return StreamResponse(_stream(server, message_id, ids, params, tools))
+        return await _whole(server, message_id, ids, params, tools)
+
+    @app.route("POST", PREFIX + "/count_tokens", body_schema=body_schema(CountTokensRequest))
+    async def count_tokens(request: HTTPRequest) -> Response:
+        body: CountTokensRequest = server.parse(request, CountTokensRequest)
+        _reject_refused(body)
+        server.check_model(body.model)
+        tools = tools_of(body, server.config.tool_call_parser)
+        return json_response({"input_tokens": len(await _prompt(server, body, tools))})
+
+
+async def _whole(
+    server: OpenAIServer, message_id: str, ids: list[int], params: SamplingParams, tools: Any
+) -> Response:
+    done = await collect(server, [ids], params, None, 0)
+    out = done.outputs[0]
+    calls: list[dict[str, Any]] = []
+    content: list[dict[str, Any]] = []
+    text: str | None = out.text
+    if tools.active:
+        text, calls = parse_tool_calls(out.text, tools, truncated=out.reason == "length")
+    if text or not calls:
+        content.append({"type": "text", "text": text or ""})
+    content.extend(_tool_use(c) for c in calls)
+    stop_reason = _stop_reason(out.reason, out.stop_str, bool(calls))
+    return json_response(
+        {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": server.frontend.model_name,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": out.stop_str if stop_reason == "stop_sequence" else None,
+            "usage": _usage(len(ids), done.cached_tokens, done.completion_tokens),
+        }
+    )
+
+
+async def _stream(
+    server: OpenAIServer, message_id: str, ids: list[int], params: SamplingParams, tools: Any
+) -> AsyncIterator[bytes]:
+    """Anthropic's event sequence: message_start, ping, then per content block
+    content_block_start / deltas / content_block_stop (text first, then each tool_use
+    with its input as one input_json_delta), message_delta (stop_reason, usage),
+    message_stop. A failure after the start is an ``error`` event."""
+    frontend = server.frontend
+    timer = RequestTimer(frontend.metrics)
+    start = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": frontend.model_name,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": _usage(len(ids), 0, 0),
+    }
+    yield _event("message_start", {"type": "message_start", "message": start})
+    yield _event("ping", {"type": "ping"})
+    streamer = ToolStreamer(tools) if tools.active else None
+    index = 0  # of the content block being written
+    text_open = False
+    reason: str | None = None
+    stop_str: str | None = None
+    cached = 0
+
+    def text_delta(text: str) -> bytes:
+        nonlocal text_open
+        frames = b""
+        if not text_open:
+            text_open = True
+            block = {"type": "text", "text": ""}
+            frames += _event(
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": block},
+            )
+        delta = {"type": "text_delta", "text": text}
+        return frames + _event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        )
+
+    try:
+        async for _, d in frontend.run([ids], params):
+            timer.delta(0, d)
+            text = d.text
+            if streamer is not None:
+                text = streamer.feed(text)
+            if text:
+                yield text_delta(text)
+            if d.finished:
+                reason, stop_str, cached = d.finish_reason, d.stop_str, d.num_cached_tokens
+                if reason == "error":
+                    raise RuntimeError(d.error or "generation failed")
+        timer.finish(len(ids))
+    except (RequestRejected, EngineDead, RuntimeError) as exc:
+        error = cv.engine_error(exc) if not isinstance(exc, RuntimeError) else None
+        body = orjson.loads(anthropic_error(error or APIError(500, str(exc), "api_error")).body)
+        yield _event("error", body)
+        return
+    calls: list[dict[str, Any]] = []
+    if streamer is not None:
+        rest, calls = streamer.finish(truncated=reason == "length")
+        if rest:
+            yield text_delta(rest)
+    if text_open or not calls:
+        if not text_open:  # an empty answer still has its (empty) text block
+            yield text_delta("")
+        yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+        index += 1
+    for call in calls:
+        block = {**_tool_use(call), "input": {}}
+        yield _event(
+            "content_block_start",
+            {"type": "content_block_start", "index": index, "content_block": block},
+        )
+        delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
+        yield _event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        )
+        yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+        index += 1
+    stop_reason = _stop_reason(reason, stop_str, bool(calls))
+    final = {
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_str if stop_reason == "stop_sequence" else None,
+    }
+    usage = _usage(len(ids), cached, timer.tokens)
+    yield _event("message_delta", {"type": "message_delta", "delta": final, "usage": usage})
+    yield _event("message_stop", {"type": "message_stop"})
