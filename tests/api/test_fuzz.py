@@ -50,6 +50,9 @@ FUZZED_OPERATIONS = {
     "GET /health",
     "POST /v1/messages",
     "POST /v1/messages/count_tokens",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}",
 }
 EXAMPLES_PER_OPERATION = 25
 

@@ -113,3 +113,45 @@ def body_schema(model: type[BaseModel]) -> dict:
     """The model's JSON schema with references into OpenAPI's ``components/schemas``
     (nested definitions stay under ``$defs``; ``openapi_document`` moves them there)."""
     return model.model_json_schema(ref_template=_REF)
+
+
+class ResponseTextConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: dict[str, Any] | None = None  # {type: text | json_object | json_schema, ...}
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API body. Undeclared fields are a 400 naming them (see
+    ``_Sampling``); declared ones this server cannot honour are refused by the route."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: ResponseTextConfig | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    background: StrictBool | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    top_logprobs: StrictInt | None = None
+    # extras (vLLM's)
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: StrictInt | None = None
+    priority: StrictInt = 0
+    cache_salt: str | None = None

@@ -24,8 +24,9 @@ from radixserve.api.asgi import (
 )
 from radixserve.api.console.debug import add_debug_routes
 from radixserve.api.console.routes import register_console
-from radixserve.api.openai import chat, completions, native
+from radixserve.api.openai import chat, completions, native, responses
 from radixserve.api.openai.converter import parse_body
+from radixserve.api.openai.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
 from radixserve.core.version import __version__
 from radixserve.serving.frontend import EngineConfig, Frontend, ServingConfig
 from radixserve.serving.supervisor import SupervisorConfig
@@ -46,6 +47,7 @@ class ServerConfig:
     dp_balance: Any = None  # serving.balancer.BalanceConfig (None: its defaults)
     supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
     enable_debug_endpoints: bool = False  # /debug/* (see console/debug.py)
+    max_stored_responses: int = DEFAULT_MAX_RESPONSES  # the Responses API's store
 
     def serving(self) -> ServingConfig:
         """The transport-independent part, for the serving frontend."""
@@ -69,6 +71,7 @@ class OpenAIServer:
         self.config = config
         self.frontend = Frontend(engine_config, config.serving())
         self.keys = auth.ApiKeys(config.api_keys)
+        self.responses = ResponseStore(config.max_stored_responses)  # /v1/responses
 
     def parse(self, request: HTTPRequest, model: type[BaseModel]) -> Any:
         """The JSON body of ``request`` validated as ``model`` (400 naming the field)."""
@@ -158,6 +161,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     native.add_routes(app, server)
     completions.add_routes(app, server)
     chat.add_routes(app, server)
+    responses.add_routes(app, server)
     messages.add_routes(app, server)  # Anthropic's Messages API
     return app
 
