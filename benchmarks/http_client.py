@@ -121,9 +121,11 @@ class Client:
                 now = time.perf_counter()
                 buffer += chunk
                 *complete, buffer = buffer.split(b"\n\n")
-                for event in complete:
+                for event in complete:  # "data: ..." (OpenAI) or "event: x\ndata: ..."
                     if event.startswith(b"data: "):
                         yield now, event[6:]
+                    elif (at := event.find(b"\ndata: ")) >= 0:
+                        yield now, event[at + 7 :]
             ok = True
         finally:
             self._release(conn, ok)

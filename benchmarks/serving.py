@@ -6,6 +6,9 @@
     python benchmarks/serving.py --launch --workload random --sweep 1,4,16,64 --num-requests 64
     # the frontend's own cost: radixserve on a simulated device with instant tokens
     python benchmarks/serving.py --stub
+    # the Responses or Messages API against Chat Completions (streamed), one server, one run
+    python benchmarks/serving.py --stub --api responses
+    python benchmarks/serving.py --stub --api messages
     # the same, streamed over gRPC vs HTTP (SSE) from one server, in one run
     python benchmarks/serving.py --stub --grpc
     # ... both APIs loaded by h2load (native) instead of Python clients: the servers alone
@@ -99,42 +102,88 @@ def make_jobs(args) -> list[Job]:
     ]
 
 
-async def one_request(client: Client, model: str, job: Job, stream: bool) -> Result:
-    body = {
-        "model": model,
-        "prompt": job.prompt,
-        "max_tokens": job.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-    }
-    if stream:
+def api_body(api: str, model: str, job: Job, stream: bool) -> tuple[str, dict]:
+    """(path, body) of ``job`` in ``api``'s shape: greedy, ``job.max_tokens`` tokens."""
+    if api == "completions":
+        body = {"prompt": job.prompt, "max_tokens": job.max_tokens, "ignore_eos": True}
+        path = "/v1/completions"
+    elif api == "chat":
+        messages = [{"role": "user", "content": job.prompt}]
+        body = {"messages": messages, "max_tokens": job.max_tokens, "ignore_eos": True}
+        path = "/v1/chat/completions"
+    elif api == "responses":  # (no ignore_eos in this API: the stub emits no EOS)
+        body = {"input": job.prompt, "max_output_tokens": job.max_tokens}
+        path = "/v1/responses"
+    else:
+        messages = [{"role": "user", "content": job.prompt}]
+        body = {"messages": messages, "max_tokens": job.max_tokens}
+        path = "/v1/messages"
+    body.update(model=model, temperature=0, stream=stream)
+    if stream and api in ("completions", "chat"):
         body["stream_options"] = {"include_usage": True}
+    return path, body
+
+
+def _event_text_and_usage(api: str, chunk: dict) -> tuple[str, tuple[int, int] | None]:
+    """The text a streamed event carries and (prompt, output) tokens if it has the usage."""
+    if api in ("completions", "chat"):
+        usage = chunk.get("usage")
+        counts = (usage["prompt_tokens"], usage["completion_tokens"]) if usage else None
+        choices = chunk.get("choices") or [{}]
+        text = choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or ""
+        return text, counts
+    kind = chunk.get("type")
+    if api == "responses":
+        if kind == "response.output_text.delta":
+            return chunk["delta"], None
+        if kind == "response.completed":
+            usage = chunk["response"]["usage"]
+            return "", (usage["input_tokens"], usage["output_tokens"])
+        return "", None
+    if kind == "content_block_delta" and chunk["delta"].get("type") == "text_delta":
+        return chunk["delta"]["text"], None
+    if kind == "message_delta":
+        usage = chunk["usage"]
+        return "", (
+            usage["input_tokens"] + usage["cache_read_input_tokens"],
+            usage["output_tokens"],
+        )
+    return "", None
+
+
+def _whole_usage(api: str, data: dict) -> tuple[int, int]:
+    usage = data["usage"]
+    if api in ("completions", "chat"):
+        return usage["prompt_tokens"], usage["completion_tokens"]
+    if api == "responses":
+        return usage["input_tokens"], usage["output_tokens"]
+    return usage["input_tokens"] + usage["cache_read_input_tokens"], usage["output_tokens"]
+
+
+async def one_request(
+    client: Client, model: str, job: Job, stream: bool, api: str = "completions"
+) -> Result:
+    path, body = api_body(api, model, job, stream)
     start = time.perf_counter()
     res = Result(ok=False)
     try:
         if not stream:
-            status, data = await client.request("POST", "/v1/completions", body)
+            status, data = await client.request("POST", path, body)
             if status != 200:
                 res.error = data[:200].decode(errors="replace")
                 return res
-            usage = orjson.loads(data)["usage"]
-            res.prompt_tokens, res.output_tokens = (
-                usage["prompt_tokens"],
-                usage["completion_tokens"],
-            )
+            res.prompt_tokens, res.output_tokens = _whole_usage(api, orjson.loads(data))
             res.e2e = res.ttft = time.perf_counter() - start
             res.ok = True
             return res
         last = None
-        async for now, data in client.events("/v1/completions", body):
+        async for now, data in client.events(path, body):
             if data == b"[DONE]":
                 continue
-            chunk = orjson.loads(data)
-            if chunk.get("usage"):
-                res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                res.output_tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            text, counts = _event_text_and_usage(api, orjson.loads(data))
+            if counts is not None:
+                res.prompt_tokens, res.output_tokens = counts
+            if text:
                 if last is None:
                     res.ttft = now - start
                 else:
@@ -148,7 +197,13 @@ async def one_request(client: Client, model: str, job: Job, stream: bool) -> Res
 
 
 async def run_load(
-    url: str, model: str, jobs: list[Job], concurrency: int, rate: float, stream: bool = True
+    url: str,
+    model: str,
+    jobs: list[Job],
+    concurrency: int,
+    rate: float,
+    stream: bool = True,
+    api: str = "completions",
 ) -> tuple[list[Result], float]:
     """Send ``jobs`` (Poisson arrivals at ``rate`` per second, or all at once), at most
     ``concurrency`` in flight; returns the results and the wall time."""
@@ -158,7 +213,7 @@ async def run_load(
 
     async def guarded(job: Job) -> Result:
         async with slots:
-            return await one_request(client, model, job, stream)
+            return await one_request(client, model, job, stream, api)
 
     try:
         start = time.perf_counter()
@@ -307,6 +362,41 @@ def run_stub(args) -> dict[str, float]:
                 f"/health median {health_ms:.2f} ms under load"
             )
         return summary
+    finally:
+        server.stop()
+
+
+def run_stub_api(args) -> dict[str, float]:
+    """One stub server: ``args.api`` and Chat Completions, streamed, alternated
+    ``args.grpc_rounds`` times; the medians and their ratio (the API's own cost)."""
+    server = Launched(
+        ["--simulated-device", "--max-num-seqs", "512", "--max-num-batched-tokens", "8192"]
+    )
+    try:
+        model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        jobs = [Job("hello " * 16, 16) for _ in range(args.stub_requests)]
+        rates: dict[str, list[float]] = {"chat": [], args.api: []}
+        for api in rates:  # warm-up
+            run_async(run_load(server.url, model, jobs[:64], 32, float("inf"), True, api))
+        for r in range(args.grpc_rounds):
+            for api in rates:
+                results, wall = run_async(
+                    run_load(
+                        server.url, model, jobs, args.stub_concurrency, float("inf"), True, api
+                    )
+                )
+                s = summarize(results, wall)
+                if s["failed"]:
+                    raise SystemExit(f"{api}: {s['failed']} requests failed")
+                rates[api].append(s["request_throughput"])
+                print(f"round {r + 1} {api:>10}: {s['request_throughput']:.0f} req/s streamed")
+        chat, other = statistics.median(rates["chat"]), statistics.median(rates[args.api])
+        print(f"median: chat {chat:.0f}, {args.api} {other:.0f} req/s ({other / chat:.3f}x)")
+        return {
+            "stub_chat_req_s": chat,
+            f"stub_{args.api}_req_s": other,
+            f"{args.api}_vs_chat": other / chat,
+        }
     finally:
         server.stop()
 
@@ -549,6 +639,12 @@ def main() -> None:
         "--grpc", action="store_true", help="with --stub: streamed over gRPC vs HTTP, one run"
     )
     parser.add_argument("--grpc-channels", type=int, default=4, help="gRPC client connections")
+    parser.add_argument(
+        "--api",
+        default="completions",
+        choices=["completions", "chat", "responses", "messages"],
+        help="the API the load speaks (with --stub, responses/messages: against chat)",
+    )
     parser.add_argument("--grpc-rounds", type=int, default=3, help="HTTP/gRPC alternations")
     parser.add_argument(
         "--h2load",
@@ -567,6 +663,9 @@ def main() -> None:
         out = run_stub_grpc(args)
         print(json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in out.items()}))
         return
+    if args.stub and args.api in ("responses", "messages"):
+        print(json.dumps({k: round(v, 3) for k, v in run_stub_api(args).items()}))
+        return
     if args.stub:
         print(json.dumps({k: round(v, 2) for k, v in run_stub(args).items()}))
         return
@@ -580,7 +679,9 @@ def main() -> None:
         levels = [int(x) for x in args.sweep.split(",")] if args.sweep else [args.max_concurrency]
         rows = []
         for c in levels:
-            results, wall = run_async(run_load(url, model, jobs, c, args.request_rate))
+            results, wall = run_async(
+                run_load(url, model, jobs, c, args.request_rate, True, args.api)
+            )
             rows.append((c, summarize(results, wall)))
         print(f"\n{args.workload} workload, {len(jobs)} requests, {url}")
         print_table(rows)
