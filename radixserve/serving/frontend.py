@@ -121,12 +121,14 @@ class Frontend:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Token ids of a conversation through the chat template (``engine.inputs``)."""
+        """Token ids of a conversation through the chat template (``engine.inputs``); the
+        template writes the special tokens, so none are added unless asked."""
         text = self.inputs.render_chat(
             messages, add_generation_prompt, continue_final_message, template_kwargs
         )
-        return await self.encode(text, add_special_tokens=False)
+        return await self.encode(text, add_special_tokens=add_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token's text (cached: logprobs name the same tokens again and again)."""

@@ -26,7 +26,9 @@ def _param_of(message: str, spec_source: str) -> str:
         return "tools"
     if spec_source == "sampling_params":
         return "sampling_params.structured_output" + sub
-    return "structured_outputs" + sub
+    if spec_source == "structured_outputs":
+        return "structured_outputs" + sub
+    return spec_source  # a field that is one spec by itself (guided_json, regex, ...)
 
 
 def _public_message(message: str, spec_source: str) -> str:

@@ -450,3 +450,34 @@ def test_engine_death_is_a_503_and_sigterm_drains(tiny_llama):
         assert not os.path.exists(f"/proc/{engine}")  # the engine process was reaped
     finally:
         srv.stop()
+
+
+def test_vllm_request_fields_clients_send(client, server):
+    """truncate_prompt_tokens keeps the prompt's last k tokens; request_id names the
+    answer; chat's add_special_tokens adds the tokenizer's specials to the templated text;
+    an unknown field is still a 400 naming it."""
+    model = _model(client)
+    prompt = "one two three four five six seven eight nine ten"
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+    kwargs = dict(model=model, max_tokens=4, temperature=0, logprobs=0, echo=True)
+    cut = client.completions.create(
+        prompt=prompt, extra_body={"truncate_prompt_tokens": 3}, **kwargs
+    )
+    direct = client.completions.create(prompt=ids[-3:], **kwargs)
+    assert cut.usage.prompt_tokens == 3
+    assert cut.choices[0].text == direct.choices[0].text  # the echo is what the model saw
+    named = client.completions.create(
+        model=model, prompt="hi", max_tokens=1, extra_body={"request_id": "abc123"}
+    )
+    assert named.id == "cmpl-abc123"
+    chat = dict(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    plain = client.chat.completions.create(**chat).usage.prompt_tokens
+    special = client.chat.completions.create(
+        **chat, extra_body={"add_special_tokens": True}
+    ).usage.prompt_tokens
+    added = len(httpx.post(server.url + "/tokenize", json={"prompt": "x"}).json()["tokens"])
+    assert special - plain == added - 1 >= 0  # what the tokenizer adds around a text
+    bad = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": 0}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"

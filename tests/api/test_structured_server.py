@@ -169,19 +169,14 @@ def test_bad_specs_and_undeclared_fields_are_400s_naming_the_field(client, serve
     for field, value in [("functions", [{"name": "f"}]), ("best_of", 2), ("suffix", "x")]:
         err = _bad(client, extra_body={field: value})
         assert err.body["param"] == field and "not supported" in err.body["message"]
-    r = httpx.post(
-        server.url + "/v1/completions",
-        json={"prompt": "x", "max_tokens": 2, "guided_json": {"type": "object"}},
-    )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json"
     r = httpx.post(server.url + "/tokenize", json={"prompt": "x", "bogus": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
     err = _bad(
         client,
         stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        stream_options={"include_usage": True, "made_up_option": True},
     )
-    assert err.body["param"] == "stream_options.continuous_usage_stats"
+    assert err.body["param"] == "stream_options.made_up_option"
     # harmless metadata is accepted
     ok = client.chat.completions.create(
         model=_model(client), messages=MESSAGES, max_tokens=2, user="u", metadata={"a": "b"}
@@ -316,3 +311,60 @@ def test_tool_history_goes_through_the_template(client):
             max_tokens=4,
         )
     assert info.value.body["param"] == "messages.0.tool_calls.0.function.arguments"
+
+
+@pytest.mark.parametrize(
+    "field,value,check",
+    [
+        (
+            "guided_json",
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+                "additionalProperties": False,
+            },
+            lambda text: isinstance(json.loads(text)["n"], int),
+        ),
+        (
+            "json_schema",
+            json.dumps(
+                {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3}
+            ),
+            lambda text: all(isinstance(x, bool) for x in json.loads(text)),
+        ),
+        (
+            "guided_regex",
+            "[0-9]{3}-[a-z]{2}",
+            lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2}", text),
+        ),
+        ("regex", "(yes|no)!", lambda text: text in ("yes!", "no!")),
+        ("guided_choice", ["red", "green"], lambda text: text in ("red", "green")),
+        ("guided_grammar", 'root ::= "a" [bc]+ "d"', lambda text: re.fullmatch("a[bc]+d", text)),
+        ("ebnf", 'root ::= ("x" | "y") ("x" | "y")', lambda text: re.fullmatch("[xy]{2}", text)),
+    ],
+)
+def test_legacy_structured_output_fields_clients_send(client, field, value, check):
+    """vLLM's guided_* fields and SGLang's regex/json_schema/ebnf constrain the output as
+    structured_outputs does (each is one spec by itself)."""
+    out = client.completions.create(
+        model=_model(client),
+        prompt="Answer:",
+        max_tokens=60,
+        temperature=1.0,
+        seed=3,
+        extra_body={field: value, "guided_decoding_backend": "xgrammar"},
+    ).choices[0]
+    assert out.finish_reason == "stop" and check(out.text), out.text
+
+
+def test_legacy_structured_output_errors_name_their_field(client):
+    err = _bad(client, extra_body={"guided_regex": "(unclosed"})
+    assert err.body["param"] == "guided_regex"
+    err = _bad(client, extra_body={"guided_choice": ["a"], "regex": "b"})
+    assert "cannot be combined" in err.message
+    err = _bad(
+        client,
+        extra_body={"guided_json": {"type": "string"}, "guided_decoding_backend": "outlines"},
+    )
+    assert err.body["param"] == "guided_decoding_backend"

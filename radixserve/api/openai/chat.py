@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +45,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         spec = await structured_spec(frontend.grammar, body, frontend.vocab_size, tools)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = cv.response_id("chatcmpl", body)
         if body.stream:
             return StreamResponse(_stream(server, rid, ids, params, body, tools))
         return await _whole(server, rid, ids, params, body, tools)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -42,6 +41,9 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         if prompt_only:
             max_tokens = 1
         params = cv.sampling_params(frontend, body, max_tokens, server.config)
+        if body.truncate_prompt_tokens is not None:  # an echo shows what the model saw
+            prompts = [cv.truncate_prompt(ids, body) for ids in prompts]
+            texts = [None] * len(prompts)
         prompts = [cv.check_prompt(frontend, ids, max_tokens) for ids in prompts]
         spec = await structured_spec(frontend.grammar, body, frontend.vocab_size)
         if spec is not None:
@@ -53,7 +55,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             ]
             if params.logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = cv.response_id("cmpl", body)
         if body.stream:
             return StreamResponse(_stream(server, rid, texts, prompts, params, body, prompt_only))
         return await _whole(server, rid, texts, prompts, params, body, prompt_only)

@@ -8,6 +8,7 @@ here is only the OpenAI API's own shape: field names, limits, route defaults and
 from __future__ import annotations
 
 import re
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -185,11 +186,28 @@ async def chat_prompt(frontend: Frontend, body: Any, tools: ToolContext | None =
     if tools is not None and tools.active:
         template_kwargs["tools"] = tools.tools
     try:
-        return await frontend.chat_ids(
-            messages, body.add_generation_prompt, body.continue_final_message, template_kwargs
+        ids = await frontend.chat_ids(
+            messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            template_kwargs,
+            body.add_special_tokens,
         )
     except InputError as exc:
         raise input_error(exc) from None
+    return truncate_prompt(ids, body)
+
+
+def truncate_prompt(ids: list[int], body: Any) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: only the prompt's last k tokens."""
+    k = getattr(body, "truncate_prompt_tokens", None)
+    return ids[-k:] if k is not None else ids
+
+
+def response_id(prefix: str, body: Any) -> str:
+    """The answer's id: from vLLM's ``request_id`` when the client sends one."""
+    given = getattr(body, "request_id", None)
+    return f"{prefix}-{given}" if given else f"{prefix}-{uuid.uuid4().hex}"
 
 
 def chat_max_tokens(frontend: Frontend, body: Any, prompt_len: int) -> int:

@@ -50,6 +50,18 @@ class _Sampling(BaseModel):
     # structured output: OpenAI's response_format, vLLM's structured_outputs extra
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # ... and the older fields clients still send (api/openai/structured.py LEGACY_SPEC_FIELDS)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    json_schema: dict[str, Any] | str | None = None  # SGLang
+    regex: str | None = None  # SGLang
+    ebnf: str | None = None  # SGLang
+    # vLLM: keep only the prompt's last k tokens
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
+    request_id: str | None = None  # vLLM: the answer's id is made from it
 
 
 class CompletionRequest(_Sampling):
@@ -77,6 +89,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    add_special_tokens: StrictBool = False  # vLLM: special tokens (BOS) on the templated text
 
 
 class TokenizeRequest(BaseModel):

@@ -75,6 +75,36 @@ def structured_outputs_spec(extra: dict[str, Any] | None) -> dict[str, Any] | No
     return given
 
 
+# vLLM's older guided-decoding fields and SGLang's, which clients still send: each is one
+# structured_output kind by itself
+LEGACY_SPEC_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "json_schema": "json",  # SGLang (a JSON schema, as text or object)
+    "regex": "regex",  # SGLang
+    "ebnf": "grammar",  # SGLang
+}
+GUIDED_BACKENDS = (None, "auto", "xgrammar")  # the one backend here
+
+
+def legacy_specs(body: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(field, spec) for each legacy structured-output field the body sets."""
+    backend = getattr(body, "guided_decoding_backend", None)
+    if backend not in GUIDED_BACKENDS:
+        raise APIError(
+            400,
+            f"guided_decoding_backend {backend!r} is not available here (xgrammar is)",
+            param="guided_decoding_backend",
+        )
+    return [
+        (name, {kind: value})
+        for name, kind in LEGACY_SPEC_FIELDS.items()
+        if (value := getattr(body, name, None)) is not None
+    ]
+
+
 async def structured_spec(
     checker: GrammarChecker, body: Any, vocab_size: int, tools: ToolContext | None = None
 ) -> dict[str, Any] | None:
@@ -86,6 +116,7 @@ async def structured_spec(
             ("response_format", response_format_spec(body.response_format)),
             ("structured_outputs", structured_outputs_spec(body.structured_outputs)),
             ("tools", tools.grammar_spec() if tools is not None else None),
+            *legacy_specs(body),
         )
         if spec is not None
     ]
