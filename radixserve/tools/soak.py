@@ -523,14 +523,24 @@ class Soak:
         return await self.guard(kind, coro)
 
     async def run(self, deadline: float, on_warm: Any) -> None:
+        """Load until ``deadline``, and past it (up to three durations more) until
+        ``--min-requests`` have been made: a slow machine does the same work, not less."""
+        hard_deadline = deadline + 3 * self.args.duration
+
+        def going(margin: float = 0.0) -> bool:
+            now = time.monotonic() + margin
+            if now < deadline:
+                return True
+            return len(self.outcomes) < self.args.min_requests and now < hard_deadline
+
         async def worker() -> None:
-            while time.monotonic() < deadline:
+            while going():
                 self.outcomes.append(await self.one())
 
         async def bursts() -> None:
             while True:
                 await asyncio.sleep(self.args.burst_every)
-                if time.monotonic() + 5 > deadline:
+                if not going(margin=5):
                     return
                 self.outcomes.extend(await self.burst())
 
@@ -714,6 +724,12 @@ async def soak_main(args: argparse.Namespace, host: str, port: int) -> dict:
 def add_soak_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None, help="a running server (else one is launched)")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds (default 600)")
+    parser.add_argument(
+        "--min-requests",
+        type=int,
+        default=0,
+        help="go on past --duration (up to 3 durations more) until this many requests ran",
+    )
     parser.add_argument("--quick", action="store_true", help="90 s (CI)")
     parser.add_argument("--concurrency", type=int, default=8, help="clients in a loop")
     parser.add_argument("--max-tokens", type=int, default=24, help="most tokens per request")

@@ -254,6 +254,8 @@ def _soak(tiny_llama, *soak_args: str) -> dict:
             "2",
             "--max-rss-growth",
             "1.0",  # a short run: asserted below with its own bound
+            "--min-requests",
+            "110",  # a slow or busy machine runs longer rather than less
             *soak_args,
             "--",
             "--model",

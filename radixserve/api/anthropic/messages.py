@@ -232,16 +232,15 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         server.check_model(body.model)
         tools = tools_of(body, server.config.tool_call_parser)
         ids = await _prompt(server, body, tools)
-        try:
-            params = frontend.inputs.sampling_params(
-                max_tokens=body.max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                stop=body.stop_sequences or [],
-            )
-        except InputError as exc:
-            raise cv.input_error(exc) from None
+        params = cv.checked_sampling_params(
+            frontend,
+            {"stop": "stop_sequences"},
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stop=body.stop_sequences or [],
+        )
         cv.check_prompt(frontend, ids, body.max_tokens)
         free_text = types.SimpleNamespace(response_format=None, structured_outputs=None)
         spec = await structured_spec(frontend.grammar, free_text, frontend.vocab_size, tools)
@@ -346,9 +345,7 @@ async def _stream(
                     raise RuntimeError(d.error or "generation failed")
         timer.finish(len(ids))
     except (RequestRejected, EngineDead, RuntimeError) as exc:
-        error = cv.engine_error(exc) if not isinstance(exc, RuntimeError) else None
-        body = orjson.loads(anthropic_error(error or APIError(500, str(exc), "api_error")).body)
-        yield _event("error", body)
+        yield _event("error", orjson.loads(anthropic_error(cv.engine_error(exc)).body))
         return
     calls: list[dict[str, Any]] = []
     if streamer is not None:

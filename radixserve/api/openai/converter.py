@@ -84,6 +84,19 @@ def num_logprobs(body: Any, limit: int) -> int | None:
     return body.logprobs
 
 
+def checked_sampling_params(
+    frontend: Frontend, renames: dict[str, str] | None = None, prefix: str = "", **fields: Any
+) -> SamplingParams:
+    """``frontend.inputs.sampling_params(**fields)``, a bad field a 400 naming it as the
+    request does (``renames``: engine field -> request field; ``prefix``: its parent)."""
+    try:
+        return frontend.inputs.sampling_params(**fields)
+    except InputError as exc:
+        name = (renames or {}).get(exc.param or "", exc.param)
+        param = f"{prefix}{name}" if name else prefix.rstrip(".") or None
+        raise APIError(400, str(exc), param=param, code=exc.code) from None
+
+
 def sampling_params(
     frontend: Frontend, body: Any, max_tokens: int, config: ServerConfig
 ) -> SamplingParams:
@@ -107,29 +120,27 @@ def sampling_params(
             logit_bias = {int(k): v for k, v in body.logit_bias.items()}
         except ValueError:
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
-    try:
-        return frontend.inputs.sampling_params(
-            n=body.n,
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            logit_bias=logit_bias,
-            seed=body.seed,
-            stop=stop,
-            stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
-            skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            logprobs=logprobs,
-        )
-    except InputError as exc:
-        raise input_error(exc) from None
+    return checked_sampling_params(
+        frontend,
+        n=body.n,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=logit_bias,
+        seed=body.seed,
+        stop=stop,
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=logprobs,
+    )
 
 
 # -- prompts ------------------------------------------------------------------------------

@@ -71,11 +71,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         else:
             raise APIError(400, "give text or input_ids", param="text")
         fields = {k: v for k, v in (body.sampling_params or {}).items() if k != "n"}
-        try:
-            params = frontend.inputs.sampling_params(**fields)
-        except InputError as exc:
-            param = f"sampling_params.{exc.param}" if exc.param else "sampling_params"
-            raise APIError(400, str(exc), param=param) from None
+        params = cv.checked_sampling_params(frontend, prefix="sampling_params.", **fields)
         cv.check_prompt(frontend, ids, params.max_tokens)
         if params.structured_output is not None:
             try:

@@ -314,19 +314,17 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         max_tokens = body.max_output_tokens
         if max_tokens is None:  # the rest of the context, as chat does
             max_tokens = max(1, frontend.max_model_len - len(ids))
-        try:
-            params = frontend.inputs.sampling_params(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
-                min_p=body.min_p,
-                repetition_penalty=body.repetition_penalty,
-                seed=body.seed,
-            )
-        except InputError as exc:
-            name = {"max_tokens": "max_output_tokens"}.get(exc.param or "", exc.param)
-            raise APIError(400, str(exc), param=name) from None
+        params = cv.checked_sampling_params(
+            frontend,
+            {"max_tokens": "max_output_tokens"},
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+            seed=body.seed,
+        )
         cv.check_prompt(frontend, ids, max_tokens)
         fmt = types.SimpleNamespace(response_format=_format_spec(body), structured_outputs=None)
         spec = await structured_spec(frontend.grammar, fmt, frontend.vocab_size, tools)
@@ -445,10 +443,8 @@ async def _stream(
                     raise RuntimeError(d.error or "generation failed")
         timer.finish(len(responder.ids))
     except (RequestRejected, EngineDead, RuntimeError) as exc:
-        error = cv.engine_error(exc) if not isinstance(exc, RuntimeError) else None
         failed = responder.response("failed", [], None)
-        message = error.message if error is not None else str(exc)
-        failed["error"] = {"code": "server_error", "message": message}
+        failed["error"] = {"code": "server_error", "message": cv.engine_error(exc).message}
         yield event("response.failed", response=failed)
         return
     calls: list[dict[str, Any]] = []
