@@ -277,6 +277,13 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", action="append", default=[], help="repeatable")
+    srv.add_argument(
+        "--admin-api-key",
+        action="append",
+        default=[],
+        help="guards /metrics, /v1/engine/*, /debug/* and the radix view's prompt text "
+        "(repeatable); without one those routes are served only on a loopback --host",
+    )
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-n", type=int, default=16)
     srv.add_argument(
@@ -288,6 +295,23 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
         help="most top logprobs a request may ask for",
     )
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit (MiB)")
+    srv.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request body must arrive this long after its headers (408 otherwise); 0: none",
+    )
+    lim = srv.add_argument_group("per-request limits (a 400 naming the limit)")
+    lim.add_argument("--max-prompts-per-request", type=int, default=64)
+    lim.add_argument("--max-sequences-per-request", type=int, default=256, help="prompts x n")
+    lim.add_argument("--max-prompt-tokens-per-request", type=int, default=1 << 18)
+    lim.add_argument(
+        "--max-completion-tokens-per-request",
+        type=int,
+        default=1 << 20,
+        help="max_tokens x n x prompts",
+    )
     srv.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
     srv.add_argument(
         "--grpc-port", type=int, default=None, help="also serve the gRPC API on this port (off)"
@@ -489,6 +513,18 @@ def run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is reachable from this machine only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
 def run_serve(args: argparse.Namespace) -> int:
     if (code := run_worker_node(args)) is not None:
         return code
@@ -505,6 +541,13 @@ def run_serve(args: argparse.Namespace) -> int:
         ServerConfig(
             served_model_name=args.served_model_name,
             api_keys=tuple(args.api_key),
+            admin_api_keys=tuple(args.admin_api_key),
+            loopback_only=is_loopback(args.host),
+            body_timeout_s=args.body_timeout or None,
+            max_prompts_per_request=args.max_prompts_per_request,
+            max_sequences_per_request=args.max_sequences_per_request,
+            max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
+            max_completion_tokens_per_request=args.max_completion_tokens_per_request,
             max_n=args.max_n,
             max_logprobs=args.max_logprobs,
             max_body_bytes=int(args.max_body_mb * 2**20),

@@ -125,7 +125,11 @@ class ASGIApp:
         authorize: Callable[[HTTPRequest], APIError | None],
         on_startup: Callable[[], Awaitable[None]],
         on_shutdown: Callable[[], Awaitable[None]],
+        body_timeout_s: float | None = None,
     ) -> None:
+        """``body_timeout_s``: a request body must have arrived this long after its headers
+        (None: no deadline), else the answer is a 408 and the connection closes."""
+        self.body_timeout_s = body_timeout_s
         self.routes: dict[str, dict[str, Route]] = {}  # by path; templates as written
         # path prefix -> how errors under it are answered (another API's error shape);
         # elsewhere OpenAI's (``error_response``)
@@ -209,9 +213,17 @@ class ASGIApp:
             return await _send_response(send, self.error(path, error))
         if method == "POST":
             try:
-                body = await self._read_body(receive)
+                async with asyncio.timeout(self.body_timeout_s):
+                    body = await self._read_body(receive)
             except _ClientGone:
                 return  # nobody to answer
+            except TimeoutError:
+                error = APIError(
+                    408, f"the request body did not arrive within {self.body_timeout_s:g} s"
+                )
+                answer = self.error(path, error)
+                answer.headers.append((b"connection", b"close"))
+                return await _send_response(send, answer)
             if body is None:
                 error = APIError(413, f"request body exceeds {self.max_body_bytes} bytes")
                 return await _send_response(send, self.error(path, error))

@@ -1,9 +1,11 @@
-"""Bearer-key authentication, one implementation for HTTP and gRPC."""
+"""Bearer-key authentication, one implementation for HTTP and gRPC, and the HTTP access
+policy that keeps admin routes apart from inference."""
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 
 class ApiKeys:
@@ -35,3 +37,65 @@ class ApiKeys:
 
 
 MISSING_KEY_MESSAGE = "invalid or missing API key"
+
+
+@dataclass(frozen=True)
+class Denied:
+    """Why a request may not go on: an HTTP status, an error type and a message."""
+
+    status: int
+    type: str
+    message: str
+
+
+class AccessPolicy:
+    """Who may call which HTTP route.
+
+    Invariants: inference routes (``protected``) need an inference key when keys are
+    configured; admin routes (``admin``: metrics, engine views, debug) need an admin key
+    when admin keys are configured (an inference key is not enough), and without any they
+    are served only on a loopback listener (there guarded like inference routes); other
+    users' prompts (``may_read_prompts``) are visible with an admin key, or on a
+    single-user server (loopback, no keys at all).
+    """
+
+    def __init__(
+        self,
+        keys: ApiKeys,
+        admin_keys: ApiKeys,
+        loopback_only: bool,
+        protected: tuple[tuple[str, ...], frozenset[str]],
+        admin: tuple[tuple[str, ...], frozenset[str]],
+    ) -> None:
+        self.keys, self.admin_keys, self.loopback_only = keys, admin_keys, loopback_only
+        self.protected, self.admin = protected, admin
+
+    @staticmethod
+    def _matches(path: str, rule: tuple[tuple[str, ...], frozenset[str]]) -> bool:
+        prefixes, paths = rule
+        return path.startswith(prefixes) or path in paths
+
+    def may_read_prompts(self, headers: Mapping[str, str]) -> bool:
+        if not self.admin_keys:
+            return self.loopback_only and not self.keys
+        return self.admin_keys.allows(headers.get("authorization"), headers.get("x-api-key"))
+
+    def check(self, path: str, headers: Mapping[str, str]) -> Denied | None:
+        """None if the request may go on, else why not."""
+        if self._matches(path, self.admin):
+            if self.admin_keys:
+                if self.may_read_prompts(headers):
+                    return None
+                return Denied(401, "authentication_error", "this route needs the admin API key")
+            if not self.loopback_only:
+                return Denied(
+                    403,
+                    "permission_error",
+                    "admin routes are off on a server reachable beyond loopback: start it "
+                    "with --admin-api-key",
+                )
+        if not self._matches(path, self.protected):
+            return None
+        if self.keys.allows(headers.get("authorization"), headers.get("x-api-key")):
+            return None
+        return Denied(401, "authentication_error", MISSING_KEY_MESSAGE)

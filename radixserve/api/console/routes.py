@@ -8,6 +8,7 @@ talk to the server's own OpenAI routes, same origin, with the same API key rules
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
@@ -51,8 +52,12 @@ def _int_param(query: dict[str, list[str]], name: str, default: int, top: int) -
     return value
 
 
-def register_console(app: ASGIApp, server: Frontend) -> None:
-    """Add the console pages and its JSON routes to ``app``."""
+def register_console(
+    app: ASGIApp, server: Frontend, may_read_prompts: Callable[[HTTPRequest], bool]
+) -> None:
+    """Add the console pages and its JSON routes to ``app``. The radix view's token ids
+    and text (other users' prompts) are in its answer only when ``may_read_prompts``
+    says so for the request (the admin key); otherwise it shows counts alone."""
     files = {name: _static(name) for name in _STATIC}  # read once: the package is immutable
 
     def page(name: str):
@@ -121,6 +126,7 @@ def register_console(app: ASGIApp, server: Frontend) -> None:
         if s.error is not None:
             raise APIError(400, s.error)
         decode = server.tokenizer.decode
+        readable = may_read_prompts(request)
         nodes = []
         for (
             node_id,
@@ -135,7 +141,7 @@ def register_console(app: ASGIApp, server: Frontend) -> None:
             children,
             raw,
         ) in s.nodes:
-            preview = np.frombuffer(raw, dtype="<i4").tolist()
+            preview = np.frombuffer(raw, dtype="<i4").tolist() if readable else []
             node = {
                 "id": node_id,
                 "parent": parent,
@@ -147,7 +153,7 @@ def register_console(app: ASGIApp, server: Frontend) -> None:
                 "lock_count": locks,
                 "age": age,
                 "children": children,
-                "preview_ids": preview,
+                "preview_ids": preview if readable else None,
                 "preview_text": decode(preview) if preview else None,
             }
             nodes.append(node)

@@ -42,6 +42,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         max_tokens = cv.chat_max_tokens(frontend, body, len(ids))
         params = cv.sampling_params(frontend, body, max_tokens, server.config)
         cv.check_prompt(frontend, ids, max_tokens)
+        cv.check_request_size(server.config, [ids], params)
         spec = await structured_spec(frontend.grammar, body, frontend.vocab_size, tools)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)

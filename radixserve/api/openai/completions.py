@@ -31,7 +31,9 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body: CompletionRequest = server.parse(request, CompletionRequest)
         server.check_model(body.model)
         frontend = server.frontend
-        texts, prompts = await cv.completion_prompts(frontend, body.prompt)
+        texts, prompts = await cv.completion_prompts(
+            frontend, body.prompt, server.config.max_prompts_per_request
+        )
         max_tokens = (
             cv.COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         )
@@ -45,6 +47,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             prompts = [cv.truncate_prompt(ids, body) for ids in prompts]
             texts = [None] * len(prompts)
         prompts = [cv.check_prompt(frontend, ids, max_tokens) for ids in prompts]
+        cv.check_request_size(server.config, prompts, params)
         spec = await structured_spec(frontend.grammar, body, frontend.vocab_size)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)

@@ -143,6 +143,45 @@ def sampling_params(
     )
 
 
+# -- per-request limits ---------------------------------------------------------------------
+def check_request_size(
+    config: ServerConfig, prompts: list[list[int]], params: SamplingParams
+) -> None:
+    """One request may not take the engine from everyone else: a 400 naming the limit
+    (and its flag) when it carries too many prompts, samples or tokens."""
+    n, count = params.n, len(prompts)
+    limits = [
+        (count, config.max_prompts_per_request, "prompts", "--max-prompts-per-request"),
+        (
+            count * n,
+            config.max_sequences_per_request,
+            "prompts x n",
+            "--max-sequences-per-request",
+        ),
+        (
+            sum(len(p) for p in prompts),
+            config.max_prompt_tokens_per_request,
+            "prompt tokens",
+            "--max-prompt-tokens-per-request",
+        ),
+        (
+            count * n * params.max_tokens,
+            config.max_completion_tokens_per_request,
+            "completion tokens (max_tokens x n x prompts)",
+            "--max-completion-tokens-per-request",
+        ),
+    ]
+    for value, limit, what, flag in limits:
+        if value > limit:
+            raise APIError(
+                400,
+                f"this request asks for {value} {what}; this server allows at most {limit} "
+                f"per request ({flag})",
+                param="prompt" if what.startswith("prompt") else "max_tokens",
+                code="request_too_large",
+            )
+
+
 # -- prompts ------------------------------------------------------------------------------
 def check_prompt(frontend: Frontend, ids: list[int], max_tokens: int) -> list[int]:
     try:
@@ -152,16 +191,25 @@ def check_prompt(frontend: Frontend, ids: list[int], max_tokens: int) -> list[in
 
 
 async def completion_prompts(
-    frontend: Frontend, prompt: Any
+    frontend: Frontend, prompt: Any, max_prompts: int
 ) -> tuple[list[str | None], list[list[int]]]:
     """(texts, token ids) of a completions ``prompt``: a string, strings, token ids or
-    lists of them (texts are None for token-id prompts); strings encoded in one batch."""
+    lists of them (texts are None for token-id prompts); strings encoded in one batch.
+    More than ``max_prompts`` prompts is a 400 before any is tokenized."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "the prompt must not be empty", param="prompt")
     if all(isinstance(x, int) for x in prompt):
         return [None], [list(prompt)]
+    if len(prompt) > max_prompts:
+        raise APIError(
+            400,
+            f"this request has {len(prompt)} prompts; this server allows at most "
+            f"{max_prompts} per request (--max-prompts-per-request)",
+            param="prompt",
+            code="request_too_large",
+        )
     if all(isinstance(x, str) for x in prompt):
         if any(x == "" for x in prompt):
             raise APIError(400, "the prompt must not be empty", param="prompt")

@@ -48,6 +48,17 @@ class ServerConfig:
     supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
     enable_debug_endpoints: bool = False  # /debug/* (see console/debug.py)
     max_stored_responses: int = DEFAULT_MAX_RESPONSES  # the Responses API's store
+    # per-request limits (a 400 naming the limit): prompts, prompts x n, prompt tokens in
+    # all, completion tokens asked for in all (max_tokens x n x prompts)
+    max_prompts_per_request: int = 64
+    max_sequences_per_request: int = 256
+    max_prompt_tokens_per_request: int = 1 << 18
+    max_completion_tokens_per_request: int = 1 << 20
+    body_timeout_s: float | None = 30.0  # a body must arrive this long after its headers
+    # admin routes (console data, /v1/engine/*, /debug/*, /metrics): their own keys; without
+    # any they are served only when the server listens on loopback
+    admin_api_keys: tuple[str, ...] = ()
+    loopback_only: bool = True
 
     def serving(self) -> ServingConfig:
         """The transport-independent part, for the serving frontend."""
@@ -71,6 +82,7 @@ class OpenAIServer:
         self.config = config
         self.frontend = Frontend(engine_config, config.serving())
         self.keys = auth.ApiKeys(config.api_keys)
+        self.admin_keys = auth.ApiKeys(config.admin_api_keys)
         self.responses = ResponseStore(config.max_stored_responses)  # /v1/responses
 
     def parse(self, request: HTTPRequest, model: type[BaseModel]) -> Any:
@@ -97,6 +109,8 @@ class OpenAIServer:
 
 _PROTECTED_PREFIXES = ("/v1/", "/debug/")  # (/v1/messages takes x-api-key too)
 _PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
+ADMIN_PREFIXES = ("/v1/engine/", "/debug/")
+ADMIN_PATHS = frozenset({"/metrics"})
 
 
 def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> ASGIApp:
@@ -104,17 +118,26 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     server = OpenAIServer(engine_config, config)
     frontend = server.frontend
 
-    def authorize(request: HTTPRequest) -> APIError | None:
-        path = request.path
-        if not (path.startswith(_PROTECTED_PREFIXES) or path in _PROTECTED_PATHS):
-            return None
-        headers = request.headers
-        if server.keys.allows(headers.get("authorization"), headers.get("x-api-key")):
-            return None
-        return APIError(401, auth.MISSING_KEY_MESSAGE, "authentication_error")
+    policy = auth.AccessPolicy(
+        server.keys,
+        server.admin_keys,
+        config.loopback_only,
+        protected=(_PROTECTED_PREFIXES, _PROTECTED_PATHS),
+        admin=(ADMIN_PREFIXES, ADMIN_PATHS),
+    )
 
-    app = ASGIApp(config.max_body_bytes, authorize, frontend.start, frontend.shutdown)
-    register_console(app, frontend)
+    def authorize(request: HTTPRequest) -> APIError | None:
+        denied = policy.check(request.path, request.headers)
+        return None if denied is None else APIError(denied.status, denied.message, denied.type)
+
+    app = ASGIApp(
+        config.max_body_bytes,
+        authorize,
+        frontend.start,
+        frontend.shutdown,
+        body_timeout_s=config.body_timeout_s,
+    )
+    register_console(app, frontend, lambda request: policy.may_read_prompts(request.headers))
     if config.enable_debug_endpoints:
         add_debug_routes(app, frontend)
     app.server = server  # type: ignore[attr-defined] # (the gRPC frontend shares it)
