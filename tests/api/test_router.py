@@ -249,6 +249,36 @@ def test_data_parallel_serve_equals_one_engine_and_uses_both(workers, tiny_llama
         dp.stop()
 
 
+def test_a_request_whose_worker_fails_before_any_output_goes_elsewhere(workers, tiny_llama):
+    """A worker whose engine is dead answers 503 (whole) or an engine_dead first event
+    (streamed) before any output: the router sends the request to another worker, and
+    the client never sees the failure (counted in radixserve_router_retries)."""
+    dead = ServerProcess("--model", str(tiny_llama), *_WORKER_ARGS, "--no-engine-restart")
+    # health checked rarely: the router still thinks the dead worker healthy
+    r = RouterProcess(
+        [dead.url, workers[0].url], "--policy", "round-robin", "--health-check-interval", "60"
+    )
+    try:
+        os.kill(dead.engine_pid(), signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while httpx.get(dead.url + "/health").status_code == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        expected = _complete(workers[0].url, "Paris is the capital")
+        for _ in range(2):  # round-robin: one of each pair goes to the dead worker first
+            assert _complete(r.url, "Paris is the capital") == expected
+            client, _, lines = _stream(r.url, 6)
+            rest = _rest(lines)
+            client.close()
+            assert rest[-1] == "data: [DONE]" and not any("error" in x for x in rest), rest
+        retries = _samples(r.url)[("radixserve_router_retries_total", (("worker", dead.url),))]
+        assert retries >= 2
+        assert all(w["load"] == 0 for w in r.workers())
+    finally:
+        r.stop()
+        dead.stop()
+
+
 def test_a_failed_worker_is_taken_out_and_its_stream_ends_with_an_error(workers):
     victim = workers[1]  # (the module's last test: it kills this worker)
     # round-robin starts with the victim; quick health checks, two misses take a worker out

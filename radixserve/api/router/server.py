@@ -92,6 +92,20 @@ class _WorkerFailed(Exception):
     pass
 
 
+# a stream's first event saying the worker's engine cannot answer (nothing generated yet)
+_ENGINE_DOWN = (b'"engine_dead"', b'"engine_restarting"', b'"engine_hung"')
+
+
+@dataclass
+class _Retry:
+    """A worker failed before its answer had any output: try another. ``failure``: its
+    own answer (a 503), returned if no other worker is left."""
+
+    message: str
+    refused: bool = False
+    failure: Any = None
+
+
 @dataclass(eq=False)
 class _Flight:
     """One request on its way through a worker: the pump task reading the worker's answer
@@ -147,6 +161,12 @@ class Router:
         self.failed = Counter(
             "radixserve_router_worker_failures",
             "Requests that failed because their worker failed",
+            ["worker"],
+            registry=self.registry,
+        )
+        self.retried = Counter(
+            "radixserve_router_retries",
+            "Requests sent to another worker because theirs failed before any output",
             ["worker"],
             registry=self.registry,
         )
@@ -268,43 +288,82 @@ class Router:
         return APIError(502, message, type_="worker_error", code="worker_failed")
 
     async def proxy_generation(self, request: HTTPRequest) -> Response | StreamResponse:
+        """Route a generation request. A worker that fails before its answer has sent a
+        byte of output (it refused the connection, broke it, answered 503, or its stream's
+        first event is an engine failure) is left out and the request goes to another
+        healthy worker, transparently; once output has flowed, a failure ends the answer
+        with an error as before."""
         try:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError:
             body = None  # the worker answers it (400)
         key = routing_key(request.path, body)
         tried: set[int] = set()
+        last_failure: APIError | Response | None = None
         while True:
             try:
                 decision = self.balancer.choose(key, frozenset(tried))
             except NoWorkerAvailable:
+                if isinstance(last_failure, Response):
+                    return last_failure
+                if last_failure is not None:
+                    raise last_failure from None
                 raise APIError(
                     503,
                     "no healthy worker to send the request to",
                     type_="service_unavailable_error",
                     code="no_healthy_worker",
                 ) from None
-            url = self.workers[decision.worker].url
+            worker = decision.worker
+            url = self.workers[worker].url
             self.requests.labels(url).inc()
             self.routing.labels(url, decision.outcome).inc()
-            flight = self._launch(decision.worker, "POST", request.path, request)
+            flight = self._launch(worker, "POST", request.path, request)
             try:
-                kind, value = await flight.queue.get()
+                answer = await self._first_output(flight)
             except BaseException:
                 self._finish(flight)
                 raise
-            if kind == "connect":  # nothing reached the worker: take it out, try another
+            if isinstance(answer, _Retry):
                 self._finish(flight)
-                self.take_out(decision.worker, "refused a connection")
-                tried.add(decision.worker)
+                if answer.refused:  # nothing listens there: out at once
+                    self.take_out(worker, "refused a connection")
+                else:
+                    last_failure = answer.failure or self._failure(flight, answer.message)
+                tried.add(worker)
+                self.retried.labels(url).inc()
                 continue
-            if kind != "head":
-                self._finish(flight)
-                raise self._failure(flight, value)
-            status, content_type = value
-            if status == 200 and content_type and content_type.startswith("text/event-stream"):
-                return StreamResponse(_Frames(self, flight))
-            return await self._whole(flight, status, content_type)
+            return answer
+
+    async def _first_output(self, flight: _Flight) -> Response | StreamResponse | _Retry:
+        """The worker's answer once its first output is in: a whole response, or a stream
+        whose first complete event is there; ``_Retry`` if it failed before any."""
+        kind, value = await flight.queue.get()
+        if kind == "connect":
+            return _Retry(value, refused=True)
+        if kind != "head":
+            return _Retry(value)
+        status, content_type = value
+        if not (status == 200 and content_type and content_type.startswith("text/event-stream")):
+            whole = await self._whole(flight, status, content_type)
+            if status == 503:  # the worker's engine is down or restarting: no output yet
+                return _Retry(f"worker answered {status}", failure=whole)
+            return whole
+        buffer = b""
+        while True:
+            kind, value = await flight.queue.get()
+            if kind != "data":
+                return _Retry(value if kind != "end" else "the stream ended empty")
+            buffer += value
+            cut = buffer.find(b"\n\n")
+            if cut < 0:
+                continue
+            first = buffer[: cut + 2]
+            if first.startswith(b'data: {"error"') and any(code in first for code in _ENGINE_DOWN):
+                return _Retry(
+                    f"the worker's engine failed: {first[6:200].decode(errors='replace')}"
+                )
+            return StreamResponse(_Frames(self, flight, buffer))
 
     async def _whole(self, flight: _Flight, status: int, content_type: str | None) -> Response:
         chunks: list[bytes] = []
@@ -398,9 +457,10 @@ class _Frames:
     OpenAI-shaped error event and ``[DONE]``. ``aclose`` (the client left, or the answer
     ended) stops reading the worker, which aborts the request there."""
 
-    def __init__(self, router: Router, flight: _Flight) -> None:
+    def __init__(self, router: Router, flight: _Flight, buffer: bytes = b"") -> None:
+        """``buffer``: what the worker sent already (whole events come out first)."""
         self.router, self.flight = router, flight
-        self.buffer = b""
+        self.buffer = buffer
         self.done = False
 
     def __aiter__(self) -> _Frames:
@@ -410,6 +470,10 @@ class _Frames:
         if self.done:
             raise StopAsyncIteration
         queue = self.flight.queue
+        cut = self.buffer.rfind(b"\n\n")
+        if cut >= 0:  # events already in (the first ones, read before the stream began)
+            frames, self.buffer = self.buffer[: cut + 2], self.buffer[cut + 2 :]
+            return frames
         while True:
             kind, value = await queue.get()
             if kind == "data":
