@@ -36,8 +36,18 @@ ARTIFACTS = (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = build_chain_model(tmp_path_factory.mktemp("console") / "chain")
+    # one key for both: the console's views of other users' prompts need the admin key
     srv = ServerProcess(
-        "--model", str(model), "--dtype", "float32", "--page-size", "4", "--api-key", KEY
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--page-size",
+        "4",
+        "--api-key",
+        KEY,
+        "--admin-api-key",
+        KEY,
     )
     yield srv
     srv.stop()
