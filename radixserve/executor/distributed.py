@@ -37,7 +37,8 @@ from radixserve.executor.loader.gguf_loader import gguf_hf_config, open_reader, 
 from radixserve.executor.loader.safetensors_loader import read_hf_config
 from radixserve.executor.loader.sharded import ShardLayout, load_sharded_checkpoint
 from radixserve.executor.model_config import ModelConfig
-from radixserve.executor.models.llama_tp import TensorParallelLlama
+from radixserve.executor.models.base import CausalLM
+from radixserve.executor.models.registry import build_model
 from radixserve.executor.placement import rank_device, tensor_backend
 from radixserve.executor.quant import QuantScheme, quantize_model, resolve_quantization
 
@@ -376,7 +377,7 @@ class ShardedModel:
     weights are in the model, not in ``checkpoint.weights``)."""
 
     checkpoint: Checkpoint
-    model: TensorParallelLlama
+    model: CausalLM
     dtype: torch.dtype
     scheme: QuantScheme | None
 
@@ -401,7 +402,7 @@ def load_shard_model(spec: WorkerSpec, group: TPGroup) -> ShardedModel:
     if group.device.type != "cpu":
         for name in list(weights):
             weights[name] = weights[name].to(group.device, dtype)
-    model = TensorParallelLlama(layout, weights, dtype, group)
+    model = build_model(layout.local_config(), weights, dtype, layout.tensor_parallel(group))
     scheme = resolve_quantization(
         spec.quantization, spec.quantization_group_size, checkpoint.gguf_tensor_types
     )
@@ -412,7 +413,7 @@ def load_shard_model(spec: WorkerSpec, group: TPGroup) -> ShardedModel:
     return ShardedModel(checkpoint, model, dtype, scheme)
 
 
-def _agreement(model: TensorParallelLlama, scheme: QuantScheme | None) -> list[int]:
+def _agreement(model: CausalLM, scheme: QuantScheme | None) -> list[int]:
     """What every rank must agree on, as ints (checked at start-up)."""
     c = model.config
     quant = 0 if scheme is None else (1 if scheme.kind == "int8" else 2)
@@ -427,7 +428,7 @@ def _agreement(model: TensorParallelLlama, scheme: QuantScheme | None) -> list[i
 
 def handshake(
     group: TPGroup,
-    model: TensorParallelLlama,
+    model: CausalLM,
     scheme: QuantScheme | None,
     num_pages: int = 0,
     page_size: int = 0,
@@ -562,7 +563,7 @@ class TensorParallelGroup:
         return result["group"]
 
     # -- messages --
-    def start(self, model: TensorParallelLlama, num_pages: int, page_size: int) -> None:
+    def start(self, model: CausalLM, num_pages: int, page_size: int) -> None:
         """Agree on the KV cache with every rank, then start the heartbeat."""
         try:
             handshake(self.group, model, self.loaded.scheme, num_pages, page_size)

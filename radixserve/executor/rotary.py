@@ -56,6 +56,11 @@ class RotaryEmbedding:
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
         self.sin_signed = torch.cat((-sin, sin), dim=-1).to(dtype)
 
+    def to(self, device: torch.device) -> None:
+        """Move the tables to ``device``."""
+        self.cos = self.cos.to(device)
+        self.sin_signed = self.sin_signed.to(device)
+
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for ``positions``, [T, 1, head_dim], to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)

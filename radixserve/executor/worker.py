@@ -33,14 +33,12 @@ from radixserve.executor.distributed import (
 )
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.model_runner import ModelRunner
-from radixserve.executor.models.llama_tp import TensorParallelLlama
+from radixserve.executor.models.base import CausalLM
 
 logger = logging.getLogger("radixserve.worker")
 
 
-def worker_runner(
-    spec: WorkerSpec, model: TensorParallelLlama, num_pages: int, page_size: int
-) -> ModelRunner:
+def worker_runner(spec: WorkerSpec, model: CausalLM, num_pages: int, page_size: int) -> ModelRunner:
     """This rank's runner, the same kind as rank 0's (``spec.runner``), over a KV cache of
     rank 0's size with this rank's kv heads; it only follows steps."""
     device = model.embed.device

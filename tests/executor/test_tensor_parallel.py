@@ -26,7 +26,6 @@ from radixserve.executor.loader.dummy import dummy_weights
 from radixserve.executor.loader.sharded import ShardLayout
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.models.llama import LlamaForCausalLM
-from radixserve.executor.models.llama_tp import TensorParallelLlama
 from tests.conftest import build_tiny_model
 from tests.helpers import generate_ids, greedy, hf_greedy
 
@@ -179,7 +178,12 @@ def test_parallel_model_equals_the_whole_model(heads, kv_heads, n, extra):
     def rank_main(rank: int) -> None:
         layout = ShardLayout(config, rank, n)
         shard = {name: layout.shard_tensor(name, t) for name, t in full.items()}
-        model = TensorParallelLlama(layout, shard, torch.float32, group.rank_view(rank))
+        model = LlamaForCausalLM(
+            layout.local_config(),
+            shard,
+            torch.float32,
+            tp=layout.tensor_parallel(group.rank_view(rank)),
+        )
         results[rank] = run(model, layout.kv_heads, layout.heads)
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]

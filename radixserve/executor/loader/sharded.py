@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from radixserve.executor.layers.parallel import Collectives, TensorParallel
 from radixserve.executor.loader import Checkpoint
 from radixserve.executor.loader.gguf_loader import load_gguf
 from radixserve.executor.loader.safetensors_loader import read_hf_config, safetensors_files
@@ -101,6 +102,10 @@ class ShardLayout:
             intermediate_size=self.inter_end - self.inter_start,
             vocab_size=self.vocab_shard,
         )
+
+    def tensor_parallel(self, group: Collectives) -> TensorParallel:
+        """The parallel layers' view of this rank in ``group``."""
+        return TensorParallel(group, self.vocab_start, self.vocab_shard, self.config.vocab_size)
 
     def shard(self, name: str, read: Reader) -> torch.Tensor:
         """This rank's part of tensor ``name`` (Hugging Face name), a fresh tensor."""
