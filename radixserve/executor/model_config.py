@@ -57,10 +57,8 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        # Until the backends honour sliding windows, cap the context at the window so a
-        # model trained with one is never run past what it saw.
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        # sliding-window layers are honoured by every attention backend: the context is the
+        # model's full length, not the window
         return self.max_position_embeddings
 
     def is_sliding(self, layer: int) -> bool:

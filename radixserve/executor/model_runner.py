@@ -88,7 +88,9 @@ class ModelRunner:
         self.sampler = sampler
         self.future = FutureTokens(max_rows or _rows(page_table))
         c = model.config
-        self.attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
+        self.attention = TorchNativeAttention(
+            kv_cache, c.num_attention_heads, c.head_dim, specs=model.attention_specs()
+        )
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Prepare and run ``batch`` at once (serial use)."""

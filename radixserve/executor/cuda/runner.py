@@ -55,7 +55,9 @@ class CudaModelRunner(ModelRunner):
         self.future = FutureTokens(max_rows or _rows(page_table))
         self.device = device
         c = model.config
-        self.attention = TritonAttention(kv_cache, c.num_attention_heads, c.head_dim)
+        self.attention = TritonAttention(
+            kv_cache, c.num_attention_heads, c.head_dim, model.attention_specs()
+        )
         self._pinned = device.type == "cuda"
         self._staging = torch.empty(0, dtype=torch.int64)
         self._staged_event: torch.cuda.Event | None = None
