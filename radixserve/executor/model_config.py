@@ -120,7 +120,9 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(
+                    cfg.get("tie_word_embeddings", arch == "Gemma3ForCausalLM")
+                ),
                 # Qwen2 always has q/k/v biases; the others say so in config.json.
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
                 qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
@@ -130,7 +132,9 @@ class ModelConfig:
                 hidden_act=str(hidden_act),
                 layer_types=layer_types,
                 rope_local_theta=rope_local_theta,
-                query_pre_attn_scalar=_float_or_none(cfg.get("query_pre_attn_scalar")),
+                query_pre_attn_scalar=_float_or_none(
+                    cfg.get("query_pre_attn_scalar", 256 if arch == "Gemma3ForCausalLM" else None)
+                ),
                 attn_logit_softcapping=_float_or_none(cfg.get("attn_logit_softcapping")),
                 final_logit_softcapping=_float_or_none(cfg.get("final_logit_softcapping")),
             )

@@ -9,6 +9,7 @@ import torch
 from radixserve.executor.layers.parallel import TensorParallel
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.models.base import CausalLM
+from radixserve.executor.models.gemma3 import Gemma3ForCausalLM
 from radixserve.executor.models.llama import LlamaForCausalLM
 
 
@@ -37,6 +38,7 @@ def _registry() -> dict[str, ModelClass]:
             "Qwen3ForCausalLM",
         )
     }
+    registry["Gemma3ForCausalLM"] = Gemma3ForCausalLM
     return registry
 
 
