@@ -57,6 +57,8 @@ def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) 
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -69,6 +71,7 @@ def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) 
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     kwargs = dict(
@@ -100,6 +103,18 @@ def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) 
             num_hidden_layers=4,
             layer_types=[*["sliding_attention"] * 2, "full_attention", "sliding_attention"],
             tie_word_embeddings=True,
+        )
+    if arch == "phi3":
+        # LongRoPE: factors that differ per frequency, a context twice the original one
+        kwargs.update(
+            max_position_embeddings=4096,
+            original_max_position_embeddings=2048,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                "long_factor": [1.0 + 0.9 * i for i in range(8)],
+            },
+            pad_token_id=0,
         )
     kwargs.update(overrides)
     torch.manual_seed(zlib.crc32(arch.encode()))  # hash() differs between processes
@@ -136,6 +151,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "qwen2": build_tiny_model(root / "qwen2", "qwen2", tie_word_embeddings=True),
         "qwen3": build_tiny_model(root / "qwen3", "qwen3"),
         "gemma3": build_tiny_model(root / "gemma3", "gemma3"),
+        "phi3": build_tiny_model(root / "phi3", "phi3"),
     }
 
 

@@ -105,6 +105,13 @@ class ModelConfig:
                     cfg.get("rope_local_base_freq") or local_params.get("rope_theta") or 10000.0
                 )
             hidden_act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+            partial = (rope_scaling or {}).get("partial_rotary_factor") or cfg.get(
+                "partial_rotary_factor"
+            )
+            if partial is not None and float(partial) != 1.0:
+                raise ValueError(
+                    f"partial_rotary_factor {partial} is not supported (rotary over the whole head)"
+                )
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
             config = cls(

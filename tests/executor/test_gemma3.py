@@ -111,9 +111,12 @@ def test_gemma3_bfloat16_stays_close_to_float32(tiny_models):
 def test_parallel_gemma3_equals_the_whole_model(tiny_models, n):
     """Each rank's part (thread-backed collectives) computes the whole model's hidden states
     and logits: the four norms and the row-parallel reductions in their places."""
+    assert_parallel_model_equals_whole(tiny_models["gemma3"], n)
+
+
+def assert_parallel_model_equals_whole(path, n: int) -> None:
     from safetensors.torch import load_file
 
-    path = tiny_models["gemma3"]
     config = ModelConfig.from_hf_dict(read_hf_config(path))
     full = load_file(str(path / "model.safetensors"))
     page_size = 4

@@ -216,6 +216,7 @@ ARCHS = {
     "qwen2": {"tie_word_embeddings": True},  # q/k/v bias, tied embeddings
     "qwen3": {},  # q/k norm, head_dim 32
     "gemma3": {},  # four norms, sliding layers (window 12), two rotary bases, GeGLU
+    "phi3": {},  # fused qkv and gate_up cut per rank, LongRoPE
 }
 
 

@@ -66,12 +66,19 @@ class LlamaForCausalLM:
         self.layers: list[DecoderLayerWeights] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = fused(
-                [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")],
-                [take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
-                if c.attention_bias
-                else None,
-            )
+            if p + "self_attn.qkv_proj.weight" in source:  # stored fused (Phi-3)
+                qkv = Linear(take(p + "self_attn.qkv_proj.weight"))
+            else:
+                qkv = fused(
+                    [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")],
+                    [take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
+                    if c.attention_bias
+                    else None,
+                )
+            if p + "mlp.gate_up_proj.weight" in source:  # stored fused (Phi-3)
+                gate_up = Linear(take(p + "mlp.gate_up_proj.weight"))
+            else:
+                gate_up = fused([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             self.layers.append(
                 DecoderLayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
@@ -80,14 +87,14 @@ class LlamaForCausalLM:
                     k_norm=take(p + "self_attn.k_norm.weight") if c.qk_norm else None,
                     o=Linear(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=fused(
-                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-                    ),
+                    gate_up=gate_up,
                     down=Linear(take(p + "mlp.down_proj.weight")),
                 )
             )
             if qkv.weight.shape != (self.q_size + 2 * self.kv_size, c.hidden_size):
                 raise ValueError(f"layer {i}: q/k/v projections do not match the config")
+            if gate_up.weight.shape != (2 * c.intermediate_size, c.hidden_size):
+                raise ValueError(f"layer {i}: gate/up projections do not match the config")
         self.norm = take("model.norm.weight")
         lm_head = take_optional("lm_head.weight")
         tied = lm_head is None or c.tie_word_embeddings

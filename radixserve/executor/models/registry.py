@@ -11,6 +11,7 @@ from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.models.base import CausalLM
 from radixserve.executor.models.gemma3 import Gemma3ForCausalLM
 from radixserve.executor.models.llama import LlamaForCausalLM
+from radixserve.executor.models.phi3 import Phi3ForCausalLM
 
 
 class ModelClass(Protocol):
@@ -39,6 +40,7 @@ def _registry() -> dict[str, ModelClass]:
         )
     }
     registry["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+    registry["Phi3ForCausalLM"] = Phi3ForCausalLM
     return registry
 
 
