@@ -33,7 +33,7 @@ from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, T
 from radixserve.executor.builder import load_model, resolve_dtype
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.loader import Checkpoint
-from radixserve.executor.loader.gguf_loader import gguf_hf_config, open_reader, read_metadata
+from radixserve.executor.loader.gguf_loader import gguf_hf_config, gguf_tensor_names, read_metadata
 from radixserve.executor.loader.safetensors_loader import read_hf_config
 from radixserve.executor.loader.sharded import ShardLayout
 from radixserve.executor.model_config import ModelConfig
@@ -118,7 +118,7 @@ def peek_layout(spec: WorkerSpec, rank: int = 0) -> ShardLayout:
     """The layout from the config alone (no weights read): validates the split early."""
     path = Path(spec.path)
     if spec.kind == "gguf":
-        names = {t.name for t in open_reader(path).tensors}
+        names = gguf_tensor_names(path)
         hf_config = gguf_hf_config(path, read_metadata(path), names)
     else:
         hf_config = read_hf_config(path)

@@ -19,6 +19,11 @@ def inverse_frequencies(
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":  # a GGUF file's rope_freqs.weight: divisors per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors for {inv_freq.numel()}")
+        return inv_freq / factors
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
