@@ -118,6 +118,10 @@ def load_gguf(
     gguf_file = GGUFFile(path)
     meta = gguf_file.metadata
     hf_config = gguf_hf_config(path, meta, {t.name for t in gguf_file.tensors})
+    embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None and not meta.get(f"{meta['general.architecture']}.vocab_size"):
+        # the embedding's rows are the model's vocabulary (a token list may be shorter)
+        hf_config["vocab_size"] = int(embedding.shape[0])
     arch = meta["general.architecture"]
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config["num_key_value_heads"]
@@ -193,15 +197,26 @@ def gguf_hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> 
         hf_config["rope_scaling"] = rope_scaling
     window = meta.get(f"{arch}.attention.sliding_window")
     if arch == "gemma3":
-        head_dim = hf_config["head_dim"]
+        # llama.cpp's rule: head_dim ** -0.5, but hidden / heads for the 27B model
+        scalar = hf_config["head_dim"]
+        if str(meta.get("general.size_label", "")).upper() == "27B":
+            scalar = hf_config["hidden_size"] // hf_config["num_attention_heads"]
         hf_config.update(
             hidden_act="gelu_pytorch_tanh",
-            query_pre_attn_scalar=head_dim,
+            query_pre_attn_scalar=scalar,
             sliding_window=int(window or 4096),
             sliding_window_pattern=_GEMMA3_PATTERN,
             rope_local_base_freq=_GEMMA3_LOCAL_BASE,
             tie_word_embeddings="output.weight" not in tensor_names,
         )
+        # newer files may say: a period, or per layer (true: sliding)
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            hf_config["layer_types"] = [
+                "sliding_attention" if p else "full_attention" for p in pattern
+            ]
+        elif pattern:
+            hf_config["sliding_window_pattern"] = int(pattern)
     elif window:
         hf_config["sliding_window"] = int(window)
         hf_config["use_sliding_window"] = True

@@ -74,6 +74,11 @@ class Gemma3ForCausalLM:
             return fold_one_plus(take(name))
 
         self.embed = take("model.embed_tokens.weight")
+        if tuple(self.embed.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(
+                f"embed_tokens has shape {tuple(self.embed.shape)}, config says "
+                f"({c.vocab_size}, {c.hidden_size})"
+            )
         # transformers multiplies by sqrt(hidden) rounded to the weights' dtype
         self.embed_scale = torch.tensor(c.hidden_size**0.5, dtype=dtype)
         self.layers: list[Gemma3LayerWeights] = []
