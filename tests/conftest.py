@@ -48,12 +48,17 @@ def build_tokenizer(folder: Path) -> None:
 
 
 def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) -> Path:
-    """Save a random-weight model of ``arch`` (llama, mistral, qwen2, qwen3) with a tokenizer."""
+    """Save a random-weight model of ``arch`` (llama, mistral, qwen2, qwen3, gemma3, phi3)
+    with a tokenizer."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -65,6 +70,8 @@ def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) 
         "mistral": (MistralConfig, MistralForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     kwargs = dict(
@@ -85,9 +92,38 @@ def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) 
         kwargs["sliding_window"] = None
     if arch == "qwen3":
         kwargs["head_dim"] = 32
+    if arch == "gemma3":
+        # 4 layers, the 3rd global: windows and both rotary bases in play; embeddings scaled
+        # by sqrt(hidden) saturate at 0.2: a smaller init keeps the continuations varied
+        kwargs.update(
+            initializer_range=0.04,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=12,
+            num_hidden_layers=4,
+            layer_types=[*["sliding_attention"] * 2, "full_attention", "sliding_attention"],
+            tie_word_embeddings=True,
+        )
+    if arch == "phi3":
+        # LongRoPE: factors that differ per frequency, a context twice the original one
+        kwargs.update(
+            max_position_embeddings=4096,
+            original_max_position_embeddings=2048,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                "long_factor": [1.0 + 0.9 * i for i in range(8)],
+            },
+            pad_token_id=0,
+        )
     kwargs.update(overrides)
     torch.manual_seed(zlib.crc32(arch.encode()))  # hash() differs between processes
     model = model_cls(config_cls(**kwargs)).eval()
+    if arch == "gemma3":  # Gemma initialises norms to 0 (a scale of 1 + 0): make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), max_shard_size="100KB" if shard else "2GB")
     # generation_config.json would carry sampling defaults: keep tests explicit.
@@ -114,6 +150,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         "mistral": build_tiny_model(root / "mistral", "mistral", shard=True),
         "qwen2": build_tiny_model(root / "qwen2", "qwen2", tie_word_embeddings=True),
         "qwen3": build_tiny_model(root / "qwen3", "qwen3"),
+        "gemma3": build_tiny_model(root / "gemma3", "gemma3"),
+        "phi3": build_tiny_model(root / "phi3", "phi3"),
     }
 
 

@@ -32,6 +32,7 @@ from radixserve.engine.tokenizer import (
     load_hf_tokenizer,
     tokenizer_from_gguf,
 )
+from radixserve.executor.builder import build_runner, load_model, size_kv_cache
 from radixserve.executor.device import (
     Device,
     InlineDevice,
@@ -43,23 +44,16 @@ from radixserve.executor.device import (
 )
 from radixserve.executor.distributed import DeviceLost, TensorParallelGroup, default_threads
 from radixserve.executor.grammar import GrammarService
-from radixserve.executor.kv_cache import KVCache, bytes_per_page
-from radixserve.executor.loader import Checkpoint, load_checkpoint
-from radixserve.executor.loader.dummy import dummy_weights
+from radixserve.executor.loader import Checkpoint
 from radixserve.executor.loader.gguf_loader import read_metadata
-from radixserve.executor.loader.safetensors_loader import read_hf_config, read_json
+from radixserve.executor.loader.safetensors_loader import read_json
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.model_runner import ModelRunner
-from radixserve.executor.models.registry import model_class
 from radixserve.executor.quant import (
     format_weight_memory,
-    quantize_model,
-    resolve_quantization,
-    weight_memory,
 )
 from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.executor.simulated import CostModel, SimulatedRunner
-from radixserve.executor.tp_runner import TPModelRunner
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import EngineOverloaded, Scheduler, SchedulerConfig
 
@@ -158,36 +152,20 @@ class Engine:
             )
         elif config.simulated_device:
             self.runner = SimulatedRunner(CostModel(0.0, 0.0, 0.0), self.vocab_size)
-        elif config.resolved_runner == "cuda":
-            from radixserve.executor.cuda.build import build_cuda_runner  # needs triton
-
-            self.runner, self.sampler = build_cuda_runner(
+        else:
+            self.runner, self.sampler = build_runner(
                 self.model,
                 num_pages,
                 config.page_size,
                 self.page_table,
-                self.vocab_size,
-                self.eos_token_ids,
-                self.torch_device,
-                None if config.disable_cuda_graph else config.cuda_graph_max_bs,
-                self.tp,
+                self.sampler,
+                runner=config.resolved_runner,
+                device=self.torch_device,
+                vocab_size=self.vocab_size,
+                eos_token_ids=self.eos_token_ids,
+                cuda_graph_max_bs=None if config.disable_cuda_graph else config.cuda_graph_max_bs,
+                tp=self.tp,
             )
-        else:
-            mc = self.model_config
-            kv_cache = KVCache(
-                mc.num_hidden_layers,
-                num_pages,
-                config.page_size,
-                self.model.config.num_key_value_heads,  # this rank's (all of them at TP=1)
-                mc.head_dim,
-                self.dtype,
-            )
-            if self.tp is not None:
-                self.runner = TPModelRunner(
-                    self.model, kv_cache, self.page_table, self.sampler, self.tp
-                )
-            else:
-                self.runner = ModelRunner(self.model, kv_cache, self.page_table, self.sampler)
         self.overlap = config.overlap
         self.device = self._make_device(config)
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
@@ -237,61 +215,34 @@ class Engine:
     def _load_model(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
         """Weights, tokenizer and KV sizing of a real model; returns (KV pages, the
         generation config, the model's EOS ids)."""
-        self.torch_device = device = torch.device(config.resolved_device)
+        self.torch_device = torch.device(config.resolved_device)
         if config.tensor_parallel_size > 1:
             checkpoint, scheme = self._start_tensor_parallel(config)
             mc = self.model_config
-        elif config.load_format == "dummy":
-            if self.source.kind != "hf":
-                raise ValueError("load_format 'dummy' takes a folder with a config.json")
-            checkpoint = Checkpoint(read_hf_config(self.source.path), {})
         else:
-            checkpoint = load_checkpoint(self.source.kind, self.source.path)
-        if self.tp is None:
-            self.model_config = mc = ModelConfig.from_hf_dict(checkpoint.hf_config)
-            self.dtype = config.torch_dtype(checkpoint.hf_config.get("torch_dtype"))
-            weights = checkpoint.weights
-            if config.load_format == "dummy":
-                weights = dummy_weights(mc, self.dtype, device)
-            elif device.type != "cpu":
-                for name in list(weights):  # one at a time: host memory stays one tensor over
-                    weights[name] = weights[name].to(device, self.dtype)
-            self.model = model_class(mc.architecture)(mc, weights, self.dtype)
-            scheme = resolve_quantization(
-                config.quantization, config.quantization_group_size, checkpoint.gguf_tensor_types
+            loaded = load_model(
+                self.source.kind,
+                self.source.path,
+                device=self.torch_device,
+                dtype=config.dtype,
+                quantization=config.quantization,
+                group_size=config.quantization_group_size,
+                load_format=config.load_format,
             )
-            if config.quantization == "auto" and (
-                device.type != "cpu" or self.dtype != torch.bfloat16
-            ):
-                # auto quantizes for bfloat16 on the CPU, what the kernels are for; float32 (a
-                # reference run) or a GPU runs the file dequantized
-                scheme = None
-            if scheme is not None:
-                quantize_model(self.model, scheme)
-            del weights
+            checkpoint, scheme = loaded.checkpoint, loaded.scheme
+            self.model_config = mc = loaded.config
+            self.model, self.dtype = loaded.model, loaded.dtype
         self.tokenizer, generation_config = self._load_tokenizer(checkpoint.gguf_metadata)
         if isinstance(self.tokenizer, MissingTokenizer):
             self.detokenize = False  # outputs carry token ids only
         del checkpoint
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
-        page_bytes = bytes_per_page(
-            mc.num_hidden_layers,
-            self.model.config.num_key_value_heads,  # this rank's kv heads
-            mc.head_dim,
-            config.page_size,
-            self.dtype,
+        sizing = size_kv_cache(
+            self.model, config.page_size, config.kv_cache_memory_gb, config.memory_budget_gb
         )
-        self.weight_bytes = weight_memory(self.model)
-        kv_bytes = int(config.kv_cache_memory_gb * 2**30)
-        if config.memory_budget_gb is not None:
-            kv_bytes = int(config.memory_budget_gb * 2**30) - sum(self.weight_bytes.values())
-            if kv_bytes < page_bytes:
-                raise ValueError(
-                    f"memory_budget_gb {config.memory_budget_gb} leaves no room for the KV cache"
-                    f" after {sum(self.weight_bytes.values()) / 2**30:.3f} GiB of weights"
-                )
-        num_pages = max(1, kv_bytes // page_bytes)
+        self.weight_bytes = sizing.weight_bytes
+        num_pages, page_bytes = sizing.num_pages, sizing.page_bytes
         self.startup_line = (
             f"weights {format_weight_memory(self.weight_bytes)}; dense layers "
             f"{scheme.describe() if scheme else str(self.dtype).removeprefix('torch.')}, "

@@ -5,7 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # GGUF token types (llama.cpp's llama_token_type)
@@ -19,6 +28,63 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> the split regex llama.cpp applies before byte-level BPE (the names
+# llama.cpp's converter writes for these vocabularies)
+_PRE_SPLITS = {
+    **dict.fromkeys(
+        ("llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe", "pixtral"),
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4"), _GPT4O_SPLIT),
+    "tekken": _TEKKEN_SPLIT,
+}
+
+# Gemma's chat template, for Gemma GGUF files that carry none (llama.cpp picks its built-in
+# Gemma template for them the same way)
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    '{%- set first_user_prefix = "" -%}'
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}{{ raise_exception('Invalid content type') }}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+_DEFAULT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE, "gemma2": GEMMA_CHAT_TEMPLATE}
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -68,10 +134,11 @@ def _byte_level_pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizer
                 pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True),
             ]
         )
-    regex = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    regex = _PRE_SPLITS.get(pre)
     if regex is None:
         raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not supported (gpt2, smollm, llama3, qwen2)"
+            f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; supported: "
+            f"gpt2, default, smollm, {', '.join(sorted(_PRE_SPLITS))}"
         )
     return pre_tokenizers.Sequence(
         [
@@ -82,38 +149,51 @@ def _byte_level_pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizer
 
 
 def tokenizer_from_gguf(meta: dict[str, Any]) -> PreTrainedTokenizerFast:
-    """Rebuild a byte-level BPE tokenizer from ``tokenizer.ggml.*`` metadata."""
+    """Rebuild the tokenizer ``tokenizer.ggml.*`` metadata describes: byte-level BPE
+    (``gpt2``, with the ``tokenizer.ggml.pre`` split) or SentencePiece BPE (``llama``: byte
+    fallback, merges recovered from the vocabulary). Control tokens are special, user-defined
+    ones whole; BOS is added when the file says so (SentencePiece files: unless they say not
+    to); the chat template is the file's, or the family's where the file has none."""
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-            "use the model's Hugging Face folder instead"
-        )
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
-    merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
     types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    if not tokens or not merges_raw:
-        raise ValueError("GGUF metadata has no tokenizer vocabulary or merges")
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
-    tk.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "gpt2"), add_prefix)
-    tk.decoder = decoders.ByteLevel()
+    if not tokens:
+        raise ValueError("GGUF metadata has no tokenizer vocabulary")
+    arch = meta.get("general.architecture", "")
+    if kind == "gpt2":
+        tk, vocab = _byte_level_from_gguf(meta, tokens)
+        add_bos_default = False
+    elif kind == "llama":
+        tk, vocab = _sentencepiece_from_gguf(meta, tokens, arch)
+        add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
+    else:
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', "
+            "SentencePiece 'llama'); use the model's Hugging Face folder instead"
+        )
+    # only pieces of the vocabulary as the model spells it (never a new id past it)
     tk.add_special_tokens(
         [
             AddedToken(tokens[i], special=True, normalized=False)
             for i, t in enumerate(types)
-            if t in (_CONTROL, _USER_DEFINED)
+            if t == _CONTROL and vocab.get(tokens[i]) == i
         ]
     )
+    user_defined = [
+        AddedToken(tokens[i], special=False, normalized=False)
+        for i, t in enumerate(types)
+        if t == _USER_DEFINED and vocab.get(tokens[i]) == i
+    ]
+    if user_defined:
+        tk.add_tokens(user_defined)
 
     def token(key: str) -> str | None:
         idx = meta.get(f"tokenizer.ggml.{key}_token_id")
         return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
 
     bos = token("bos")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", add_bos_default)
+    if add_bos and bos is not None:
         tk.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
         )
@@ -123,9 +203,90 @@ def tokenizer_from_gguf(meta: dict[str, Any]) -> PreTrainedTokenizerFast:
         eos_token=token("eos"),
         unk_token=token("unknown"),
         pad_token=token("padding"),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=meta.get("tokenizer.chat_template") or _DEFAULT_TEMPLATES.get(arch),
         clean_up_tokenization_spaces=False,
     )
+
+
+def _byte_level_from_gguf(meta: dict[str, Any], tokens: list[str]) -> tuple[Tokenizer, dict]:
+    merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
+    if not merges_raw:
+        raise ValueError("GGUF metadata has no tokenizer merges")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
+    tk.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "gpt2"), add_prefix)
+    tk.decoder = decoders.ByteLevel()
+    return tk, vocab
+
+
+def _sentencepiece_from_gguf(
+    meta: dict[str, Any], tokens: list[str], arch: str
+) -> tuple[Tokenizer, dict]:
+    """SentencePiece BPE as llama.cpp runs it: pieces spell spaces as U+2581, unknown bytes
+    fall back to ``<0xNN>`` tokens, merges rank by piece score (Gemma: by file order, which
+    is its merge order where the scores are not)."""
+    gemma = arch.startswith("gemma")
+    if gemma:  # pieces of several spaces are stored as spaces: spell them as U+2581
+        tokens = [_SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if gemma:
+        priority = [float(i) for i in range(len(tokens))]
+    else:
+        scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        priority = [-float(x) for x in scores]
+    merges = _merges_from_vocab(tokens, vocab, priority)
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tk = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=True,
+            byte_fallback=True,
+            unk_token=tokens[unk] if unk is not None else None,
+        )
+    )
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", not gemma))
+    if arch == "phi3":  # the prefix space from a normalizer (Phi-3's tokenizer.json)
+        tk.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(_SPM_SPACE), normalizers.Replace(" ", _SPM_SPACE)]
+        )
+    elif add_prefix:
+        tk.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=_SPM_SPACE, prepend_scheme="first", split=False
+        )
+    else:
+        tk.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+    if add_prefix or arch == "phi3":
+        steps.append(decoders.Strip(content=" ", left=1))
+    tk.decoder = decoders.Sequence(steps)
+    return tk, vocab
+
+
+_SPM_SPACE = "\u2581"
+
+
+def _merges_from_vocab(
+    tokens: list[str], vocab: dict[str, int], priority: list[float]
+) -> list[tuple[str, str]]:
+    """BPE merges a SentencePiece vocabulary implies: every split of a piece into two pieces
+    of the vocabulary, ordered by the merged piece's priority (lower first), then longer
+    left and right parts first, then file order -- the order transformers derives for the
+    same files (``generate_merges``)."""
+    found: list[tuple[float, int, int, int, int, int, str, str]] = []
+    for index, piece in enumerate(tokens):
+        if vocab.get(piece) != index:
+            continue  # a duplicate spelling: the first one is the piece
+        p = priority[index]
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            li, ri = vocab.get(left), vocab.get(right)
+            if li is not None and ri is not None:
+                found.append((p, -cut, cut - len(piece), index, li, ri, left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
 
 
 def load_model_tokenizer(model: str | Path | None) -> tuple[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache
+from radixserve.executor.layers.attention import AttentionSpec
 from radixserve.executor.native import (
     SharedPrefix,
     load_paged_decode,
@@ -54,6 +56,7 @@ class _DecodeGroup:
     bias: torch.Tensor | None
     prefix: SharedPrefix | None = None
     whole_batch: bool = False
+    max_seq_len: int = 0
 
 
 @dataclass
@@ -70,6 +73,7 @@ class _PrefillGroup:
     out_index: torch.Tensor  # [n_valid]
     page_tables: torch.Tensor  # [b, max_pages]
     mask: torch.Tensor
+    q_pos: torch.Tensor  # [b, max_q] int64: each query's position
 
 
 @dataclass
@@ -116,12 +120,23 @@ class TorchNativeAttention:
     place, blockwise with an online softmax, so a chunk's cost grows with its queries times
     its keys and nothing else; the PyTorch paths above are the fallback.
 
+    Every path honours the layer's ``AttentionSpec`` (``specs[layer]``; by default
+    ``head_dim ** -0.5`` and no window or cap): the C kernels take the window and the cap,
+    the PyTorch paths mask and cap their scores. A decode batch's shared prefix is attended
+    once only in layers where it lies inside every sequence's window.
+
     Invariant: the KV written by a step is visible to that step's own queries (writes happen
-    before any read), and no query attends past its own position.
+    before any read), and no query attends past its own position, nor, in a sliding-window
+    layer, before its window.
     """
 
     def __init__(
-        self, kv_cache: KVCache, num_heads: int, head_dim: int, use_native: bool = True
+        self,
+        kv_cache: KVCache,
+        num_heads: int,
+        head_dim: int,
+        use_native: bool = True,
+        specs: Sequence[AttentionSpec] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         # the C decode kernel (reads pages in place), when it builds on this machine and
@@ -138,6 +153,8 @@ class TorchNativeAttention:
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.specs = list(specs) if specs is not None else None
+        self.default_spec = AttentionSpec(self.scale)
         # decode batches whose requests share leading pages attend them once (two passes)
         self.shared_prefix = True
         self._masks: dict[torch.dtype, torch.Tensor] = {}
@@ -216,6 +233,7 @@ class TorchNativeAttention:
             bias=bias,
             prefix=prefix,
             whole_batch=idx.size == batch.num_tokens,  # one token per request: all decode
+            max_seq_len=int(seq_lens.max()),
         )
 
     @staticmethod
@@ -254,6 +272,7 @@ class TorchNativeAttention:
             out_index=torch.from_numpy(token_index[valid]),
             page_tables=torch.from_numpy(np.ascontiguousarray(batch.page_tables[idx, :max_pages])),
             mask=torch.from_numpy(allowed[:, None, :, :]),
+            q_pos=torch.from_numpy(q_pos),
         )
 
     # -- per layer ------------------------------------------------------------------------
@@ -266,20 +285,21 @@ class TorchNativeAttention:
         meta: TorchNativeMetadata,
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.write(layer, meta.slots, k, v)
+        spec = self.default_spec if self.specs is None else self.specs[layer]
         if meta.decode is not None and meta.decode.whole_batch:  # a pure decode step
-            return self._decode(meta.decode, q, k_cache, v_cache).view(meta.num_tokens, -1)
+            return self._decode(meta.decode, q, k_cache, v_cache, spec).view(meta.num_tokens, -1)
         out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
         if meta.decode is not None:
-            out[meta.decode.token_index] = self._decode(meta.decode, q, k_cache, v_cache)
+            out[meta.decode.token_index] = self._decode(meta.decode, q, k_cache, v_cache, spec)
         for start, end in meta.fresh_spans:
-            out[start:end] = self._causal(q[start:end], k[start:end], v[start:end])
+            out[start:end] = self._causal(q[start:end], k[start:end], v[start:end], spec)
         for start, end, kv_len, pages in meta.context_spans:
             keys = self._gather_sequence(k_cache, pages, kv_len)
             values = self._gather_sequence(v_cache, pages, kv_len)
-            out[start:end] = self._explicit(q[start:end], keys, values)
+            out[start:end] = self._explicit(q[start:end], keys, values, spec)
         if meta.prefill is not None:
             g = meta.prefill
-            out[g.out_index] = self._prefill(g, q, k_cache, v_cache)[g.valid]
+            out[g.out_index] = self._prefill(g, q, k_cache, v_cache, spec)[g.valid]
         if meta.native_prefill is not None:
             n = meta.native_prefill
             paged_prefill(
@@ -291,32 +311,50 @@ class TorchNativeAttention:
                 n.q_starts,
                 n.q_lens,
                 n.seq_lens,
-                self.scale,
+                spec.scale,
                 out,
+                window=spec.sliding_window,
+                softcap=spec.softcap,
             )
         return out.view(meta.num_tokens, -1)
 
-    def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _causal(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+    ) -> torch.Tensor:
         """Causal self-attention of one prompt with no cached prefix: q [L, heads, d] and
         k/v [L, kv_heads, d] → [L, heads, d].
 
         Up to ``_SMALL_CAUSAL`` tokens: two batched matmuls per kv head group (the query
         heads sharing a kv head stacked as rows) and a masked softmax — about 1.7x faster
         here than torch's CPU flash kernel at 256 tokens; longer prompts use that kernel
-        (it never materialises the L x L scores)."""
+        (it never materialises the L x L scores), or, in a layer with a window or a cap,
+        SDPA with an explicit mask (the PyTorch fallback of the C kernel)."""
         if q.shape[0] > _SMALL_CAUSAL:
-            # 4-D inputs: torch's CPU flash kernel (3-D ones fall back to the math path)
-            return F.scaled_dot_product_attention(
+            if spec.sliding_window is None and spec.softcap is None:
+                # 4-D inputs: torch's CPU flash kernel (3-D ones fall back to the math path)
+                return F.scaled_dot_product_attention(
+                    q[None].transpose(1, 2),
+                    k[None].transpose(1, 2),
+                    v[None].transpose(1, 2),
+                    is_causal=True,
+                    scale=spec.scale,
+                    enable_gqa=True,
+                )[0].transpose(0, 1)
+            length = q.shape[0]
+            positions = torch.arange(length)
+            allowed = _allowed(positions[None, :], positions[None, :], spec)[:, None]
+            return _masked_attention(
                 q[None].transpose(1, 2),
                 k[None].transpose(1, 2),
                 v[None].transpose(1, 2),
-                is_causal=True,
-                scale=self.scale,
-                enable_gqa=True,
+                allowed,
+                spec,
             )[0].transpose(0, 1)
-        return self._explicit(q, k.transpose(0, 1), v.transpose(0, 1))
+        return self._explicit(q, k.transpose(0, 1), v.transpose(0, 1), spec)
 
-    def _explicit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _explicit(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec
+    ) -> torch.Tensor:
         """Causal attention with explicit scores: q [L, heads, d] are the last L of the
         kv_len positions in k/v [kv_heads, kv_len, d] → [L, heads, d]. Two batched matmuls
         per kv head group (the query heads sharing a kv head stacked as rows)."""
@@ -326,8 +364,17 @@ class TorchNativeAttention:
         # [L, heads, d] -> [kv_heads, group * L, d]: rows of one kv head's query heads
         queries = q.transpose(0, 1).reshape(kv_heads, group * length, d)
         # rows kv_len - L .. kv_len - 1 of the causal mask: query i sees kv 0 .. offset + i
-        mask = self._causal_mask(kv_len, q.dtype)[kv_len - length :].repeat(group, 1)
-        scores = torch.baddbmm(mask, queries, k.transpose(1, 2), alpha=self.scale)
+        mask = self._causal_mask(kv_len, q.dtype)[kv_len - length :]
+        if spec.sliding_window is not None:
+            q_pos = torch.arange(kv_len - length, kv_len)[:, None]
+            outside = torch.arange(kv_len)[None, :] <= q_pos - spec.sliding_window
+            mask = mask.masked_fill(outside, float("-inf"))
+        mask = mask.repeat(group, 1)
+        if spec.softcap is None:
+            scores = torch.baddbmm(mask, queries, k.transpose(1, 2), alpha=spec.scale)
+        else:
+            scores = torch.bmm(queries, k.transpose(1, 2)) * spec.scale
+            scores = torch.tanh(scores / spec.softcap) * spec.softcap + mask
         probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs, v)  # [kv_heads, group * L, d]
         return out.view(heads, length, d).transpose(0, 1)
@@ -355,13 +402,21 @@ class TorchNativeAttention:
         return cache.index_select(0, page_tables.flatten()).view(b, max_pages, *cache.shape[1:])
 
     def _decode(
-        self, g: _DecodeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        g: _DecodeGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         """Returns [b, heads, d]. Works page by page: batched matmuls over (b, page, kv head)
         blocks of [group, d] x [d, page_size], then a softmax across all of a row's pages."""
+        window = spec.sliding_window
         if self.native is not None:
             # [b, heads, d], contiguous (q is a view into the fused qkv rows)
             queries = q.contiguous() if g.whole_batch else q[g.token_index]
+            # the shared prefix is attended once only where every sequence sees all of it
+            prefix = g.prefix if window is None or g.max_seq_len <= window else None
             return paged_decode(
                 self.native,
                 queries,
@@ -369,8 +424,10 @@ class TorchNativeAttention:
                 v_cache,
                 g.page_tables,
                 g.seq_lens,
-                self.scale,
-                g.prefix,
+                spec.scale,
+                prefix,
+                window=window,
+                softcap=spec.softcap,
             )
         b = g.token_index.shape[0]
         kv_heads = k_cache.shape[1]
@@ -378,10 +435,16 @@ class TorchNativeAttention:
         queries = q[g.token_index].view(b, 1, kv_heads, -1, self.head_dim)
         keys = self._gather(k_cache, g.page_tables)  # [b, P, kv, ps, d]
         scores = torch.matmul(queries, keys.transpose(-1, -2)).float()  # [b, P, kv, group, ps]
-        scores = scores * self.scale
+        scores = scores * spec.scale
+        if spec.softcap is not None:
+            scores = torch.tanh(scores / spec.softcap) * spec.softcap
         if g.bias is not None:
             scores = scores + g.bias
         b, num_pages, _, group, page_size = scores.shape
+        if window is not None:  # keys before each sequence's window
+            kv_pos = torch.arange(num_pages * page_size).view(1, num_pages, 1, 1, page_size)
+            lowest = (g.seq_lens.long() - window).view(b, 1, 1, 1, 1)
+            scores = scores.masked_fill(kv_pos < lowest, float("-inf"))
         # softmax over all of a row's kv positions: make them one contiguous last dim
         flat = scores.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group, num_pages * page_size)
         weights = torch.softmax(flat, dim=-1).to(v_cache.dtype)
@@ -391,7 +454,12 @@ class TorchNativeAttention:
         return out.view(b, self.num_heads, self.head_dim)
 
     def _prefill(
-        self, g: _PrefillGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        g: _PrefillGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        spec: AttentionSpec,
     ) -> torch.Tensor:
         """Returns [b, max_q, heads, d]."""
 
@@ -400,12 +468,38 @@ class TorchNativeAttention:
             return pages.reshape(pages.shape[0], pages.shape[1], -1, self.head_dim)
 
         queries = q[g.token_index].transpose(1, 2)  # [b, heads, max_q, d]
-        out = F.scaled_dot_product_attention(
-            queries,
-            contiguous_kv(k_cache),
-            contiguous_kv(v_cache),
-            attn_mask=g.mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        mask = g.mask
+        if spec.sliding_window is not None:
+            kv_pos = torch.arange(mask.shape[-1])
+            mask = mask & _allowed(g.q_pos, kv_pos[None, :], spec)[:, None]
+        out = _masked_attention(queries, contiguous_kv(k_cache), contiguous_kv(v_cache), mask, spec)
         return out.transpose(1, 2)
+
+
+def _allowed(q_pos: torch.Tensor, kv_pos: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """[b, q, kv] bool: key position kv_pos[b, j] is visible to query q_pos[b, i] (causal,
+    inside the window)."""
+    qp, kp = q_pos[:, :, None], kv_pos[:, None, :]
+    allowed = kp <= qp
+    if spec.sliding_window is not None:
+        allowed &= kp > qp - spec.sliding_window
+    return allowed
+
+
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, spec: AttentionSpec
+) -> torch.Tensor:
+    """q [b, heads, L, d], k/v [b, kv_heads, S, d], allowed [b or 1, 1, L, S] bool →
+    [b, heads, L, d]: SDPA, or explicit scores when the spec caps them. Every row must
+    allow at least one key."""
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=spec.scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * spec.scale
+    scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)

@@ -30,16 +30,16 @@ import numpy as np
 import torch
 from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
+from radixserve.executor.builder import load_model, resolve_dtype
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.loader import Checkpoint
-from radixserve.executor.loader.dummy import dummy_weights
-from radixserve.executor.loader.gguf_loader import gguf_hf_config, open_reader, read_metadata
+from radixserve.executor.loader.gguf_loader import gguf_hf_config, gguf_tensor_names, read_metadata
 from radixserve.executor.loader.safetensors_loader import read_hf_config
-from radixserve.executor.loader.sharded import ShardLayout, load_sharded_checkpoint
+from radixserve.executor.loader.sharded import ShardLayout
 from radixserve.executor.model_config import ModelConfig
-from radixserve.executor.models.llama_tp import TensorParallelLlama
+from radixserve.executor.models.base import CausalLM
 from radixserve.executor.placement import rank_device, tensor_backend
-from radixserve.executor.quant import QuantScheme, quantize_model, resolve_quantization
+from radixserve.executor.quant import QuantScheme
 
 logger = logging.getLogger(__name__)
 
@@ -111,18 +111,14 @@ class WorkerSpec:
     def torch_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """The engine's rule (``EngineConfig.torch_dtype``): auto = the checkpoint's float32,
         else bfloat16."""
-        if self.dtype == "float32":
-            return torch.float32
-        if self.dtype == "bfloat16":
-            return torch.bfloat16
-        return torch.float32 if checkpoint_dtype == "float32" else torch.bfloat16
+        return resolve_dtype(self.dtype, checkpoint_dtype)
 
 
 def peek_layout(spec: WorkerSpec, rank: int = 0) -> ShardLayout:
     """The layout from the config alone (no weights read): validates the split early."""
     path = Path(spec.path)
     if spec.kind == "gguf":
-        names = {t.name for t in open_reader(path).tensors}
+        names = gguf_tensor_names(path)
         hf_config = gguf_hf_config(path, read_metadata(path), names)
     else:
         hf_config = read_hf_config(path)
@@ -376,7 +372,7 @@ class ShardedModel:
     weights are in the model, not in ``checkpoint.weights``)."""
 
     checkpoint: Checkpoint
-    model: TensorParallelLlama
+    model: CausalLM
     dtype: torch.dtype
     scheme: QuantScheme | None
 
@@ -384,35 +380,21 @@ class ShardedModel:
 def load_shard_model(spec: WorkerSpec, group: TPGroup) -> ShardedModel:
     """Read this rank's shard and build its part of the model on ``group.device`` (each
     tensor moved there as it is taken: host memory holds the shard, never the model)."""
-    path = Path(spec.path)
-    if spec.load_format == "dummy":
-        hf_config = read_hf_config(path)
-        layout = ShardLayout(ModelConfig.from_hf_dict(hf_config), group.rank, spec.world_size)
-        checkpoint = Checkpoint(hf_config, {})
-    else:
-        checkpoint, layout = load_sharded_checkpoint(spec.kind, path, group.rank, spec.world_size)
-    dtype = spec.torch_dtype(checkpoint.hf_config.get("torch_dtype"))
-    weights = checkpoint.weights
-    if spec.load_format == "dummy":
-        # the same seed on every rank: each cuts its part of one random model
-        full = dummy_weights(layout.config, dtype)
-        weights = {name: layout.shard_tensor(name, full.pop(name)) for name in list(full)}
-    checkpoint.weights = {}
-    if group.device.type != "cpu":
-        for name in list(weights):
-            weights[name] = weights[name].to(group.device, dtype)
-    model = TensorParallelLlama(layout, weights, dtype, group)
-    scheme = resolve_quantization(
-        spec.quantization, spec.quantization_group_size, checkpoint.gguf_tensor_types
+    loaded = load_model(
+        spec.kind,
+        Path(spec.path),
+        device=group.device,
+        dtype=spec.dtype,
+        quantization=spec.quantization,
+        group_size=spec.quantization_group_size,
+        load_format=spec.load_format,
+        rank=group.rank,
+        group=group,
     )
-    if spec.quantization == "auto" and (group.device.type != "cpu" or dtype != torch.bfloat16):
-        scheme = None  # the engine's rule: auto quantizes for bfloat16 on the CPU only
-    if scheme is not None:
-        quantize_model(model, scheme)
-    return ShardedModel(checkpoint, model, dtype, scheme)
+    return ShardedModel(loaded.checkpoint, loaded.model, loaded.dtype, loaded.scheme)
 
 
-def _agreement(model: TensorParallelLlama, scheme: QuantScheme | None) -> list[int]:
+def _agreement(model: CausalLM, scheme: QuantScheme | None) -> list[int]:
     """What every rank must agree on, as ints (checked at start-up)."""
     c = model.config
     quant = 0 if scheme is None else (1 if scheme.kind == "int8" else 2)
@@ -427,7 +409,7 @@ def _agreement(model: TensorParallelLlama, scheme: QuantScheme | None) -> list[i
 
 def handshake(
     group: TPGroup,
-    model: TensorParallelLlama,
+    model: CausalLM,
     scheme: QuantScheme | None,
     num_pages: int = 0,
     page_size: int = 0,
@@ -562,7 +544,7 @@ class TensorParallelGroup:
         return result["group"]
 
     # -- messages --
-    def start(self, model: TensorParallelLlama, num_pages: int, page_size: int) -> None:
+    def start(self, model: CausalLM, num_pages: int, page_size: int) -> None:
         """Agree on the KV cache with every rank, then start the heartbeat."""
         try:
             handshake(self.group, model, self.loaded.scheme, num_pages, page_size)

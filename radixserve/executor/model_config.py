@@ -10,15 +10,24 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
+
+# model_type of config.json -> architecture, for configs without ``architectures`` (the
+# text part of a Gemma 3 checkpoint is ``gemma3_text``)
+_MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}
+_SLIDING = "sliding_attention"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder's shape.
+    """A decoder-only transformer's shape and the per-family facts its model file reads.
 
-    Invariant: ``num_attention_heads`` is a multiple of ``num_key_value_heads`` and
-    ``architecture`` is one of ``SUPPORTED_ARCHITECTURES``.
+    Invariant: ``num_attention_heads`` is a multiple of ``num_key_value_heads``,
+    ``architecture`` is one of ``SUPPORTED_ARCHITECTURES``, and ``layer_types`` is empty (every
+    layer attends globally) or has one entry per layer, ``"sliding_attention"`` for a layer
+    that attends the last ``sliding_window`` positions (``sliding_window`` then set).
     """
 
     architecture: str
@@ -39,18 +48,27 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] = ()
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rotary base
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def max_model_len(self) -> int:
-        # Attention here is full (no sliding window): cap the context at the window so a
-        # model trained with one is never run past what it saw.
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        # sliding-window layers are honoured by every attention backend: the context is the
+        # model's full length, not the window
         return self.max_position_embeddings
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == _SLIDING
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        architectures = cfg.get("architectures") or []
+        architectures = list(cfg.get("architectures") or [])
+        if cfg.get("model_type") in _MODEL_TYPES:
+            architectures.append(_MODEL_TYPES[cfg["model_type"]])
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -62,12 +80,38 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             kv_heads = int(cfg.get("num_key_value_heads") or heads)
             rope_params = dict(cfg.get("rope_parameters") or {})
+            local_params: dict[str, Any] = {}
+            if "full_attention" in rope_params:  # per layer type (Gemma 3 in transformers 5)
+                local_params = dict(rope_params.get(_SLIDING) or {})
+                rope_params = dict(rope_params["full_attention"] or {})
             rope_scaling = cfg.get("rope_scaling") or None
             if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
-            rope_theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-            use_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
-            sliding_window = cfg.get("sliding_window") if use_window else None
+            if rope_scaling is not None:
+                rope_scaling = dict(rope_scaling)
+                if "original_max_position_embeddings" in cfg:  # Phi-3's longrope
+                    rope_scaling.setdefault(
+                        "original_max_position_embeddings", cfg["original_max_position_embeddings"]
+                    )
+            default_theta = 1_000_000.0 if arch == "Gemma3ForCausalLM" else 10000.0
+            rope_theta = float(
+                cfg.get("rope_theta") or rope_params.get("rope_theta") or default_theta
+            )
+            num_layers = int(cfg["num_hidden_layers"])
+            sliding_window, layer_types = _sliding_layers(arch, cfg, num_layers)
+            rope_local_theta = None
+            if arch == "Gemma3ForCausalLM":
+                rope_local_theta = float(
+                    cfg.get("rope_local_base_freq") or local_params.get("rope_theta") or 10000.0
+                )
+            hidden_act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+            partial = (rope_scaling or {}).get("partial_rotary_factor") or cfg.get(
+                "partial_rotary_factor"
+            )
+            if partial is not None and float(partial) != 1.0:
+                raise ValueError(
+                    f"partial_rotary_factor {partial} is not supported (rotary over the whole head)"
+                )
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
             config = cls(
@@ -75,7 +119,7 @@ class ModelConfig:
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_hidden_layers=num_layers,
                 num_attention_heads=heads,
                 num_key_value_heads=kv_heads,
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -83,22 +127,73 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(
+                    cfg.get("tie_word_embeddings", arch == "Gemma3ForCausalLM")
+                ),
                 # Qwen2 always has q/k/v biases; the others say so in config.json.
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
                 sliding_window=int(sliding_window) if sliding_window else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
+                hidden_act=str(hidden_act),
+                layer_types=layer_types,
+                rope_local_theta=rope_local_theta,
+                query_pre_attn_scalar=_float_or_none(
+                    cfg.get("query_pre_attn_scalar", 256 if arch == "Gemma3ForCausalLM" else None)
+                ),
+                attn_logit_softcapping=_float_or_none(cfg.get("attn_logit_softcapping")),
+                final_logit_softcapping=_float_or_none(cfg.get("final_logit_softcapping")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"config.json is missing or has a malformed field: {exc}") from exc
         if heads % kv_heads:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of {kv_heads=}")
-        if config.hidden_act_ok(cfg):
-            return config
-        raise ValueError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+        if config.hidden_act not in _ACTIVATIONS.get(arch, ("silu",)):
+            raise ValueError(
+                f"hidden_act {config.hidden_act!r} is not supported for {arch} "
+                f"(supported: {', '.join(_ACTIVATIONS.get(arch, ('silu',)))})"
+            )
+        return config
 
-    @staticmethod
-    def hidden_act_ok(cfg: dict[str, Any]) -> bool:
-        return cfg.get("hidden_act", "silu") == "silu"
+
+_ACTIVATIONS = {"Gemma3ForCausalLM": ("gelu_pytorch_tanh", "gelu_tanh")}
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _sliding_layers(
+    arch: str, cfg: dict[str, Any], num_layers: int
+) -> tuple[int | None, tuple[str, ...]]:
+    """(window, layer types) as transformers decides them for ``arch``: Mistral slides on
+    every layer when it has a window; Qwen2/Qwen3 when ``use_sliding_window``, from layer
+    ``max_window_layers`` on; Gemma 3 on every layer but each ``sliding_window_pattern``-th
+    (6); an explicit ``layer_types`` list wins. ``()``: every layer global."""
+    window = cfg.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+        window = None
+    if arch == "Phi3ForCausalLM" and window is not None:
+        window = None if int(window) >= int(cfg.get("max_position_embeddings", 4096)) else window
+    if not window:
+        return None, ()
+    window = int(window)
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        types = tuple(str(t) for t in types)
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = int(cfg.get("max_window_layers", num_layers))
+        types = tuple(_SLIDING if i >= first else "full_attention" for i in range(num_layers))
+    elif arch == "Gemma3ForCausalLM":
+        pattern = int(cfg.get("sliding_window_pattern") or 6)
+        types = tuple(
+            _SLIDING if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+        )
+    else:
+        types = (_SLIDING,) * num_layers
+    if _SLIDING not in types:
+        return None, ()
+    return window, types

@@ -16,7 +16,7 @@ from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.future_tokens import FutureTokens
 from radixserve.executor.host_memory import keep_freed_memory
 from radixserve.executor.kv_cache import KVCache
-from radixserve.executor.models.llama import LlamaForCausalLM
+from radixserve.executor.models.base import CausalLM
 from radixserve.executor.sampler import Sampler, SamplingBatch, TokenLogprobs
 
 __all__ = ["ModelRunner", "StepResult"]
@@ -73,7 +73,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: KVCache,
         page_table: PageTable | None,
         sampler: Sampler | None,
@@ -88,7 +88,9 @@ class ModelRunner:
         self.sampler = sampler
         self.future = FutureTokens(max_rows or _rows(page_table))
         c = model.config
-        self.attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
+        self.attention = TorchNativeAttention(
+            kv_cache, c.num_attention_heads, c.head_dim, specs=model.attention_specs()
+        )
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Prepare and run ``batch`` at once (serial use)."""

@@ -19,6 +19,11 @@ def inverse_frequencies(
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_factors":  # a GGUF file's rope_freqs.weight: divisors per frequency
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors for {inv_freq.numel()}")
+        return inv_freq / factors
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -30,13 +35,42 @@ def inverse_frequencies(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear, llama3)")
+    if kind in ("longrope", "su"):
+        raise ValueError("longrope frequencies depend on the position: use longrope_tables")
+    raise ValueError(
+        f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope)"
+    )
+
+
+def is_longrope(scaling: dict[str, Any] | None) -> bool:
+    return bool(scaling) and (scaling.get("rope_type") or scaling.get("type")) in ("longrope", "su")
+
+
+def longrope_parameters(
+    head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """LongRoPE (Phi-3's ``longrope``, formerly ``su``): (short inverse frequencies, long
+    ones, the original context length, the cos/sin scale), as transformers computes them."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or max_positions / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta**shape)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * theta**shape)
+    return short, long, original, float(attention_factor)
 
 
 class RotaryEmbedding:
     """Precomputed cos/sin tables for positions ``0 .. max_positions-1``.
 
     Invariant: row p of ``cos`` / ``sin_signed`` rotates position p, in the model's dtype.
+    Under LongRoPE, position p rotates with the short factors while p is below the original
+    context length and with the long factors from there on (each position's rotation is
+    fixed, so cached keys stay valid); cos and sin carry the attention factor.
     """
 
     def __init__(
@@ -47,14 +81,31 @@ class RotaryEmbedding:
         scaling: dict[str, Any] | None,
         dtype: torch.dtype,
     ) -> None:
-        inv_freq = inverse_frequencies(head_dim, theta, scaling).to(torch.float32)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)
-        cos, sin = angles.cos(), angles.sin()
+        if is_longrope(scaling):
+            assert scaling is not None
+            short, long, original, mscale = longrope_parameters(
+                head_dim, theta, scaling, max_positions
+            )
+            angles = torch.where(
+                positions[:, None] < original,
+                torch.outer(positions, short),
+                torch.outer(positions, long),
+            )
+            cos, sin = angles.cos() * mscale, angles.sin() * mscale
+        else:
+            inv_freq = inverse_frequencies(head_dim, theta, scaling).to(torch.float32)
+            angles = torch.outer(positions, inv_freq)
+            cos, sin = angles.cos(), angles.sin()
         # Full-width tables so rotation is x * cos + roll(x, d/2) * sin_signed, where
         # sin_signed = [-sin, sin] reproduces rotate_half(x) * sin exactly.
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
         self.sin_signed = torch.cat((-sin, sin), dim=-1).to(dtype)
+
+    def to(self, device: torch.device) -> None:
+        """Move the tables to ``device``."""
+        self.cos = self.cos.to(device)
+        self.sin_signed = self.sin_signed.to(device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for ``positions``, [T, 1, head_dim], to broadcast over heads."""

@@ -16,7 +16,7 @@ from radixserve.executor.device import PreparedStep, StepResult
 from radixserve.executor.distributed import DeviceLost, TensorParallelGroup, encode_step
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.model_runner import ModelRunner, _ModelInputs
-from radixserve.executor.models.llama_tp import TensorParallelLlama
+from radixserve.executor.models.base import CausalLM
 from radixserve.executor.sampler import Sampler
 
 
@@ -64,7 +64,7 @@ class TPModelRunner(TensorParallelRunner, ModelRunner):
 
     def __init__(
         self,
-        model: TensorParallelLlama,
+        model: CausalLM,
         kv_cache: KVCache,
         page_table: PageTable,
         sampler: Sampler,

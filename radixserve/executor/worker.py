@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from radixserve.executor.builder import build_worker_runner
 from radixserve.executor.distributed import (
     HEADER_LEN,
     OP_NOOP,
@@ -31,28 +32,16 @@ from radixserve.executor.distributed import (
     handshake,
     load_shard_model,
 )
-from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.model_runner import ModelRunner
-from radixserve.executor.models.llama_tp import TensorParallelLlama
+from radixserve.executor.models.base import CausalLM
 
 logger = logging.getLogger("radixserve.worker")
 
 
-def worker_runner(
-    spec: WorkerSpec, model: TensorParallelLlama, num_pages: int, page_size: int
-) -> ModelRunner:
+def worker_runner(spec: WorkerSpec, model: CausalLM, num_pages: int, page_size: int) -> ModelRunner:
     """This rank's runner, the same kind as rank 0's (``spec.runner``), over a KV cache of
     rank 0's size with this rank's kv heads; it only follows steps."""
-    device = model.embed.device
-    if spec.runner == "cuda":
-        from radixserve.executor.cuda.build import build_worker_runner  # needs triton
-
-        return build_worker_runner(model, num_pages, page_size, device)
-    c = model.config
-    kv_cache = KVCache(
-        c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim, model.dtype
-    )
-    return ModelRunner(model, kv_cache, None, None)
+    return build_worker_runner(model, num_pages, page_size, spec.runner, model.embed.device)
 
 
 def serve(spec: WorkerSpec, rank: int, master_addr: str, master_port: int) -> None:

@@ -100,3 +100,82 @@ def test_generation_config_defaults_and_eos(tmp_path, tiny_llama):
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.6, 0.95, 20)
     assert set(llm.engine.eos_token_ids) == {2, 7}
+
+
+def _meta(smollm2_path, **changes):
+    from radixserve.executor.loader.gguf_loader import read_metadata
+
+    return {**read_metadata(smollm2_path), **changes}
+
+
+def test_unknown_gguf_pre_tokenizer_is_a_clear_error(smollm2_path):
+    with pytest.raises(ValueError, match=r"'made-up-pre'.*tokenizer\.ggml\.pre"):
+        tokenizer_from_gguf(_meta(smollm2_path, **{"tokenizer.ggml.pre": "made-up-pre"}))
+    with pytest.raises(ValueError, match=r"'bert'.*not supported"):
+        tokenizer_from_gguf(_meta(smollm2_path, **{"tokenizer.ggml.model": "bert"}))
+
+
+@pytest.mark.parametrize(
+    "pre,text,pieces",
+    [
+        # gpt-4o: letters with their case run, digits in threes, "'s" attached
+        ("gpt-4o", "HelloWorld's 12345", ["Hello", "World's", " ", "123", "45"]),
+        ("llama-bpe", "abc 12345", ["abc", " ", "123", "45"]),
+        ("qwen2", "abc 12345", ["abc", " ", "1", "2", "3", "4", "5"]),
+        ("tekken", "abc 123", ["abc", " ", "1", "2", "3"]),
+    ],
+)
+def test_byte_level_pre_tokenizer_variants_split_as_llama_cpp(smollm2_path, pre, text, pieces):
+    tokenizer = tokenizer_from_gguf(_meta(smollm2_path, **{"tokenizer.ggml.pre": pre}))
+    split = tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)
+    byte_level = {"Ġ": " "}
+    assert ["".join(byte_level.get(c, c) for c in piece) for piece, _ in split] == pieces
+
+
+def test_gguf_metadata_reader_equals_the_gguf_package(smollm2_path):
+    """The numpy header reader against gguf.GGUFReader: every key, every tensor's name,
+    type, shape and decoded values (two of them)."""
+    import gguf
+    import numpy as np
+
+    from radixserve.executor.loader.gguf_file import GGUFFile
+
+    ours = GGUFFile(smollm2_path)
+    theirs = gguf.GGUFReader(str(smollm2_path))
+    for key, field in theirs.fields.items():
+        if not key.startswith("GGUF."):
+            value = field.contents()
+            if isinstance(value, list) and value and isinstance(value[0], float):
+                assert np.allclose(value, ours.metadata[key]), key
+            else:
+                assert value == ours.metadata[key], key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, ref in list(zip(ours.tensors, theirs.tensors, strict=True))[:3]:
+        assert mine.ggml_type == int(ref.tensor_type)
+        expected = gguf.quants.dequantize(ref.data, ref.tensor_type)
+        assert np.array_equal(ours.dequantize(mine), np.asarray(expected).reshape(mine.shape))
+
+
+def test_rope_freqs_tensor_reproduces_llama3_scaling():
+    """A Llama 3.1/3.2 GGUF carries llama3 rope scaling as ``rope_freqs.weight``: per
+    frequency, the divisor llama.cpp applies (base frequency / scaled frequency). Read as
+    ``freq_factors`` it gives the llama3 frequencies back."""
+    import torch
+
+    from radixserve.executor.rotary import inverse_frequencies
+
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    plain = inverse_frequencies(64, 500000.0, None)
+    scaled = inverse_frequencies(64, 500000.0, llama3)
+    factors = (plain / scaled).tolist()  # what convert_hf_to_gguf.py writes
+    assert max(factors) > 1.0
+    from_file = inverse_frequencies(64, 500000.0, {"rope_type": "freq_factors", "factors": factors})
+    torch.testing.assert_close(from_file, scaled)
+    with pytest.raises(ValueError, match="factors"):
+        inverse_frequencies(64, 500000.0, {"rope_type": "freq_factors", "factors": [1.0]})

@@ -8,6 +8,7 @@ import zlib
 import pytest
 
 from radixserve import LLM
+from tests.conftest import build_tiny_model
 from tests.helpers import generate_ids, greedy, hf_greedy
 
 NEW_TOKENS = 32
@@ -34,6 +35,45 @@ def test_chunked_prefill_matches_transformers(tiny_llama):
     expected = hf_greedy(tiny_llama, prompts, NEW_TOKENS)
     llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=16, page_size=4)
     assert generate_ids(llm, prompts, greedy(NEW_TOKENS)) == expected
+
+
+WINDOWED = {
+    # every layer slides (Mistral); only layers from max_window_layers on (Qwen2)
+    "mistral": {"sliding_window": 12},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1},
+    "phi3": {"sliding_window": 12},  # every layer, with LongRoPE and fused weights
+}
+
+
+@pytest.fixture(scope="module")
+def windowed_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("windowed")
+    return {arch: build_tiny_model(root / arch, arch, **kw) for arch, kw in WINDOWED.items()}
+
+
+def assert_window_runs_match_transformers(path) -> None:
+    """Greedy tokens of prompts longer than a 12-token window equal transformers': whole
+    prompts (page size 16), chunked prefill (16-token budget, page size 4), and a prompt
+    extending a cached one (a radix hit reaching far past the window)."""
+    prompts = _prompts(zlib.crc32(str(path).encode()) % 97)
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
+    llm = LLM(str(path), dtype="float32", page_size=16, kv_cache_memory_gb=0.01)
+    # the full context, not the window
+    assert llm.engine.max_model_len == llm.engine.model_config.max_position_embeddings > 1000
+    assert generate_ids(llm, prompts, greedy(NEW_TOKENS)) == expected
+    chunked = LLM(str(path), dtype="float32", max_num_batched_tokens=16, page_size=4)
+    assert generate_ids(chunked, prompts, greedy(NEW_TOKENS)) == expected
+    chunked.generate([prompts[3]], greedy(1), use_tqdm=False)  # caches its 90 tokens
+    longer = [prompts[3] + prompts[2]]  # 90 cached tokens, then 33 new ones
+    out = chunked.generate(longer, greedy(NEW_TOKENS), use_tqdm=False)[0]
+    assert out.num_cached_tokens >= 80
+    assert out.token_ids == hf_greedy(path, longer, NEW_TOKENS)[0]
+    chunked.engine.check_idle()
+
+
+@pytest.mark.parametrize("arch", list(WINDOWED))
+def test_sliding_window_models_match_transformers(windowed_models, arch):
+    assert_window_runs_match_transformers(windowed_models[arch])
 
 
 @pytest.mark.slow  # the real model against transformers

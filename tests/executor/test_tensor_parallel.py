@@ -23,10 +23,10 @@ from radixserve.executor.attention import TorchNativeAttention
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.loader.dummy import dummy_weights
+from radixserve.executor.loader.safetensors_loader import read_hf_config
 from radixserve.executor.loader.sharded import ShardLayout
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.models.llama import LlamaForCausalLM
-from radixserve.executor.models.llama_tp import TensorParallelLlama
 from tests.conftest import build_tiny_model
 from tests.helpers import generate_ids, greedy, hf_greedy
 
@@ -179,7 +179,12 @@ def test_parallel_model_equals_the_whole_model(heads, kv_heads, n, extra):
     def rank_main(rank: int) -> None:
         layout = ShardLayout(config, rank, n)
         shard = {name: layout.shard_tensor(name, t) for name, t in full.items()}
-        model = TensorParallelLlama(layout, shard, torch.float32, group.rank_view(rank))
+        model = LlamaForCausalLM(
+            layout.local_config(),
+            shard,
+            torch.float32,
+            tp=layout.tensor_parallel(group.rank_view(rank)),
+        )
         results[rank] = run(model, layout.kv_heads, layout.heads)
 
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
@@ -210,6 +215,8 @@ ARCHS = {
     "llama": {"vocab_size": 509},
     "qwen2": {"tie_word_embeddings": True},  # q/k/v bias, tied embeddings
     "qwen3": {},  # q/k norm, head_dim 32
+    "gemma3": {},  # four norms, sliding layers (window 12), two rotary bases, GeGLU
+    "phi3": {},  # fused qkv and gate_up cut per rank, LongRoPE
 }
 
 
@@ -221,8 +228,9 @@ def tp_case(request, tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp(f"tp-{arch}"), arch, **ARCHS[arch])
     vocab = ARCHS[arch].get("vocab_size", 512)
     prompts = _prompts(len(arch), vocab)
-    head_dim = 32 if arch == "qwen3" else 16
-    page_bytes = 2 * 2 * 4 * head_dim * 4  # (k, v) x 2 layers x 4 tokens x 1 kv head, float32
+    config = ModelConfig.from_hf_dict(read_hf_config(path))
+    # (k, v) x layers x 4 tokens x 1 kv head per rank x head_dim, float32
+    page_bytes = 2 * config.num_hidden_layers * 4 * config.head_dim * 4
     kwargs = dict(
         dtype="float32",
         page_size=4,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from radixserve.executor.cuda import kernels
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache
+from radixserve.executor.layers.attention import AttentionSpec
 
 _BLOCK_N = 64  # keys per tile of the decode kernel
 
@@ -50,16 +52,28 @@ class TritonAttention:
     steps with the split-K decode kernel, any other step (prefill chunks with or without a
     cached prefix, mixed with decodes) with the extend kernel.
 
+    Both kernels take the layer's ``AttentionSpec`` (``specs[layer]``; by default
+    ``head_dim ** -0.5``, no window, no cap): scale, sliding window and soft cap.
+
     Invariant: a step's K/V is stored before any of its queries read the cache, so a token
-    sees itself and everything before it, and nothing after it.
+    sees itself and everything before it (in a sliding-window layer, the last ``window``
+    positions only), and nothing after it.
     """
 
-    def __init__(self, kv_cache: KVCache, num_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        num_heads: int,
+        head_dim: int,
+        specs: Sequence[AttentionSpec] | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
         self.num_heads = num_heads
         self.num_kv_heads = kv_cache.k.shape[2]
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        self.specs = list(specs) if specs is not None else None
+        self.default_spec = AttentionSpec(self.scale)
 
     def prepare(self, batch: ForwardBatch) -> TritonHostMetadata:
         return TritonHostMetadata(
@@ -82,6 +96,7 @@ class TritonAttention:
         k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
         kernels.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
+        spec = self.default_spec if self.specs is None else self.specs[layer]
         if meta.is_decode:
             kernels.paged_decode(
                 q,
@@ -89,10 +104,12 @@ class TritonAttention:
                 v_cache,
                 meta.page_tables,
                 meta.seq_lens,
-                self.scale,
+                spec.scale,
                 meta.num_splits,
                 out=out,
                 block_n=_BLOCK_N,
+                window=spec.sliding_window,
+                softcap=spec.softcap,
             )
         else:
             kernels.extend_attention(
@@ -103,7 +120,9 @@ class TritonAttention:
                 meta.query_start_loc,
                 meta.seq_lens,
                 meta.max_q_len,
-                self.scale,
+                spec.scale,
                 out=out,
+                window=spec.sliding_window,
+                softcap=spec.softcap,
             )
         return out.view(meta.num_tokens, -1)

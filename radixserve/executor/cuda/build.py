@@ -13,22 +13,19 @@ from radixserve.executor.cuda.runner import CudaModelRunner
 from radixserve.executor.cuda.sampler import DeviceSampler
 from radixserve.executor.distributed import TensorParallelGroup
 from radixserve.executor.kv_cache import KVCache
-from radixserve.executor.models.llama import LlamaForCausalLM
+from radixserve.executor.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
 
-def place_model(model: LlamaForCausalLM, device: torch.device) -> None:
+def place_model(model: CausalLM, device: torch.device) -> None:
     """Route the model's row-wise ops through Triton and move its rotary tables to
     ``device`` (its weights are created or moved there by the loader)."""
     model.use_layer_ops(TritonLayerOps())
-    model.rotary.cos = model.rotary.cos.to(device)
-    model.rotary.sin_signed = model.rotary.sin_signed.to(device)
+    model.to_device(device)
 
 
-def cuda_kv_cache(
-    model: LlamaForCausalLM, num_pages: int, page_size: int, device: torch.device
-) -> KVCache:
+def cuda_kv_cache(model: CausalLM, num_pages: int, page_size: int, device: torch.device) -> KVCache:
     """The KV cache of this rank's kv heads on ``device`` (``num_pages`` includes the
     scratch page)."""
     c = model.config
@@ -44,7 +41,7 @@ def cuda_kv_cache(
 
 
 def build_cuda_runner(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     num_pages: int,
     page_size: int,
     page_table: PageTable,
@@ -99,7 +96,7 @@ def build_cuda_runner(
 
 
 def build_worker_runner(
-    model: LlamaForCausalLM, num_pages: int, page_size: int, device: torch.device
+    model: CausalLM, num_pages: int, page_size: int, device: torch.device
 ) -> CudaModelRunner:
     """A tensor-parallel worker's CUDA runner: rank 0's KV size (``num_pages`` includes
     the scratch page), no sampler, no graphs; it only follows steps."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.executor.cuda.attention import TritonAttention, TritonMetadata
-from radixserve.executor.models.llama import LlamaForCausalLM
+from radixserve.executor.models.base import CausalLM
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -46,7 +46,7 @@ class CudaGraphRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         attention: TritonAttention,
         max_bs: int,
         max_pages: int,

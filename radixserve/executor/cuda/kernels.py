@@ -112,6 +112,12 @@ def store_kv(
 
 # -- paged decode (split-K) --------------------------------------------------------------------
 @triton.jit
+def _softcap(x, cap):
+    """cap * tanh(x / cap), with tanh(y) = 1 - 2 / (exp(2y) + 1) (saturates at +-1)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0))
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr,
     k_cache_ptr,
@@ -133,6 +139,8 @@ def _decode_partial_kernel(
     stride_lh,
     scale,
     num_splits,
+    window,
+    softcap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -140,13 +148,16 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    # keys lo .. seq_len - 1: a sliding window (window > 0) starts past key 0
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, BLOCK_N), num_splits)
+    start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     h = tl.arange(0, BLOCK_H)
@@ -170,6 +181,8 @@ def _decode_partial_kernel(
         kv_mask = n_mask[None, :] & d_mask[:, None]
         k_t = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=kv_mask, other=0.0)
         scores = tl.dot(q, k_t, input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
+        if HAS_SOFTCAP:
+            scores = _softcap(scores, softcap)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp(m_i - m_new)
@@ -251,9 +264,12 @@ def paged_decode(
     num_splits: int,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request: q [B, heads, d] (last dim contiguous) against
-    request b's first ``seq_lens[b]`` cached positions, on pages ``page_tables[b]``.
+    request b's first ``seq_lens[b]`` cached positions (its last ``window`` of them when
+    set; scores soft-capped at ``softcap`` when set), on pages ``page_tables[b]``.
     Returns ``out`` [B, heads, d]. The grid depends only on B, the head counts and
     ``num_splits`` (not on the lengths), so a CUDA graph can replay it."""
     batch, heads, head_dim = q.shape
@@ -288,6 +304,8 @@ def paged_decode(
         part_lse.stride(1),
         scale,
         num_splits,
+        window or 0,
+        softcap or 0.0,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_H=_pow2(group, 16),
@@ -295,6 +313,7 @@ def paged_decode(
         BLOCK_N=block_n,
         PAGE_SIZE=k_cache.shape[2],
         PRECISION=_precision(q.dtype),
+        HAS_SOFTCAP=softcap is not None,
     )
     _decode_merge_kernel[(batch, heads)](
         part_out,
@@ -334,6 +353,8 @@ def _extend_kernel(
     stride_yt,
     stride_yh,
     scale,
+    window,
+    softcap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -341,6 +362,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -364,11 +386,13 @@ def _extend_kernel(
     # keys up to the block's last valid query position; nothing for a block past q_len
     last = tl.minimum((m_block + 1) * BLOCK_M, q_len)
     end = tl.where(m_block * BLOCK_M < q_len, prefix + last, 0)
+    # with a window (window > 0), from the first key the block's first query sees
+    first = tl.where(window > 0, tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(first, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         page = tl.load(page_table_ptr + b * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0)
@@ -379,12 +403,17 @@ def _extend_kernel(
             other=0.0,
         )
         scores = tl.dot(q, k_t, input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            scores = _softcap(scores, softcap)
         allowed = n_mask[None, :] & (n[None, :] <= pos[:, None])
+        allowed = allowed & ((window <= 0) | (n[None, :] > pos[:, None] - window))
         scores = tl.where(allowed, scores, float("-inf"))
-        # the first tile holds key 0, which every query sees: m_new is finite from there on
+        # under a window a query may see no key of a tile (its max stays -inf): a finite
+        # stand-in keeps exp() at 0 for it instead of NaN
         m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(scores - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_cache_ptr + base[:, None] + d[None, :],
@@ -413,11 +442,14 @@ def extend_attention(
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's tokens q [T, heads, d]: request b's tokens
     ``query_start_loc[b] : query_start_loc[b+1]`` are its last positions of
     ``seq_lens[b]``, and each sees every cached position up to its own (the step's K/V must
-    already be stored). ``max_q_len``: the longest query span (sizes the grid)."""
+    already be stored), only the last ``window`` of them when set; scores soft-capped at
+    ``softcap`` when set. ``max_q_len``: the longest query span (sizes the grid)."""
     num_tokens, heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     kv_heads = k_cache.shape[1]
@@ -444,6 +476,8 @@ def extend_attention(
         out.stride(0),
         out.stride(1),
         scale,
+        window or 0,
+        softcap or 0.0,
         GROUP=heads // kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,
@@ -451,6 +485,7 @@ def extend_attention(
         BLOCK_D=_pow2(head_dim, 16),
         PAGE_SIZE=k_cache.shape[2],
         PRECISION=_precision(q.dtype),
+        HAS_SOFTCAP=softcap is not None,
     )
     return out
 

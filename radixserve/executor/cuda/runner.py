@@ -18,7 +18,7 @@ from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.future_tokens import FutureTokens
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.model_runner import ModelRunner, _ModelInputs, _rows
-from radixserve.executor.models.llama import LlamaForCausalLM
+from radixserve.executor.models.base import CausalLM
 
 
 class CudaModelRunner(ModelRunner):
@@ -38,7 +38,7 @@ class CudaModelRunner(ModelRunner):
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: KVCache,
         page_table: PageTable | None,
         sampler: DeviceSampler | None,
@@ -55,7 +55,9 @@ class CudaModelRunner(ModelRunner):
         self.future = FutureTokens(max_rows or _rows(page_table))
         self.device = device
         c = model.config
-        self.attention = TritonAttention(kv_cache, c.num_attention_heads, c.head_dim)
+        self.attention = TritonAttention(
+            kv_cache, c.num_attention_heads, c.head_dim, model.attention_specs()
+        )
         self._pinned = device.type == "cuda"
         self._staging = torch.empty(0, dtype=torch.int64)
         self._staged_event: torch.cuda.Event | None = None

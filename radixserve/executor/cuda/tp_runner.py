@@ -9,7 +9,7 @@ from radixserve.executor.cuda.runner import CudaModelRunner
 from radixserve.executor.cuda.sampler import DeviceSampler
 from radixserve.executor.distributed import TensorParallelGroup
 from radixserve.executor.kv_cache import KVCache
-from radixserve.executor.models.llama_tp import TensorParallelLlama
+from radixserve.executor.models.base import CausalLM
 from radixserve.executor.tp_runner import TensorParallelRunner
 
 
@@ -23,7 +23,7 @@ class CudaTPModelRunner(TensorParallelRunner, CudaModelRunner):
 
     def __init__(
         self,
-        model: TensorParallelLlama,
+        model: CausalLM,
         kv_cache: KVCache,
         page_table: PageTable,
         sampler: DeviceSampler,

@@ -11,7 +11,7 @@ from radixserve.executor.model_config import ModelConfig
 def dummy_weights(
     config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Every tensor the Llama-family model takes, by Hugging Face name, created on ``device``:
+    """Every tensor the model of ``config.architecture`` takes, by Hugging Face name, created on ``device``:
     matrices ~ N(0, 0.02²), norm weights 1. Deterministic for a seed and device."""
     c = config
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -20,8 +20,11 @@ def dummy_weights(
         w = torch.empty(rows, cols, dtype=dtype, device=device)
         return w.normal_(0.0, 0.02, generator=gen)
 
+    gemma = c.architecture == "Gemma3ForCausalLM"
+
     def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=dtype, device=device)
+        # a norm that multiplies by 1: Gemma stores w in (1 + w)
+        return (torch.zeros if gemma else torch.ones)(n, dtype=dtype, device=device)
 
     q_size = c.num_attention_heads * c.head_dim
     kv_size = c.num_key_value_heads * c.head_dim
@@ -43,6 +46,9 @@ def dummy_weights(
         weights[p + "mlp.down_proj.weight"] = matrix(c.hidden_size, c.intermediate_size)
         weights[p + "input_layernorm.weight"] = ones(c.hidden_size)
         weights[p + "post_attention_layernorm.weight"] = ones(c.hidden_size)
+        if gemma:
+            weights[p + "pre_feedforward_layernorm.weight"] = ones(c.hidden_size)
+            weights[p + "post_feedforward_layernorm.weight"] = ones(c.hidden_size)
     weights["model.norm.weight"] = ones(c.hidden_size)
     if not c.tie_word_embeddings:
         weights["lm_head.weight"] = matrix(c.vocab_size, c.hidden_size)

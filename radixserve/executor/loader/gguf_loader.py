@@ -11,11 +11,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.executor.loader.gguf_file import GGUFFile, read_gguf_metadata
+
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 _GLOBAL_NAMES = {
@@ -41,6 +45,27 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 
+# Gemma 3 names its four norms differently (ffn_norm is the pre-MLP norm there)
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Phi-3 keeps q/k/v and gate/up fused (llama.cpp's ffn_up holds gate then up)
+_PHI3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+_LAYER_TABLES = {"gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+
+# What llama.cpp assumes of Gemma 3 files and they do not carry: every 6th layer global,
+# the sliding layers' rotary base 10000
+_GEMMA3_PATTERN, _GEMMA3_LOCAL_BASE = 6, 10000.0
+# end-of-turn tokens llama.cpp stops at besides the file's EOS, by architecture
+_END_OF_TURN = {"gemma3": "<end_of_turn>", "phi3": "<|end|>"}
+
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -58,30 +83,19 @@ class GGUFContents:
     tensor_types: dict[str, str]  # GGML type name (F32, Q8_0, Q4_K ...) by Hugging Face name
 
 
-def _field_value(field: Any) -> Any:
-    try:
-        return field.contents()
-    except Exception:  # malformed field: keep going, callers check what they need
-        return None
-
-
-def open_reader(path: Path) -> Any:
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # gguf raises ValueError, struct.error, IndexError, ...
-        raise ValueError(f"cannot read {path}: corrupt or not a GGUF file ({exc})") from None
-
-
 def read_metadata(path: Path, skip_tokens: bool = False) -> dict[str, Any]:
-    reader = open_reader(path)
-    big = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
-    return {
-        key: _field_value(field)
-        for key, field in reader.fields.items()
-        if not (skip_tokens and key in big)
-    }
+    """Every metadata key of the GGUF file at ``path`` (the header only; a 262k-token
+    vocabulary in ~0.2 s). ``skip_tokens`` drops the vocabulary arrays."""
+    meta = read_gguf_metadata(path)
+    if skip_tokens:
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+            meta.pop(key, None)
+    return meta
+
+
+def gguf_tensor_names(path: Path) -> set[str]:
+    """The GGUF names of the file's tensors."""
+    return {t.name for t in GGUFFile(path).tensors}
 
 
 def _reverse_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -101,12 +115,13 @@ def load_gguf(
     """The whole file as float32 tensors. ``select(hf_config)``, if given, returns a function
     applied to each tensor as soon as it is decoded (name, tensor → the part to keep), so
     only one whole tensor is in memory at a time (tensor-parallel shards)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    reader = open_reader(path)
-    meta = {key: _field_value(field) for key, field in reader.fields.items()}
-    hf_config = gguf_hf_config(path, meta, {t.name for t in reader.tensors})
+    gguf_file = GGUFFile(path)
+    meta = gguf_file.metadata
+    hf_config = gguf_hf_config(path, meta, {t.name for t in gguf_file.tensors})
+    embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None and not meta.get(f"{meta['general.architecture']}.vocab_size"):
+        # the embedding's rows are the model's vocabulary (a token list may be shorter)
+        hf_config["vocab_size"] = int(embedding.shape[0])
     arch = meta["general.architecture"]
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config["num_key_value_heads"]
@@ -114,25 +129,27 @@ def load_gguf(
 
     weights: dict[str, torch.Tensor] = {}
     tensor_types: dict[str, str] = {}
-    for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+    for tensor in gguf_file.tensors:
+        if tensor.name == "rope_freqs.weight":  # per-frequency rope divisors (llama3)
+            factors = gguf_file.dequantize(tensor).reshape(-1).tolist()
+            hf_config["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
+            continue
+        name = _hf_name(tensor.name, arch)
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {tensor.name!r}")
         try:
-            if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                array = np.asarray(tensor.data, dtype=np.float32)
-            else:
-                array = dequantize(tensor.data, tensor.tensor_type)
+            array = gguf_file.dequantize(tensor)
         except Exception as exc:
             raise ValueError(f"{path}: cannot decode tensor {tensor.name}: {exc}") from None
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        t = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
+        t = torch.from_numpy(np.array(array, dtype=np.float32))
         if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             t = _reverse_permute(t, heads)
         elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             t = _reverse_permute(t, kv_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            t = t - 1.0  # llama.cpp stores Gemma's 1 + w; the model folds the 1 in itself
         weights[name] = t if keep is None else keep(name, t)
-        tensor_types[name] = tensor.tensor_type.name
+        tensor_types[name] = tensor.type_name
     return GGUFContents(
         hf_config=hf_config, weights=weights, metadata=meta, tensor_types=tensor_types
     )
@@ -175,15 +192,67 @@ def gguf_hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> 
     }
     if arch == "qwen2":
         hf_config["attention_bias"] = True
+    rope_scaling = _rope_scaling(arch, meta, path, tensor_names)
+    if rope_scaling is not None:
+        hf_config["rope_scaling"] = rope_scaling
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if arch == "gemma3":
+        # llama.cpp's rule: head_dim ** -0.5, but hidden / heads for the 27B model
+        scalar = hf_config["head_dim"]
+        if str(meta.get("general.size_label", "")).upper() == "27B":
+            scalar = hf_config["hidden_size"] // hf_config["num_attention_heads"]
+        hf_config.update(
+            hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=scalar,
+            sliding_window=int(window or 4096),
+            sliding_window_pattern=_GEMMA3_PATTERN,
+            rope_local_base_freq=_GEMMA3_LOCAL_BASE,
+            tie_word_embeddings="output.weight" not in tensor_names,
+        )
+        # newer files may say: a period, or per layer (true: sliding)
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            hf_config["layer_types"] = [
+                "sliding_attention" if p else "full_attention" for p in pattern
+            ]
+        elif pattern:
+            hf_config["sliding_window_pattern"] = int(pattern)
+    elif window:
+        hf_config["sliding_window"] = int(window)
+        hf_config["use_sliding_window"] = True
+    eot = _END_OF_TURN.get(arch)
+    if eot is not None and eot in tokens and hf_config["eos_token_id"] is not None:
+        hf_config["eos_token_id"] = sorted({int(hf_config["eos_token_id"]), tokens.index(eot)})
     return hf_config
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _rope_scaling(
+    arch: str, meta: dict[str, Any], path: Path, names: set[str]
+) -> dict[str, Any] | None:
+    """``rope_scaling`` of config.json from ``{arch}.rope.scaling.*`` (linear), or, for files
+    with a ``rope_freqs.weight`` tensor (Llama 3.1/3.2: llama3 scaling baked into
+    per-frequency divisors, as llama.cpp applies them), ``freq_factors``."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if arch == "phi3" and "rope_factors_long.weight" in names:
+        raise ValueError(f"{path}: Phi-3 LongRoPE GGUF files are not supported yet")
+    if "rope_freqs.weight" in names:
+        # the factors themselves are the tensor's values: load_gguf fills them in
+        return {"rope_type": "freq_factors", "factors": None}
+    if kind in (None, "none") or not factor:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise ValueError(f"{path}: GGUF rope scaling {kind!r} is not supported (linear, llama3)")
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    table = _LAYER_TABLES.get(arch, _LAYER_NAMES)
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in table:
+        return f"model.layers.{m.group(1)}.{table[m.group(2)]}"
     if gguf_name.startswith("rope_"):
         return f"rotary_emb.{gguf_name}"  # precomputed rope tables: dropped by the model
     return None

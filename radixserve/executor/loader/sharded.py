@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from radixserve.executor.layers.parallel import Collectives, TensorParallel
 from radixserve.executor.loader import Checkpoint
 from radixserve.executor.loader.gguf_loader import load_gguf
 from radixserve.executor.loader.safetensors_loader import read_hf_config, safetensors_files
@@ -102,6 +103,10 @@ class ShardLayout:
             vocab_size=self.vocab_shard,
         )
 
+    def tensor_parallel(self, group: Collectives) -> TensorParallel:
+        """The parallel layers' view of this rank in ``group``."""
+        return TensorParallel(group, self.vocab_start, self.vocab_shard, self.config.vocab_size)
+
     def shard(self, name: str, read: Reader) -> torch.Tensor:
         """This rank's part of tensor ``name`` (Hugging Face name), a fresh tensor."""
         d = self.config.head_dim
@@ -113,6 +118,24 @@ class ShardLayout:
             if part.shape[0] < self.vocab_shard:
                 pad = part.new_zeros(self.vocab_shard - part.shape[0], *part.shape[1:])
                 part = torch.cat([part, pad])
+        elif kind == "qkv_proj.weight":  # fused q, k, v rows (Phi-3): each cut as its own
+            c = self.config
+            q_size, kv_size = c.num_attention_heads * d, c.num_key_value_heads * d
+            part = torch.cat(
+                [
+                    self.shard("q_proj.weight", _offset_rows(read, 0)),
+                    self.shard("k_proj.weight", _offset_rows(read, q_size)),
+                    self.shard("v_proj.weight", _offset_rows(read, q_size + kv_size)),
+                ]
+            )
+        elif kind == "gate_up_proj.weight":  # fused gate, up rows (Phi-3)
+            inter = self.config.intermediate_size
+            part = torch.cat(
+                [
+                    self.shard("gate_proj.weight", _offset_rows(read, 0)),
+                    self.shard("up_proj.weight", _offset_rows(read, inter)),
+                ]
+            )
         elif kind in ("q_proj.weight", "q_proj.bias"):
             part = read(slice(self.head_start * d, (self.head_start + self.heads) * d), None)
         elif kind in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
@@ -135,6 +158,16 @@ class ShardLayout:
     def shard_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``shard`` of a tensor already in memory."""
         return self.shard(name, _tensor_reader(tensor))
+
+
+def _offset_rows(read: Reader, offset: int) -> Reader:
+    """``read`` of the rows starting at ``offset`` (one part of a fused tensor)."""
+
+    def part(rows: slice | None, cols: slice | None) -> torch.Tensor:
+        assert rows is not None, "a fused tensor's part is read by row ranges"
+        return read(slice(offset + rows.start, offset + rows.stop), cols)
+
+    return part
 
 
 def _tensor_reader(tensor: torch.Tensor) -> Reader:

@@ -9,9 +9,12 @@ import torch.nn.functional as F
 
 from radixserve.executor.attention import AttentionBackend
 from radixserve.executor.layer_ops import LayerOps
-from radixserve.executor.linear import Linear
+from radixserve.executor.layers.attention import AttentionSpec
+from radixserve.executor.layers.linear import Linear, fused
+from radixserve.executor.layers.parallel import TensorParallel
+from radixserve.executor.layers.rotary import RotaryEmbedding
 from radixserve.executor.model_config import ModelConfig
-from radixserve.executor.rotary import RotaryEmbedding
+from radixserve.executor.models.base import Weights, parallel_of
 
 
 @dataclass
@@ -27,11 +30,13 @@ class DecoderLayerWeights:
 
 
 class LlamaForCausalLM:
-    """Holds the weights in Hugging Face semantics, fused where that saves kernel launches.
+    """Llama, Mistral, Qwen2, Qwen3 (a ``CausalLM``): the weights in Hugging Face semantics,
+    fused where that saves kernel launches; with ``tp`` one rank's part of the model (the
+    loader's ``ShardLayout`` cut the weights; ``config`` is the rank's local config).
 
     Invariant: ``forward`` computes the same function as the Hugging Face model of the same
-    config on the same weights; hidden states of all tokens come out, logits only for the
-    rows asked for (``compute_logits``).
+    config on the same weights (on every rank under tensor parallelism); hidden states of
+    all tokens come out, logits only for the rows asked for (``compute_logits``).
     """
 
     def __init__(
@@ -40,23 +45,17 @@ class LlamaForCausalLM:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         ops: LayerOps | None = None,
+        tp: TensorParallel | None = None,
     ):
         self.config = config
         self.dtype = dtype
         self.ops = ops or LayerOps()
+        self.tp = parallel_of(tp)
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
-
-        def take(name: str) -> torch.Tensor:
-            try:
-                tensor = weights.pop(name)
-            except KeyError:
-                raise ValueError(f"weight {name!r} is missing from the checkpoint") from None
-            return tensor.to(dtype).contiguous()
-
-        def take_optional(name: str) -> torch.Tensor | None:
-            return take(name) if name in weights else None
+        source = Weights(weights, dtype)
+        take, take_optional = source.take, source.take_optional
 
         self.embed = take("model.embed_tokens.weight")
         if tuple(self.embed.shape) != (c.vocab_size, c.hidden_size):
@@ -67,40 +66,41 @@ class LlamaForCausalLM:
         self.layers: list[DecoderLayerWeights] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat(
-                [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")], dim=0
-            )
-            bias = None
-            if c.attention_bias:
-                bias = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")])
+            if p + "self_attn.qkv_proj.weight" in source:  # stored fused (Phi-3)
+                qkv = Linear(take(p + "self_attn.qkv_proj.weight"))
+            else:
+                qkv = fused(
+                    [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")],
+                    [take(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
+                    if c.attention_bias
+                    else None,
+                )
+            if p + "mlp.gate_up_proj.weight" in source:  # stored fused (Phi-3)
+                gate_up = Linear(take(p + "mlp.gate_up_proj.weight"))
+            else:
+                gate_up = fused([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             self.layers.append(
                 DecoderLayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv, bias),
+                    qkv=qkv,
                     q_norm=take(p + "self_attn.q_norm.weight") if c.qk_norm else None,
                     k_norm=take(p + "self_attn.k_norm.weight") if c.qk_norm else None,
                     o=Linear(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        torch.cat(
-                            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")],
-                            dim=0,
-                        )
-                    ),
+                    gate_up=gate_up,
                     down=Linear(take(p + "mlp.down_proj.weight")),
                 )
             )
-            if qkv.shape != (self.q_size + 2 * self.kv_size, c.hidden_size):
+            if qkv.weight.shape != (self.q_size + 2 * self.kv_size, c.hidden_size):
                 raise ValueError(f"layer {i}: q/k/v projections do not match the config")
+            if gate_up.weight.shape != (2 * c.intermediate_size, c.hidden_size):
+                raise ValueError(f"layer {i}: gate/up projections do not match the config")
         self.norm = take("model.norm.weight")
         lm_head = take_optional("lm_head.weight")
         tied = lm_head is None or c.tie_word_embeddings
         self.lm_head = Linear(self.embed if tied else lm_head, shared=tied)
-        for name in list(weights):
-            if "rotary_emb" in name:
-                weights.pop(name)
-        if weights:
-            raise ValueError(f"unexpected weights in the checkpoint: {sorted(weights)[:5]}")
+        source.drop("rotary_emb")
+        source.finish()
         # CPU: the MLP of a long chunk in row blocks (see _mlp); None: the whole chunk at once
         self.mlp_block_rows: int | None = None
         self.rotary = RotaryEmbedding(
@@ -144,17 +144,31 @@ class LlamaForCausalLM:
                 q = ops.rotary(F.rms_norm(q, (head_dim,), w.q_norm, eps), cos, sin)
                 k = ops.rotary(F.rms_norm(k, (head_dim,), w.k_norm, eps), cos, sin)
             attn = attention.forward(layer_idx, q, k, v, attn_meta)
-            x = ops.add_rms_norm(w.o(attn), residual, w.post_norm, eps)
-            sublayer_out = self._mlp(w, x)
+            # o and down are row-parallel: tp.reduce makes their partial sums whole
+            x = ops.add_rms_norm(self.tp.reduce(w.o(attn)), residual, w.post_norm, eps)
+            sublayer_out = self.tp.reduce(self._mlp(w, x))
         return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        c = self.config
+        scale = c.head_dim**-0.5
+        return [
+            AttentionSpec(scale, c.sliding_window if c.is_sliding(i) else None)
+            for i in range(c.num_hidden_layers)
+        ]
 
     def use_layer_ops(self, ops: LayerOps) -> None:
         """Run the row-wise ops with ``ops`` (the CUDA path's Triton kernels)."""
         self.ops = ops
 
+    def to_device(self, device: torch.device) -> None:
+        """Move the rotary tables to ``device`` (the loader placed the weights)."""
+        self.rotary.to(device)
+
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] embedding rows (a fresh tensor: the residual stream is updated in place)."""
-        return F.embedding(input_ids, self.embed)
+        """[T, hidden] embedding rows (a fresh tensor: the residual stream is updated in
+        place); vocabulary-parallel under tensor parallelism."""
+        return self.tp.embedding(input_ids, self.embed)
 
     def _mlp(self, w: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up), over row blocks of ``mlp_block_rows`` when set: on CPU the
@@ -173,5 +187,5 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Logits [S, vocab] for the given hidden rows, in float32 if ``upcast``."""
-        logits = self.lm_head(hidden)
+        logits = self.tp.logits(self.lm_head, hidden)
         return logits.float() if upcast else logits

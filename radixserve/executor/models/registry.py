@@ -2,20 +2,65 @@
 
 from __future__ import annotations
 
-from radixserve.executor.model_config import SUPPORTED_ARCHITECTURES
+from typing import Protocol
+
+import torch
+
+from radixserve.executor.layers.parallel import TensorParallel
+from radixserve.executor.model_config import ModelConfig
+from radixserve.executor.models.base import CausalLM
+from radixserve.executor.models.gemma3 import Gemma3ForCausalLM
 from radixserve.executor.models.llama import LlamaForCausalLM
-
-# One implementation covers the family; the differences (q/k/v bias, q/k norm, rope
-# scaling, tied embeddings) are read from the config.
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES
-}
+from radixserve.executor.models.phi3 import Phi3ForCausalLM
 
 
-def model_class(architecture: str) -> type[LlamaForCausalLM]:
+class ModelClass(Protocol):
+    """A family's constructor: its weights by Hugging Face name, taken as it is built."""
+
+    def __call__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        *,
+        tp: TensorParallel | None = None,
+    ) -> CausalLM: ...
+
+
+def _registry() -> dict[str, ModelClass]:
+    # one file per family; Llama's covers Mistral, Qwen2 and Qwen3 (q/k/v bias, q/k norm,
+    # rope scaling, tied embeddings and sliding windows are read from the config)
+    registry: dict[str, ModelClass] = {
+        arch: LlamaForCausalLM
+        for arch in (
+            "LlamaForCausalLM",
+            "MistralForCausalLM",
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+        )
+    }
+    registry["Gemma3ForCausalLM"] = Gemma3ForCausalLM
+    registry["Phi3ForCausalLM"] = Phi3ForCausalLM
+    return registry
+
+
+MODEL_REGISTRY = _registry()
+
+
+def model_class(architecture: str) -> ModelClass:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
         ) from None
+
+
+def build_model(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    tp: TensorParallel | None = None,
+) -> CausalLM:
+    """The model of ``config.architecture`` over ``weights`` (one rank's under ``tp``)."""
+    return model_class(config.architecture)(config, weights, dtype, tp=tp)

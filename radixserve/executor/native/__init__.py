@@ -142,13 +142,13 @@ def load_paged_decode() -> ctypes.CDLL | None:
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     for name in ("paged_decode_bf16", "paged_decode_f32"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, p, p, p, p, i, i, i, i, i, i, f, i, p, p, i]
+        fn.argtypes = [p, p, p, p, p, i, i, i, i, i, i, f, i, f, i, p, p, i]
         fn.restype = i
     lib.paged_decode_has_avx512_bf16.argtypes = []
     lib.paged_decode_has_avx512_bf16.restype = i
     if lib.paged_decode_has_avx512_bf16():
         fn = lib.paged_decode_prefix_bf16
-        fn.argtypes = [p, p, p, p, i, i, i, i, i, i, f, i, p, p]
+        fn.argtypes = [p, p, p, p, i, i, i, i, i, i, f, f, i, p, p]
         fn.restype = i
     return lib
 
@@ -199,8 +199,11 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     prefix: SharedPrefix | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its pages.
+    """Attention of one query token per sequence over its pages (the last ``window`` of
+    them when set; scores soft-capped at ``softcap`` when set).
 
     q [b, heads, d] and the caches [num_pages, kv_heads, page_size, d] share a dtype and
     are contiguous CPU tensors; page_tables [b, max_pages] and seq_lens [b] are int32.
@@ -209,7 +212,8 @@ def paged_decode(
 
     ``prefix``: the first ``prefix.length`` keys of every sequence are the same pages
     (``shared_prefix_length`` finds them); they are attended once for all sequences
-    (``paged_decode_prefix_bf16``) and each sequence's own kernel continues from there."""
+    (``paged_decode_prefix_bf16``) and each sequence's own kernel continues from there;
+    with a ``window``, only when every sequence is no longer than it (ValueError else)."""
     b, heads, d = q.shape
     _, kv_heads, page_size, _ = k_cache.shape
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -226,7 +230,9 @@ def paged_decode(
     out = torch.empty_like(q)
     state, skip = None, 0
     if prefix is not None:
-        state = _prefix_state(lib, q, k_cache, v_cache, page_tables, prefix, scale)
+        if window is not None and int(seq_lens.max()) > window:
+            raise ValueError("a shared prefix outside a sequence's window")
+        state = _prefix_state(lib, q, k_cache, v_cache, page_tables, prefix, scale, softcap)
         skip = prefix.length
     rc = getattr(lib, entry)(
         q.data_ptr(),
@@ -241,6 +247,8 @@ def paged_decode(
         page_size,
         d,
         scale,
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
         out.data_ptr(),
         None if state is None else state.data_ptr(),
@@ -322,6 +330,7 @@ def _prefix_state(
     page_tables: torch.Tensor,
     prefix: SharedPrefix,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     b, heads, d = q.shape
     _, kv_heads, page_size, _ = k_cache.shape
@@ -340,6 +349,7 @@ def _prefix_state(
         page_size,
         d,
         scale,
+        softcap or 0.0,
         torch.get_num_threads(),
         state.data_ptr(),
         prefix.scratch.data_ptr(),
@@ -364,7 +374,7 @@ def load_paged_prefill(portable: bool = False) -> ctypes.CDLL | None:
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     for name in ("paged_prefill_bf16", "paged_prefill_f32"):
         fn = getattr(lib, name)
-        fn.argtypes = [p, i64, p, p, p, i, p, p, p, i, i, i, i, i, f, i, p, i64]
+        fn.argtypes = [p, i64, p, p, p, i, p, p, p, i, i, i, i, i, f, i, f, i, p, i64]
         fn.restype = i
     lib.paged_prefill_has_fast_bf16.argtypes = []
     lib.paged_prefill_has_fast_bf16.restype = i
@@ -398,8 +408,12 @@ def paged_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """Causal attention of prefill chunks over their pages, written into ``out``.
+    """Causal attention of prefill chunks over their pages, written into ``out`` (a query
+    at position p attends keys ``p - window + 1 .. p`` when ``window`` is set; scores
+    soft-capped at ``softcap`` when set).
 
     Request r's queries are rows ``q_starts[r] .. q_starts[r] + q_lens[r] - 1`` of q
     [T, heads, d] (any token stride; heads and d contiguous), at positions
@@ -438,6 +452,8 @@ def paged_prefill(
         page_size,
         d,
         scale,
+        window or 0,
+        softcap or 0.0,
         torch.get_num_threads(),
         out.data_ptr(),
         out.stride(0),

@@ -32,7 +32,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; inputs a
     static inline __attribute__((always_inline)) void NAME(                                 \
         const T *q, const T *k_cache, const T *v_cache, const int32_t *pages,               \
         int32_t seq_len, int kv_heads, int h, int group, int page_size, int d, float scale, \
-        T *out) {                                                                           \
+        int32_t lo, float softcap, T *out) {                                                \
         float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                    \
         float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_PAGE], kf[MAX_HEAD_DIM];         \
         for (int g = 0; g < group; g++) {                                                   \
@@ -43,34 +43,36 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; inputs a
             l[g] = 0.0f;                                                                    \
         }                                                                                   \
         const size_t page_stride = (size_t)kv_heads * page_size * d;                        \
-        for (int p = 0; p * page_size < seq_len; p++) {                                     \
+        /* keys lo .. seq_len - 1 (lo > 0: a sliding window's first key) */              \
+        for (int p = lo / page_size; p * page_size < seq_len; p++) {                        \
             const size_t base = (size_t)pages[p] * page_stride + (size_t)h * page_size * d; \
             const T *kp = k_cache + base, *vp = v_cache + base;                             \
             int n = seq_len - p * page_size;                                                \
             if (n > page_size) n = page_size;                                               \
-            for (int t = 0; t < n; t++) {                                                   \
+            const int t0 = p * page_size < lo ? lo - p * page_size : 0;                     \
+            for (int t = t0; t < n; t++) {                                                  \
                 const T *kr = kp + (size_t)t * d;                                           \
                 for (int i = 0; i < d; i++) kf[i] = LOAD(kr[i]);                            \
                 for (int g = 0; g < group; g++) {                                           \
                     float dot = 0.0f;                                                       \
                     for (int i = 0; i < d; i++) dot += qf[g][i] * kf[i];                    \
-                    s[g][t] = dot;                                                          \
+                    s[g][t] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;        \
                 }                                                                           \
             }                                                                               \
             for (int g = 0; g < group; g++) {                                               \
-                float page_max = s[g][0];                                                   \
-                for (int t = 1; t < n; t++) page_max = s[g][t] > page_max ? s[g][t] : page_max; \
+                float page_max = s[g][t0];                                                  \
+                for (int t = t0 + 1; t < n; t++) page_max = s[g][t] > page_max ? s[g][t] : page_max; \
                 const float new_m = page_max > m[g] ? page_max : m[g];                      \
                 const float rescale = expf(m[g] - new_m);                                   \
                 l[g] *= rescale;                                                            \
                 for (int i = 0; i < d; i++) acc[g][i] *= rescale;                           \
-                for (int t = 0; t < n; t++) {                                               \
+                for (int t = t0; t < n; t++) {                                              \
                     s[g][t] = expf(s[g][t] - new_m);                                        \
                     l[g] += s[g][t];                                                        \
                 }                                                                           \
                 m[g] = new_m;                                                               \
             }                                                                               \
-            for (int t = 0; t < n; t++) {                                                   \
+            for (int t = t0; t < n; t++) {                                                  \
                 const T *vr = vp + (size_t)t * d;                                           \
                 for (int i = 0; i < d; i++) kf[i] = LOAD(vr[i]);                            \
                 for (int g = 0; g < group; g++) {                                           \
@@ -134,12 +136,20 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* cap * tanh(x / cap), lane by lane (soft-capped scores; rare, so scalar tanhf) */
+static inline __m512 softcap16(__m512 x, float cap) {
+    __attribute__((aligned(64))) float v[16];
+    _mm512_store_ps(v, x);
+    for (int j = 0; j < 16; j++) v[j] = cap * tanhf(v[j] / cap);
+    return _mm512_load_ps(v);
+}
+
 static const uint16_t zero_row[MAX_HEAD_DIM]; /* the partner of an odd block's last key */
 
 static inline __attribute__((always_inline)) void task_bf16_avx512(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *pages,
     int32_t seq_len, int kv_heads, int h, int group, int page_size, int d, float scale,
-    const float *state, uint16_t *out) {
+    int32_t lo, float softcap, const float *state, uint16_t *out) {
     const int nq = d / 32, nv = d / 16; /* bf16 pairs per q row; float32 vectors per row */
     __m512bh qv[MAX_GROUP][MAX_HEAD_DIM / 32];
     __m512 acc[MAX_GROUP][MAX_HEAD_DIM / 16], dots[MAX_GROUP][16];
@@ -161,7 +171,8 @@ static inline __attribute__((always_inline)) void task_bf16_avx512(
         }
     }
     const size_t page_stride = (size_t)kv_heads * page_size * d;
-    int page = 0, off = 0; /* position of the next key whose rows are located */
+    /* keys lo .. seq_len - 1 (lo > 0: a sliding window's first key) */
+    int page = lo / page_size, off = lo % page_size; /* the next key whose rows are located */
     const uint16_t *rows[2][2][16]; /* [chunk parity][k or v][key in chunk] */
     /* locate the rows of the chunk starting at `start` and prefetch them (random pages
      * defeat the hardware prefetcher; this keeps the next chunk's loads in flight) */
@@ -183,8 +194,8 @@ static inline __attribute__((always_inline)) void task_bf16_avx512(
             }                                                                                \
         }                                                                                    \
     } while (0)
-    LOCATE(rows[0], 0);
-    for (int start = 0, parity = 0; start < seq_len; start += 16, parity ^= 1) {
+    LOCATE(rows[0], lo);
+    for (int start = lo, parity = 0; start < seq_len; start += 16, parity ^= 1) {
         const int n = seq_len - start < 16 ? seq_len - start : 16;
         const uint16_t *const *krow = rows[parity][0], *const *vrow = rows[parity][1];
         if (start + 16 < seq_len) LOCATE(rows[parity ^ 1], start + 16);
@@ -202,8 +213,9 @@ static inline __attribute__((always_inline)) void task_bf16_avx512(
             for (int j = n; j < 16; j++) dots[g][j] = _mm512_setzero_ps();
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         for (int g = 0; g < group; g++) {
-            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                                _mm512_mul_ps(sum16(dots[g]), _mm512_set1_ps(scale)));
+            __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
+                                          _mm512_mul_ps(sum16(dots[g]), _mm512_set1_ps(scale)));
+            if (softcap > 0.0f) s = _mm512_mask_mov_ps(s, valid, softcap16(s, softcap));
             const float block_max = _mm512_reduce_max_ps(s);
             const float new_m = block_max > m[g] ? block_max : m[g];
             const float rescale = expf(m[g] - new_m);
@@ -305,8 +317,8 @@ static void repack_prefix(const uint16_t *k_cache, const uint16_t *v_cache,
  * head h over the repacked prefix; RB * D == 256 keeps the accumulators in registers */
 static inline __attribute__((always_inline)) void prefix_rows(
     const uint16_t *q, int heads, int group, int h, const int *rows, int nrows,
-    const uint32_t *kt, const __m512i *vi, int prefix_len, float scale, float *state,
-    const int D, const int RB) {
+    const uint32_t *kt, const __m512i *vi, int prefix_len, float scale, float softcap,
+    float *state, const int D, const int RB) {
     const int half = D / 2, nv = D / 16;
     const uint32_t *qp[16];
     __m512 acc[16][16];
@@ -333,7 +345,11 @@ static inline __attribute__((always_inline)) void prefix_rows(
                 for (int r = 0; r < RB; r++)
                     sc[r] = _mm512_dpbf16_ps(sc[r], (__m512bh)_mm512_set1_epi32((int)qp[r][c]), kv);
             }
-            for (int r = 0; r < RB; r++) _mm512_store_ps(s[r] + 16 * b, _mm512_mul_ps(sc[r], vscale));
+            for (int r = 0; r < RB; r++) {
+                __m512 x = _mm512_mul_ps(sc[r], vscale);
+                if (softcap > 0.0f) x = softcap16(x, softcap);
+                _mm512_store_ps(s[r] + 16 * b, x);
+            }
         }
         /* online softmax over the chunk; weights rounded to bf16 pairs for p.v */
         for (int r = 0; r < RB; r++) {
@@ -381,15 +397,21 @@ DEFINE_TASK(task_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
 
 /* q, out: [batch, kv_heads * group, d]; page_tables: [batch, max_pages]; seq_lens: [batch].
+ * window > 0: each query attends only its sequence's last `window` keys; softcap > 0: scores
+ * become softcap * tanh(score / softcap) before the softmax.
  * Returns 0, or -1 if a size is beyond the kernel's fixed buffers (the caller falls back). */
-#define DEFINE_ENTRY(NAME, T, TASK, FAST, FAST_TASK)                                                          \
+#define DEFINE_ENTRY(NAME, T, TASK, FAST, FAST_TASK)                                         \
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *page_tables,     \
              const int32_t *seq_lens, int batch, int max_pages, int kv_heads, int group,     \
-             int page_size, int d, float scale, int num_threads, T *out,                     \
-             const float *state, int skip) {                                                 \
+             int page_size, int d, float scale, int window, float softcap, int num_threads,  \
+             T *out, const float *state, int skip) {                                         \
         if (group > MAX_GROUP || d > MAX_HEAD_DIM || page_size > MAX_PAGE) return -1;        \
         /* a shared-prefix state (see paged_decode_prefix_bf16) needs the fast path */       \
         if ((state != NULL || skip != 0) && (!FAST(d) || skip % page_size != 0)) return -2;  \
+        /* ... and every key of the prefix inside every sequence's window */                 \
+        if (skip != 0 && window > 0)                                                         \
+            for (int b = 0; b < batch; b++)                                                  \
+                if (seq_lens[b] > window) return -3;                                         \
         const int heads = kv_heads * group;                                                  \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")            \
         for (int task = 0; task < batch * kv_heads; task++) {                                \
@@ -397,19 +419,20 @@ DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
             const T *qb = q + (size_t)b * heads * d;                                         \
             T *ob = out + (size_t)b * heads * d;                                             \
             const int32_t *pages = page_tables + (size_t)b * max_pages;                      \
+            const int32_t lo = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0; \
             if (FAST(d))                                                                     \
                 FAST_TASK(qb, k_cache, v_cache, pages + skip / page_size, seq_lens[b] - skip, \
-                          kv_heads, h, group, page_size, d, scale,                           \
+                          kv_heads, h, group, page_size, d, scale, lo, softcap,              \
                           state ? state + (size_t)b * heads * (d + 2) : NULL, ob);           \
             else if (d == 64)                                                                \
                 TASK(qb, k_cache, v_cache, pages, seq_lens[b], kv_heads, h, group,           \
-                     page_size, 64, scale, ob);                                              \
+                     page_size, 64, scale, lo, softcap, ob);                                 \
             else if (d == 128)                                                               \
                 TASK(qb, k_cache, v_cache, pages, seq_lens[b], kv_heads, h, group,           \
-                     page_size, 128, scale, ob);                                             \
+                     page_size, 128, scale, lo, softcap, ob);                                \
             else                                                                             \
                 TASK(qb, k_cache, v_cache, pages, seq_lens[b], kv_heads, h, group,           \
-                     page_size, d, scale, ob);                                               \
+                     page_size, d, scale, lo, softcap, ob);                                  \
         }                                                                                    \
         return 0;                                                                            \
     }
@@ -421,7 +444,7 @@ DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
 /* group and head_dim as compile-time constants for the common shapes, so that the
  * accumulators live in registers */
 #define AVX512_CASE(G, D)                                                                    \
-    task_bf16_avx512(q, k, v, pg, n, kvh, h, G, ps, D, sc, st, o)
+    task_bf16_avx512(q, k, v, pg, n, kvh, h, G, ps, D, sc, lo, cap, st, o)
 #define AVX512_GROUPS(D)                                                                     \
     switch (g) {                                                                             \
     case 1: AVX512_CASE(1, D); break;                                                        \
@@ -436,7 +459,8 @@ DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
     }
 static void task_bf16_avx512_dispatch(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                                       const int32_t *pg, int32_t n, int kvh, int h, int g,
-                                      int ps, int d, float sc, const float *st, uint16_t *o) {
+                                      int ps, int d, float sc, int32_t lo, float cap,
+                                      const float *st, uint16_t *o) {
     if (d == 64) {
         AVX512_GROUPS(64)
     } else if (d == 128) {
@@ -461,8 +485,8 @@ DEFINE_ENTRY(paged_decode_f32, float, task_f32, NEVER, NO_FAST_TASK)
  * page size, d 64 or 128, group <= MAX_GROUP). */
 int paged_decode_prefix_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                              const int32_t *pages, int prefix_len, int batch, int kv_heads,
-                             int group, int page_size, int d, float scale, int num_threads,
-                             float *state, void *scratch) {
+                             int group, int page_size, int d, float scale, float softcap,
+                             int num_threads, float *state, void *scratch) {
     if ((d != 64 && d != 128) || group > MAX_GROUP || prefix_len % 16 != 0 ||
         prefix_len % page_size != 0 || prefix_len <= 0 || ((uintptr_t)scratch & 63) != 0)
         return -1;
@@ -486,9 +510,10 @@ int paged_decode_prefix_bf16(const uint16_t *q, const uint16_t *k_cache, const u
             const uint32_t *kt = (const uint32_t *)(base + 2 * h * per_head);
             const __m512i *vi = (const __m512i *)(base + (2 * h + 1) * per_head);
             if (d == 64)
-                prefix_rows(q, heads, group, h, rows, n, kt, vi, prefix_len, scale, state, 64, 4);
+                prefix_rows(q, heads, group, h, rows, n, kt, vi, prefix_len, scale, softcap, state, 64, 4);
             else
-                prefix_rows(q, heads, group, h, rows, n, kt, vi, prefix_len, scale, state, 128, 2);
+                prefix_rows(q, heads, group, h, rows, n, kt, vi, prefix_len, scale, softcap, state, 128,
+                            2);
         }
     }
     return 0;

@@ -73,7 +73,8 @@ static inline __m512 exp2_ps(__m512 x) { /* 2^x, exactly 0 below -126 (and for -
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
-static int softmax_tile(Work *w, int Mp, int nk, int k0, int masked, float scale_log2) {
+static int softmax_tile(Work *w, int Mp, int nk, int k0, int masked, float scale_log2,
+                        int window) {
     const __m512 c = _mm512_set1_ps(scale_log2), ninf = _mm512_set1_ps(-INFINITY);
     const int nk2 = (nk + 1) & ~1;
     int rescale = 0;
@@ -85,8 +86,9 @@ static int softmax_tile(Work *w, int Mp, int nk, int k0, int masked, float scale
             float *row = w->s + (size_t)n * Mp + mv;
             __m512 s = _mm512_loadu_ps(row);
             if (masked) {
-                const __mmask16 beyond =
-                    _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(k0 + n), qpos);
+                __mmask16 beyond = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(k0 + n), qpos);
+                if (window > 0) /* key k0 + n is at or before qpos - window */
+                    beyond |= _mm512_cmpge_epi32_mask(qpos, _mm512_set1_epi32(k0 + n + window));
                 s = _mm512_mask_mov_ps(s, beyond, ninf);
                 _mm512_storeu_ps(row, s);
             }
@@ -112,7 +114,8 @@ static int softmax_tile(Work *w, int Mp, int nk, int k0, int masked, float scale
     return rescale;
 }
 #else
-static int softmax_tile(Work *w, int Mp, int nk, int k0, int masked, float scale_log2) {
+static int softmax_tile(Work *w, int Mp, int nk, int k0, int masked, float scale_log2,
+                        int window) {
     const int nk2 = (nk + 1) & ~1;
     float tmax[MAX_M];
     for (int m = 0; m < Mp; m++) tmax[m] = -INFINITY;
@@ -120,7 +123,8 @@ static int softmax_tile(Work *w, int Mp, int nk, int k0, int masked, float scale
         float *row = w->s + (size_t)n * Mp;
         for (int m = 0; m < Mp; m++) {
             float s = row[m] * scale_log2;
-            if (masked && k0 + n > w->qpos[m]) s = -INFINITY;
+            if (masked && (k0 + n > w->qpos[m] || (window > 0 && k0 + n <= w->qpos[m] - window)))
+                s = -INFINITY;
             row[m] = s;
             tmax[m] = s > tmax[m] ? s : tmax[m];
         }
@@ -146,6 +150,14 @@ static int softmax_tile(Work *w, int Mp, int nk, int k0, int masked, float scale
     return rescale;
 }
 #endif
+
+/* soft-capped scores: s = cap * tanh(s * scale / cap) / scale (the softmax scales them) */
+static void softcap_tile(Work *w, int Mp, int nk, float scale, float cap) {
+    for (int n = 0; n < nk; n++) {
+        float *row = w->s + (size_t)n * Mp;
+        for (int m = 0; m < Mp; m++) row[m] = cap * tanhf(row[m] * scale / cap) / scale;
+    }
+}
 
 static void rescale_acc(Work *w, int Mp, int d) {
     for (int j = 0; j < d; j++) {
@@ -305,6 +317,8 @@ typedef struct {
     int64_t q_stride, out_stride; /* elements between consecutive tokens' rows */
     int max_pages, kv_heads, group, page_size, d;
     float scale;
+    int window;    /* > 0: a query at p attends keys p - window + 1 .. p */
+    float softcap; /* > 0: scores soft-capped */
 } Args;
 
 #define DEFINE_TASK(NAME, T, LOAD_Q, QK, PV, STORE)                                            \
@@ -327,7 +341,10 @@ typedef struct {
         const size_t page_stride = (size_t)a->kv_heads * a->page_size * d;                     \
         const int kv_end = pos0 + nq; /* keys 0 .. last query's position */                   \
         const float scale_log2 = a->scale * LOG2E;                                             \
-        for (int k0 = 0; k0 < kv_end; k0 += NT) {                                              \
+        const int window = a->window;                                                          \
+        /* the first key the block's first query sees (0 without a window) */                 \
+        const int kv_start = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;      \
+        for (int k0 = kv_start; k0 < kv_end; k0 += NT) {                                       \
             const int nk = kv_end - k0 < NT ? kv_end - k0 : NT;                                \
             const T *krow[NT], *vrow[NT];                                                      \
             for (int n = 0; n < NT; n++) {                                                     \
@@ -338,7 +355,9 @@ typedef struct {
                 vrow[n] = (const T *)a->v_cache + off;                                         \
             }                                                                                  \
             QK(w, krow, nk, Mp, d);                                                            \
-            if (softmax_tile(w, Mp, nk, k0, k0 + nk - 1 > pos0, scale_log2))                   \
+            if (a->softcap > 0.0f) softcap_tile(w, Mp, nk, a->scale, a->softcap);              \
+            const int masked = k0 + nk - 1 > pos0 || (window > 0 && k0 <= kv_end - 1 - window); \
+            if (softmax_tile(w, Mp, nk, k0, masked, scale_log2, window))                       \
                 rescale_acc(w, Mp, d);                                                         \
             PV(w, vrow, nk, Mp, d);                                                            \
         }                                                                                      \
@@ -413,17 +432,19 @@ static int run(const Args *a, int batch, int num_threads, TaskFn fn) {
 /* q: [tokens, >= heads * d] with rows q_stride apart (heads contiguous, d each);
  * out: the same with out_stride; request r's queries are tokens q_starts[r] ..
  * q_starts[r] + q_lens[r] - 1 at positions seq_lens[r] - q_lens[r] .. seq_lens[r] - 1,
- * and its keys 0 .. seq_lens[r] - 1 are already in its pages page_tables[r, :].
+ * and its keys 0 .. seq_lens[r] - 1 are already in its pages page_tables[r, :]. window > 0:
+ * a query at position p attends keys p - window + 1 .. p only; softcap > 0: scores become
+ * softcap * tanh(score / softcap) before the softmax.
  * Returns 0; -1 for shapes beyond the kernel's buffers; -2 when scratch allocation fails. */
 #define DEFINE_ENTRY(NAME, T, PICK)                                                           \
     int NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache,                \
              const int32_t *page_tables, int max_pages, const int32_t *q_starts,              \
              const int32_t *q_lens, const int32_t *seq_lens, int batch, int kv_heads,         \
-             int group, int page_size, int d, float scale, int num_threads, T *out,           \
-             int64_t out_stride) {                                                            \
-        const Args a = {q,        k_cache,  v_cache,   page_tables, q_starts, q_lens,        \
-                        seq_lens, out,      q_stride,  out_stride,  max_pages, kv_heads,     \
-                        group,    page_size, d,        scale};                               \
+             int group, int page_size, int d, float scale, int window, float softcap,         \
+             int num_threads, T *out, int64_t out_stride) {                                   \
+        const Args a = {q,        k_cache,   v_cache,  page_tables, q_starts, q_lens,        \
+                        seq_lens, out,       q_stride, out_stride,  max_pages, kv_heads,     \
+                        group,    page_size, d,        scale,       window,   softcap};      \
         return run(&a, batch, num_threads, PICK);                                             \
     }
 

@@ -101,6 +101,97 @@ def test_extend_attention(page_size, head_dim, group, dtype):
     torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+def _spec_reference(q, k, v, tables, seq_lens, q_lens, scale, window, softcap):
+    """``_reference`` with a layer's spec: the query at p sees keys p - window + 1 .. p
+    (all up to p without a window), scores ``scale * q.k`` soft-capped when asked."""
+    heads = q.shape[1]
+    kv_heads, page_size = k.shape[1], k.shape[2]
+    outs, start = [], 0
+    for i, (n, ql) in enumerate(zip(seq_lens.tolist(), q_lens, strict=True)):
+        pages = tables[i, : -(-n // page_size)]
+        keys = _sequence(k, pages, n).repeat_interleave(heads // kv_heads, 0)
+        values = _sequence(v, pages, n).repeat_interleave(heads // kv_heads, 0)
+        queries = q[start : start + ql].double().transpose(0, 1)
+        scores = queries @ keys.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(n - ql, n, device=q.device)[:, None]
+        kv = torch.arange(n, device=q.device)[None, :]
+        hidden = kv > pos
+        if window is not None:
+            hidden |= kv <= pos - window
+        scores = scores.masked_fill(hidden, -torch.inf)
+        outs.append((torch.softmax(scores, -1) @ values).transpose(0, 1))
+        start += ql
+    return torch.cat(outs)
+
+
+SPECS = [
+    pytest.param((7, None, 1.0), id="window7"),
+    pytest.param((1, None, 1.0), id="window1"),
+    pytest.param((None, 2.0, 1.5), id="softcap-scale"),
+    pytest.param((19, 3.0, 0.8), id="window19-softcap-scale"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("params", SPECS)
+def test_paged_decode_honours_the_spec(params, dtype):
+    window, softcap, factor = params
+    kv_heads, group, head_dim, page_size = 2, 4, 64, 16
+    seq_lens = [1, 17, 40, 90]
+    k, v, tables, lens, g = _paged(seq_lens, kv_heads, head_dim, page_size, dtype, seed=5)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g).to(k.device, dtype)
+    scale = head_dim**-0.5 * factor
+    ref = _spec_reference(q, k, v, tables, lens, [1] * len(seq_lens), scale, window, softcap)
+    for splits in (1, 3):
+        out = kernels.paged_decode(
+            q,
+            k,
+            v,
+            tables,
+            lens,
+            scale,
+            num_splits=splits,
+            block_n=16,
+            window=window,
+            softcap=softcap,
+        )
+        torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("params", SPECS)
+def test_extend_attention_honours_the_spec(params, dtype):
+    """Prompts longer than the window (a block's later queries see none of its first key
+    tile), chunks after cached prefixes, a decode row."""
+    window, softcap, factor = params
+    kv_heads, group, head_dim, page_size = 2, 2, 64, 4
+    prefixes = [0, 7, 20, 33, 0]
+    q_lens = [5, 9, 1, 30, 40]
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+    k, v, tables, lens, g = _paged(seq_lens, kv_heads, head_dim, page_size, dtype, seed=9)
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=g).to(k.device, dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=k.device)
+    scale = head_dim**-0.5 * factor
+    ref = _spec_reference(q, k, v, tables, lens, q_lens, scale, window, softcap)
+    out = kernels.extend_attention(
+        q,
+        k,
+        v,
+        tables,
+        qsl,
+        lens,
+        max(q_lens),
+        scale,
+        block_m=16,
+        block_n=16,
+        window=window,
+        softcap=softcap,
+    )
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_store_kv(page_size, dtype):

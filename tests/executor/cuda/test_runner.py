@@ -69,7 +69,9 @@ def _compare(tiny_models, arch, page_size, device, graphs=None):
     assert llm.engine.cache_stats()["hit_tokens"] >= 32  # the shared prefix was a hit
 
 
-@pytest.mark.parametrize("arch,page_size", [("llama", 16), ("qwen3", 1)])
+@pytest.mark.parametrize(
+    "arch,page_size", [("llama", 16), ("qwen3", 1), ("gemma3", 4), ("phi3", 16)]
+)
 def test_greedy_equals_cpu_path_float32(tiny_models, arch, page_size):
     """Chunked prefill (64-token budget), prefix hits mid-page, batched decodes."""
     _compare(tiny_models, arch, page_size, "cuda" if torch.cuda.is_available() else "cpu")

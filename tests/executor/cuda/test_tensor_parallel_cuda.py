@@ -15,7 +15,8 @@ from radixserve import LLM, SamplingParams
 from radixserve.executor.distributed import TensorParallelGroup, WorkerSpec
 from radixserve.executor.loader.dummy import dummy_weights
 from radixserve.executor.loader.sharded import ShardLayout
-from radixserve.executor.models.llama_tp import AllReduceLayerOps, TensorParallelLlama
+from radixserve.executor.models.base import CausalLM
+from radixserve.executor.models.registry import build_model
 from tests.helpers import greedy, hf_greedy
 
 build = pytest.importorskip("radixserve.executor.cuda.build")
@@ -71,8 +72,8 @@ def test_tp2_cuda_runner_equals_tp1_and_transformers(tiny_models, arch):
         runner = tp2.engine.runner
         assert isinstance(runner, CudaTPModelRunner) and runner.graphs is None
         assert runner.tp.group.backend == ("nccl" if GPU else "gloo")
-        ops = tp2.engine.model.ops
-        assert isinstance(ops, AllReduceLayerOps) and isinstance(ops.inner, TritonLayerOps)
+        assert isinstance(tp2.engine.model.ops, TritonLayerOps)
+        assert tp2.engine.model.tp.world_size == 2
         assert tp2.engine.model.config.num_key_value_heads == 1  # this rank's
         assert _greedy_warm(tp2) == reference
         # sampled-row and prompt logprobs: gathered logits of the sampled rows and prompt
@@ -120,19 +121,21 @@ def test_a_worker_follows_steps_with_the_runner_rank0_uses(tiny_models):
     config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
     layout = ShardLayout(config, 0, 1)
 
-    def model() -> TensorParallelLlama:
-        return TensorParallelLlama(
-            layout, dummy_weights(config, torch.float32), torch.float32, _OneRank()
+    def model() -> CausalLM:
+        return build_model(
+            layout.local_config(),
+            dummy_weights(config, torch.float32),
+            torch.float32,
+            layout.tensor_parallel(_OneRank()),
         )
 
     spec = WorkerSpec(kind="hf", path=str(path), world_size=1, runner="cuda")
     runner = worker_runner(spec, model(), num_pages=9, page_size=4)
     assert type(runner) is CudaModelRunner and runner.graphs is None and runner.sampler is None
-    assert isinstance(runner.model.ops, AllReduceLayerOps)
-    assert isinstance(runner.model.ops.inner, TritonLayerOps)
+    assert isinstance(runner.model.ops, TritonLayerOps)
     assert runner.kv_cache.num_pages == 9
     cpu = worker_runner(WorkerSpec(kind="hf", path=str(path), world_size=1), model(), 9, 4)
-    assert type(cpu) is ModelRunner and not isinstance(cpu.model.ops.inner, TritonLayerOps)
+    assert type(cpu) is ModelRunner and not isinstance(cpu.model.ops, TritonLayerOps)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,211 @@
+"""Builds what runs a model, for every path (the engine's rank 0, a tensor-parallel worker,
+CPU and CUDA runners): weights loaded into the model, quantized, the KV cache sized, the
+runner chosen. ``engine/engine.py``, ``distributed.load_shard_model`` and the worker call
+these and nothing below them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.core.page_table import PageTable
+from radixserve.executor.kv_cache import KVCache, bytes_per_page
+from radixserve.executor.layers.parallel import Collectives
+from radixserve.executor.loader import Checkpoint, load_checkpoint
+from radixserve.executor.loader.dummy import dummy_weights
+from radixserve.executor.loader.safetensors_loader import read_hf_config
+from radixserve.executor.loader.sharded import ShardLayout, load_sharded_checkpoint
+from radixserve.executor.model_config import ModelConfig
+from radixserve.executor.model_runner import ModelRunner
+from radixserve.executor.models.base import CausalLM
+from radixserve.executor.models.registry import build_model
+from radixserve.executor.quant import (
+    QuantScheme,
+    quantize_model,
+    resolve_quantization,
+    weight_memory,
+)
+from radixserve.executor.sampler import Sampler
+
+if TYPE_CHECKING:
+    from radixserve.executor.distributed import TensorParallelGroup
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(setting: str, checkpoint_dtype: str | None) -> torch.dtype:
+    """``auto``: the checkpoint's float32, else bfloat16 (float16 is slow on CPU)."""
+    if setting != "auto":
+        return DTYPES[setting]
+    return torch.float32 if checkpoint_dtype == "float32" else torch.bfloat16
+
+
+@dataclass
+class LoadedModel:
+    """A model built from a checkpoint (one rank's part under tensor parallelism).
+
+    Invariant: ``model``'s weights are on ``device`` in ``dtype`` (dense layers in
+    ``scheme`` when set); ``checkpoint`` keeps the config and metadata, not the weights;
+    ``config`` is the whole model's config (``model.config`` is this rank's)."""
+
+    checkpoint: Checkpoint
+    config: ModelConfig
+    model: CausalLM
+    dtype: torch.dtype
+    scheme: QuantScheme | None
+
+
+def load_model(
+    kind: str,
+    path: Path,
+    *,
+    device: torch.device,
+    dtype: str = "auto",
+    quantization: str = "auto",
+    group_size: int = 32,
+    load_format: str = "auto",
+    rank: int = 0,
+    group: Collectives | None = None,
+) -> LoadedModel:
+    """Load the checkpoint at ``path`` (``kind``: hf or gguf), build the model of its
+    architecture on ``device`` and quantize it. With ``group`` (size > 1), only rank
+    ``rank``'s shard is read and built. ``load_format="dummy"``: random weights for the
+    folder's config (the same on every rank, each cutting its part)."""
+    world_size = 1 if group is None else group.world_size
+    layout: ShardLayout | None = None
+    if load_format == "dummy":
+        if kind != "hf":
+            raise ValueError("load_format 'dummy' takes a folder with a config.json")
+        checkpoint = Checkpoint(read_hf_config(path), {})
+    elif world_size > 1:
+        checkpoint, layout = load_sharded_checkpoint(kind, path, rank, world_size)
+    else:
+        checkpoint = load_checkpoint(kind, path)
+    config = ModelConfig.from_hf_dict(checkpoint.hf_config)
+    if group is not None and layout is None:
+        layout = ShardLayout(config, rank, world_size)
+    torch_dtype = resolve_dtype(dtype, checkpoint.hf_config.get("torch_dtype"))
+    weights = checkpoint.weights
+    checkpoint.weights = {}
+    if load_format == "dummy":
+        full = dummy_weights(config, torch_dtype, device if layout is None else None)
+        if layout is None:
+            weights = full
+        else:  # the same seed on every rank: each cuts its part of one random model
+            weights = {name: layout.shard_tensor(name, full.pop(name)) for name in list(full)}
+    if device.type != "cpu":
+        for name in list(weights):  # one at a time: host memory stays one tensor over
+            weights[name] = weights[name].to(device, torch_dtype)
+    if layout is None:
+        model = build_model(config, weights, torch_dtype)
+    else:
+        assert group is not None
+        model = build_model(
+            layout.local_config(), weights, torch_dtype, layout.tensor_parallel(group)
+        )
+    del weights
+    scheme = resolve_quantization(quantization, group_size, checkpoint.gguf_tensor_types)
+    if quantization == "auto" and (device.type != "cpu" or torch_dtype != torch.bfloat16):
+        # auto quantizes for bfloat16 on the CPU, what the kernels are for; float32 (a
+        # reference run) or a GPU runs the file dequantized
+        scheme = None
+    if scheme is not None:
+        quantize_model(model, scheme)
+    return LoadedModel(checkpoint, config, model, torch_dtype, scheme)
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """How many pages of ``page_bytes`` the KV cache gets, and the weights' bytes by
+    precision. Invariant: ``num_pages >= 1``."""
+
+    num_pages: int
+    page_bytes: int
+    weight_bytes: dict[str, int]
+
+
+def size_kv_cache(
+    model: CausalLM,
+    page_size: int,
+    kv_cache_memory_gb: float,
+    memory_budget_gb: float | None = None,
+) -> KVSizing:
+    """Pages for ``kv_cache_memory_gb``, or for what ``memory_budget_gb`` leaves after the
+    weights (``ValueError`` when that is not one page). Counts this rank's kv heads."""
+    c = model.config
+    page_bytes = bytes_per_page(
+        c.num_hidden_layers, c.num_key_value_heads, c.head_dim, page_size, model.dtype
+    )
+    weights = weight_memory(model)
+    kv_bytes = int(kv_cache_memory_gb * 2**30)
+    if memory_budget_gb is not None:
+        kv_bytes = int(memory_budget_gb * 2**30) - sum(weights.values())
+        if kv_bytes < page_bytes:
+            raise ValueError(
+                f"memory_budget_gb {memory_budget_gb} leaves no room for the KV cache"
+                f" after {sum(weights.values()) / 2**30:.3f} GiB of weights"
+            )
+    return KVSizing(max(1, kv_bytes // page_bytes), page_bytes, weights)
+
+
+def build_runner(
+    model: CausalLM,
+    num_pages: int,
+    page_size: int,
+    page_table: PageTable,
+    sampler: Sampler,
+    *,
+    runner: str,
+    device: torch.device,
+    vocab_size: int,
+    eos_token_ids: tuple[int, ...],
+    cuda_graph_max_bs: int | None = None,
+    tp: TensorParallelGroup | None = None,
+) -> tuple[Any, Any]:
+    """Rank 0's runner and its sampler: ``runner`` ``cuda`` (Triton kernels, device
+    sampler, CUDA graphs unless under ``tp``) or ``cpu`` (C kernels); with ``tp`` the
+    tensor-parallel runner of that kind."""
+    if runner == "cuda":
+        from radixserve.executor.cuda.build import build_cuda_runner  # needs triton
+
+        return build_cuda_runner(
+            model,
+            num_pages,
+            page_size,
+            page_table,
+            vocab_size,
+            eos_token_ids,
+            device,
+            cuda_graph_max_bs,
+            tp,
+        )
+    kv_cache = cpu_kv_cache(model, num_pages, page_size)
+    if tp is not None:
+        from radixserve.executor.tp_runner import TPModelRunner
+
+        return TPModelRunner(model, kv_cache, page_table, sampler, tp), sampler
+    return ModelRunner(model, kv_cache, page_table, sampler), sampler
+
+
+def build_worker_runner(
+    model: CausalLM, num_pages: int, page_size: int, runner: str, device: torch.device
+) -> ModelRunner:
+    """A tensor-parallel worker's runner, the same kind as rank 0's, over a KV cache of
+    rank 0's size with this rank's kv heads; it only follows steps."""
+    if runner == "cuda":
+        from radixserve.executor.cuda.build import build_worker_runner as cuda_worker
+
+        return cuda_worker(model, num_pages, page_size, device)
+    return ModelRunner(model, cpu_kv_cache(model, num_pages, page_size), None, None)
+
+
+def cpu_kv_cache(model: CausalLM, num_pages: int, page_size: int) -> KVCache:
+    """The KV cache of this rank's kv heads, on the CPU."""
+    c = model.config
+    return KVCache(
+        c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim, model.dtype
+    )
