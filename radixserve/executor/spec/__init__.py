@@ -1,0 +1,7 @@
+"""Speculative decoding: proposers (who guesses the next tokens) and the verify rule (which
+of the guesses the target model keeps). See docs/speculative.md."""
+
+from radixserve.executor.spec.ngram import NgramProposer
+from radixserve.executor.spec.proposer import Proposer
+
+__all__ = ["NgramProposer", "Proposer"]
