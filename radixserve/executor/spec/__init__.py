@@ -3,5 +3,6 @@ of the guesses the target model keeps). See docs/speculative.md."""
 
 from radixserve.executor.spec.ngram import NgramProposer
 from radixserve.executor.spec.proposer import Proposer
+from radixserve.executor.spec.verify import SpecPlan, verify
 
-__all__ = ["NgramProposer", "Proposer"]
+__all__ = ["NgramProposer", "Proposer", "SpecPlan", "verify"]
