@@ -389,3 +389,38 @@ def test_sampled_distribution_matches_without_speculation(loopy_pair):
     assert tv < 0.15
     # the same seeds, with speculation, give the same tokens again (reproducible)
     assert generate_ids(on, [prompt] * 50, params[:50]) == b[:50].tolist()
+
+
+def test_flags_stats_and_metrics(loopy_pair):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from radixserve.cli import build_parser, engine_kwargs
+    from radixserve.serving.metrics import Metrics
+
+    args = build_parser().parse_args(
+        ["serve", "--speculative-mode", "auto", "--num-spec-tokens", "6", "--spec-ngram-min", "3"]
+    )
+    c = EngineConfig(**engine_kwargs(args))
+    assert (c.speculative_mode, c.num_spec_tokens, c.spec_ngram_min, c.spec_ngram_max) == (
+        "auto",
+        6,
+        3,
+        4,
+    )
+    assert EngineConfig(**engine_kwargs(build_parser().parse_args(["serve"]))).speculative_mode == (
+        "off"
+    )
+    _, on = loopy_pair
+    assert "speculative decoding: ngram" in on.engine.startup_line
+    generate_ids(on, _prompts(2, seed=12, repeat=True), greedy(30))
+    stats = on.engine.stats()
+    assert stats.spec_accepted_tokens > 0 and stats.spec_verify_rows > 0
+    text = Metrics(lambda: stats).render().decode()
+    values = {
+        s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+    }
+    assert values["radixserve_spec_accepted_tokens_total"] == stats.spec_accepted_tokens
+    assert values["radixserve_spec_proposed_tokens_total"] == stats.spec_proposed_tokens
+    assert values["radixserve_spec_mean_accepted_length"] == pytest.approx(
+        1 + stats.spec_accepted_tokens / stats.spec_verify_rows
+    )
