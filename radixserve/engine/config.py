@@ -11,7 +11,7 @@ from radixserve.executor.placement import check_gpu_count
 from radixserve.executor.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SPECULATIVE_MODES = ("off", "ngram", "auto")
+SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
 
 
 @dataclass
@@ -85,10 +85,12 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: any free port (one node only)
     distributed_timeout_s: float = 300.0  # a collective that waits longer fails the group
-    # Speculative decoding (docs/speculative.md): off | ngram (prompt lookup) | auto (ngram
-    # while the decode batch is at most spec_auto_max_batch requests). Each speculating
-    # request verifies its last token + up to num_spec_tokens proposals in one extend chunk.
+    # Speculative decoding (docs/speculative.md): off | ngram (prompt lookup) | draft (a
+    # smaller model with the same tokenizer, spec_draft_model) | auto (ngram while the
+    # decode batch is at most spec_auto_max_batch requests). Each speculating request
+    # verifies its last token + up to num_spec_tokens proposals in one extend chunk.
     speculative_mode: str = "off"
+    spec_draft_model: str | None = None  # HF folder or .gguf of the draft (mode draft)
     num_spec_tokens: int = 4
     spec_ngram_max: int = 4  # the longest suffix looked up in the request's own tokens
     spec_ngram_min: int = 2  # the shortest
@@ -195,6 +197,8 @@ class EngineConfig:
                 f"need 1 <= spec_ngram_min <= spec_ngram_max; got {self.spec_ngram_min}, "
                 f"{self.spec_ngram_max}"
             )
+        if (self.speculative_mode == "draft") != (self.spec_draft_model is not None):
+            raise ValueError("speculative_mode 'draft' and spec_draft_model go together")
         if self.spec_auto_max_batch < 1:
             raise ValueError(f"spec_auto_max_batch must be >= 1, got {self.spec_auto_max_batch}")
         if self.speculative_mode != "off" and (

@@ -59,7 +59,7 @@ from radixserve.executor.quant import (
 )
 from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.executor.simulated import CostModel, SimulatedRunner
-from radixserve.executor.spec import NgramProposer, Proposer
+from radixserve.executor.spec import DraftProposer, NgramProposer, Proposer
 from radixserve.executor.tp_runner import TPModelRunner
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import EngineOverloaded, Scheduler, SchedulerConfig
@@ -209,6 +209,7 @@ class Engine:
         speculative step runs serially: with the overlapped loop, the step in flight is
         finished first (proposals need every token known), other steps still overlap."""
         self.proposer: Proposer | None = None
+        self.draft: DraftProposer | None = None
         self.spec_proposed = 0  # proposals verified
         self.spec_accepted = 0  # of which kept
         self.spec_rows = 0  # verify rows (a request verifying proposals in one step)
@@ -224,6 +225,23 @@ class Engine:
             f"{config.num_spec_tokens} proposals per step (n-gram {config.spec_ngram_min}.."
             f"{config.spec_ngram_max})"
         )
+        if config.spec_draft_model is not None:
+            source = resolve_model(config.spec_draft_model)
+            self.draft = DraftProposer(
+                source.kind,
+                source.path,
+                self.pool.num_pages,
+                config.page_size,
+                self.page_table,
+                self.dtype,
+                self.vocab_size,
+            )
+            self.runner.shadow = self.draft.shadow
+            line = (
+                f"speculative decoding: draft model {source.path.name}, up to "
+                f"{config.num_spec_tokens} proposals per step; its KV cache "
+                f"{self.draft.kv_bytes / 2**30:.3f} GiB on the same pages"
+            )
         if config.speculative_mode == "auto":
             line += f", while at most {config.spec_auto_max_batch} requests decode"
         logger.info("%s", line)
@@ -249,8 +267,17 @@ class Engine:
         ]
         if not decoding:
             return None
+        if self.draft is not None:  # slots now; the draft fills them once pages are grown
+            slots = np.zeros(cfg.num_spec_tokens, dtype=np.int32)
+            return {r.request_id: slots for r in decoding}
         drafts = self.proposer.propose(decoding, [cfg.num_spec_tokens] * len(decoding))
         return {r.request_id: d for r, d in zip(decoding, drafts, strict=True) if d.size}
+
+    def _fill_drafts(self, batch: ScheduledBatch) -> None:
+        """The draft model writes its proposals into the slots the scheduler made."""
+        assert self.draft is not None and batch.num_spec is not None
+        rows = np.flatnonzero(batch.num_spec)
+        self.draft.fill([batch.requests[i] for i in rows.tolist()], batch.num_spec[rows].tolist())
 
     def _make_device(self, config: EngineConfig) -> Device:
         faults = FaultInjector.from_env()  # RADIXSERVE_FAULTS; None (no hook) when unset
@@ -522,6 +549,8 @@ class Engine:
         self.grammars.poll(self._admit_compiled, lambda r, m: outputs.append(self._fail(r, m)))
         proposals = self._propose(outputs) if self.proposer is not None else None
         batch = self.scheduler.schedule(proposals)
+        if self.draft is not None and batch.has_spec:
+            self._fill_drafts(batch)
         outputs.extend(self._final(req) for req in batch.failed)
         launched = None if batch.is_empty else self._launch(batch, outputs)
         self._return_freed_pages()  # off the critical path: the device has work now

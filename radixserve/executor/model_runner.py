@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +92,12 @@ class ModelRunner:
         self.future = FutureTokens(max_rows or _rows(page_table))
         c = model.config
         self.attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
+        # speculative decoding with a draft model: writes the draft's KV for every step's
+        # tokens (fb, input ids, page copies), in lockstep with the target's
+        self.shadow: (
+            Callable[[ForwardBatch, np.ndarray, tuple[torch.Tensor, torch.Tensor] | None], None]
+            | None
+        ) = None
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Prepare and run ``batch`` at once (serial use)."""
@@ -198,9 +204,12 @@ class ModelRunner:
         happens in here, before anything that could fail on this rank alone)."""
         fb = inputs.forward_batch
         sampling = inputs.sampling
+        input_ids = self.future.resolve(fb.input_ids)
+        if self.shadow is not None:
+            self.shadow(fb, input_ids, inputs.copies)
         hidden, logits = self.forward_step(
             fb,
-            self.future.resolve(fb.input_ids),
+            input_ids,
             inputs.copies,
             inputs.meta,
             logits=sampling is not None,

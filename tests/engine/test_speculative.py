@@ -193,9 +193,12 @@ def test_chunked_prefill_prefix_hits_and_preemption(loopy, tiny_llama):
             **_KW,
         )
         assert generate_ids(chunked, prompts, greedy(40)) == ref
-        # prefix hits: the same prompts again, and again with other prompts around them
-        assert generate_ids(chunked, prompts, greedy(40)) == ref
+        # prefix hits: the same prompts again while the tree still holds them
+        for _ in range(2):
+            got = chunked.generate(prompts, greedy(40), use_tqdm=False)
+            assert [o.token_ids for o in got] == ref
         assert chunked.engine.prefix_cache.hit_tokens > 0
+        chunked.engine.check_idle()
         small = LLM(
             str(path),
             speculative_mode="ngram",
@@ -424,3 +427,73 @@ def test_flags_stats_and_metrics(loopy_pair):
     assert values["radixserve_spec_mean_accepted_length"] == pytest.approx(
         1 + stats.spec_accepted_tokens / stats.spec_verify_rows
     )
+
+
+# -- the draft-model proposer ----------------------------------------------------------------
+def test_draft_model_as_its_own_draft_is_always_accepted(tiny_llama, tiny_pair):
+    off, _ = tiny_pair
+    on = LLM(str(tiny_llama), speculative_mode="draft", spec_draft_model=str(tiny_llama), **_KW)
+    assert "draft model" in on.engine.startup_line
+    prompts = _prompts(6, seed=13) + _prompts(2, seed=14, repeat=True)
+    ref = generate_ids(off, prompts, greedy(30))
+    assert generate_ids(on, prompts, greedy(30)) == ref
+    proposed, accepted = _accepted(on)
+    assert proposed > 100 and accepted == proposed  # the target agrees with itself
+    # prefix hits (pages from the tree carry the draft's KV too), n > 1
+    for _ in range(2):
+        assert [o.token_ids for o in on.generate(prompts, greedy(30), use_tqdm=False)] == ref
+    assert on.engine.prefix_cache.hit_tokens > 0
+    on.engine.check_idle()
+    sp = SamplingParams(n=2, temperature=0, max_tokens=30, ignore_eos=True)
+    got = on.generate(prompts[:2], sp, use_tqdm=False)
+    assert [[o.token_ids for o in r.outputs] for r in got] == [[x, x] for x in ref[:2]]
+    on.engine.check_idle()
+    assert _accepted(on)[1] == _accepted(on)[0]
+
+
+def test_draft_model_other_model_chunked_and_preempted(tiny_models, tiny_llama, tiny_pair):
+    off, _ = tiny_pair
+    prompts = _prompts(10, seed=15, repeat=True)
+    ref = generate_ids(off, prompts, greedy(32))
+    for kw in (
+        dict(max_num_batched_tokens=32, long_prefill_threshold=8, **_KW),
+        dict(
+            dtype="float32",
+            page_size=4,
+            kv_cache_memory_gb=0.0002,
+            schedule_conservativeness=0.0,
+        ),
+    ):
+        on = LLM(
+            str(tiny_llama),
+            speculative_mode="draft",
+            spec_draft_model=str(tiny_models["mistral"]),
+            **kw,
+        )
+        assert generate_ids(on, prompts, greedy(32)) == ref
+        assert _accepted(on)[0] > 0
+    assert on.engine.scheduler.stats.num_preemptions > 0
+    # the draft proposes, the target decides: with itself as the draft under preemption
+    own = LLM(
+        str(tiny_llama),
+        speculative_mode="draft",
+        spec_draft_model=str(tiny_llama),
+        dtype="float32",
+        page_size=4,
+        kv_cache_memory_gb=0.0002,
+        schedule_conservativeness=0.0,
+    )
+    assert generate_ids(own, prompts, greedy(32)) == ref
+    assert own.engine.scheduler.stats.num_preemptions > 0
+    proposed, accepted = _accepted(own)
+    assert accepted == proposed > 0
+
+
+def test_draft_model_sampled_and_checks(tiny_llama, tiny_models):
+    with pytest.raises(ValueError, match="go together"):
+        EngineConfig(speculative_mode="draft")
+    on = LLM(str(tiny_llama), speculative_mode="draft", spec_draft_model=str(tiny_llama), **_KW)
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True)
+    a = generate_ids(on, _prompts(3, seed=16), sp)
+    assert a == generate_ids(on, _prompts(3, seed=16), sp)  # seeded: reproducible
+    assert all(len(x) == 20 for x in a)
