@@ -124,7 +124,13 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         default="off",
         choices=SPECULATIVE_MODES,
         help="ngram: propose from the request's own prompt and output (prompt lookup), "
-        "verify in one step; auto: ngram while at most --spec-auto-max-batch requests decode",
+        "verify in one step; draft: a smaller model with the same tokenizer proposes "
+        "(--spec-draft-model); auto: ngram while at most --spec-auto-max-batch requests decode",
+    )
+    g.add_argument(
+        "--spec-draft-model",
+        default=None,
+        help="HF folder or .gguf of the draft model (--speculative-mode draft)",
     )
     g.add_argument("--num-spec-tokens", type=int, default=4, help="proposals per step")
     g.add_argument("--spec-ngram-max", type=int, default=4, help="longest suffix looked up")
@@ -280,6 +286,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "spec_ngram_max": args.spec_ngram_max,
         "spec_ngram_min": args.spec_ngram_min,
         "spec_auto_max_batch": args.spec_auto_max_batch,
+        "spec_draft_model": args.spec_draft_model,
     }
 
 

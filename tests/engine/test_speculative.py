@@ -413,6 +413,11 @@ def test_flags_stats_and_metrics(loopy_pair):
     assert EngineConfig(**engine_kwargs(build_parser().parse_args(["serve"]))).speculative_mode == (
         "off"
     )
+    args = build_parser().parse_args(
+        ["generate", "hi", "--speculative-mode", "draft", "--spec-draft-model", "/x"]
+    )
+    c = EngineConfig(**engine_kwargs(args))
+    assert (c.speculative_mode, c.spec_draft_model) == ("draft", "/x")
     _, on = loopy_pair
     assert "speculative decoding: ngram" in on.engine.startup_line
     generate_ids(on, _prompts(2, seed=12, repeat=True), greedy(30))
