@@ -215,7 +215,7 @@ class Scheduler:
                 self.reserve_ratio - span / self.config.reserve_ratio_decay_steps,
             )
             if budget > 0 and self.waiting and not self._batch_wait_pending():
-                self._admit_waiting(budget, cap, scheduled, counts, failed)
+                self._admit_waiting(budget, cap, scheduled, counts, failed, spec)
 
         num_new = np.asarray(counts, dtype=np.int32)
         starts = np.fromiter(
@@ -282,7 +282,11 @@ class Scheduler:
         scheduled: list[Request],
         counts: list[int],
         failed: list[Request],
+        spec: list[int] | None = None,
     ) -> None:
+        """Admit waiting requests in policy order; ``spec`` (proposals per scheduled decode,
+        aligned with the first ``len(spec)`` of ``scheduled``) loses the entry of a victim
+        taken out of the batch."""
         committed = self._committed_pages()
         prefilling = self._prefilling_keys()
         deferrals_left = _MAX_DEFERRALS_PER_STEP
@@ -312,6 +316,8 @@ class Scheduler:
                 if victim in scheduled:  # already in this step's batch: take it out again
                     j = scheduled.index(victim)
                     budget += counts.pop(j)
+                    if spec is not None and j < len(spec):
+                        spec.pop(j)  # (its grown pages go with it: _preempt releases them)
                     del scheduled[j]
                 self._preempt(victim)
                 preempted_for_it = True

@@ -502,3 +502,36 @@ def test_draft_model_sampled_and_checks(tiny_llama, tiny_models):
     a = generate_ids(on, _prompts(3, seed=16), sp)
     assert a == generate_ids(on, _prompts(3, seed=16), sp)  # seeded: reproducible
     assert all(len(x) == 20 for x in a)
+
+
+def test_priority_preemption_takes_a_speculating_request_out(loopy):
+    """Policy priority: a high-priority arrival preempts running (speculating) requests that
+    were already in this step's batch; the batch's proposals stay aligned."""
+    kw = dict(
+        dtype="float32",
+        page_size=4,
+        kv_cache_memory_gb=0.00015,
+        schedule_policy="priority",
+        schedule_conservativeness=0.0,
+    )
+    prompts = _prompts(8, seed=17, repeat=True)
+    results = []
+    for mode in ("off", "ngram"):
+        engine = LLM(str(loopy), speculative_mode=mode, **kw).engine
+        out: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts[:4]):
+            engine.add_request(f"low{i}", p, greedy(40), priority=5)
+        for _ in range(6):
+            for d in engine.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        for i, p in enumerate(prompts[4:]):
+            engine.add_request(f"high{i}", p, greedy(40), priority=0)
+        while engine.has_unfinished():
+            for d in engine.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            engine.check_page_accounting()
+        engine.check_idle()
+        results.append((out, engine.scheduler.stats.num_preemptions, engine.stats()))
+    (off_out, _, _), (on_out, preempted, stats) = results
+    assert on_out == off_out and all(len(v) == 40 for v in on_out.values())
+    assert preempted > 0 and stats.spec_accepted_tokens > 0
