@@ -134,6 +134,28 @@ class Run:
         return 1 + self.accepted / self.verify_rows if self.verify_rows else 1.0
 
 
+def combine(runs: list[Run], num_groups: int) -> Run:
+    """One mode's figures over groups and rounds: sums, and means of the latencies; the
+    outputs of the first round, checked against every later round."""
+    first = [o for r in runs[:num_groups] for o in r.outputs]
+    for k in range(num_groups, len(runs), num_groups):
+        again = [o for r in runs[k : k + num_groups] for o in r.outputs]
+        if again != first:
+            raise SystemExit("a mode gave different outputs in two rounds")
+    return Run(
+        wall_s=sum(r.wall_s for r in runs),
+        output_tokens=sum(r.output_tokens for r in runs),
+        ttft_s=float(np.mean([r.ttft_s for r in runs])),
+        itl_s=float(np.mean([r.itl_s for r in runs])),
+        proposed=sum(r.proposed for r in runs),
+        accepted=sum(r.accepted for r in runs),
+        verify_rows=sum(r.verify_rows for r in runs),
+        spec_steps=sum(r.spec_steps for r in runs),
+        steps=sum(r.steps for r in runs),
+        outputs=first,
+    )
+
+
 def run_engine(engine, prompts: list[list[int]], max_tokens: int, bs: int, tag: str) -> Run:
     """Keep ``bs`` requests in flight until all are done (greedy, ignore_eos)."""
     from radixserve import SamplingParams
@@ -232,7 +254,8 @@ def main() -> None:
     for bs in sizes:
         count = max(1, int(scale * {1: 3, 4: 4}.get(bs, 16)))
         count = max(count, bs)
-        configs.append(("grounded", bs, grounded_prompts(off, texts, count), args.grounded_tokens))
+        tokens = args.grounded_tokens if bs < 16 else (3 * args.grounded_tokens) // 4
+        configs.append(("grounded", bs, grounded_prompts(off, texts, count), tokens))
     w1_prompts = [engines["off"].tokenize(r["prompt"]) for r in w1]
     w3_prompts = [engines["off"].tokenize(r["prompt"]) for r in w3]
     w1_n = int(scale * len(w1_prompts))
@@ -258,17 +281,27 @@ def main() -> None:
         # buffers of a new shape cost the first run that meets it, whichever mode that is)
         for mode, engine in engines.items():
             run_engine(engine, prompts, min(max_tokens, 6), bs, f"w{name}{bs}{mode}")
-        # timed: ``--rounds`` rounds, the mode order reversed every other round (the machine
-        # is shared: drift hits the modes alike); each mode's best round is reported
-        runs: dict[str, Run] = {}
+        # timed, interleaved: the prompts in groups of ``bs`` (one group per batch), every
+        # group run by every mode back to back, the order rotating from group to group and
+        # round to round, so the shared machine's drift hits the modes alike; a mode's
+        # figures are its sums over groups and rounds
+        parts: dict[str, list[Run]] = {mode: [] for mode in engines}
+        groups = [list(range(j, min(j + bs, len(prompts)))) for j in range(0, len(prompts), bs)]
         order = list(engines)
+        turn = 0
         for rnd in range(args.rounds):
-            for mode in order if rnd % 2 == 0 else order[::-1]:
-                r = run_engine(engines[mode], prompts, max_tokens, bs, f"{name}{bs}{mode}{rnd}")
-                if mode in runs and r.outputs != runs[mode].outputs:
-                    raise SystemExit(f"{name} bs {bs} {mode}: rounds gave different outputs")
-                if mode not in runs or r.wall_s < runs[mode].wall_s:
-                    runs[mode] = r
+            for g, members in enumerate(groups):
+                for mode in order[turn % len(order) :] + order[: turn % len(order)]:
+                    r = run_engine(
+                        engines[mode],
+                        [prompts[i] for i in members],
+                        max_tokens,
+                        bs,
+                        f"{name}{bs}{mode}{rnd}g{g}",
+                    )
+                    parts[mode].append(r)
+                turn += 1
+        runs = {mode: combine(rs, len(groups)) for mode, rs in parts.items()}
         base = runs["off"]
         reps = [repetition(p, o) for p, o in zip(prompts, base.outputs, strict=True)]
         own = float(np.mean([r[0] for r in reps]))
