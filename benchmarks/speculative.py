@@ -224,6 +224,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per configuration")
+    ap.add_argument("--grounded-only", action="store_true", help="skip W1/W3 (no ngram_ratio_w1)")
     args = ap.parse_args()
 
     from radixserve import LLM
@@ -259,9 +260,10 @@ def main() -> None:
     w1_prompts = [engines["off"].tokenize(r["prompt"]) for r in w1]
     w3_prompts = [engines["off"].tokenize(r["prompt"]) for r in w3]
     w1_n = int(scale * len(w1_prompts))
-    configs.append(("w1", w1_n, w1_prompts[:w1_n], int(w1[0]["max_tokens"])))
-    configs.append(("w3", 1, w3_prompts[: max(1, int(2 * scale))], int(w3[0]["max_tokens"])))
-    configs.append(("w3", 16, w3_prompts[: int(16 * scale)], int(w3[0]["max_tokens"])))
+    if not args.grounded_only:
+        configs.append(("w1", w1_n, w1_prompts[:w1_n], int(w1[0]["max_tokens"])))
+        configs.append(("w3", 1, w3_prompts[: max(1, int(2 * scale))], int(w3[0]["max_tokens"])))
+        configs.append(("w3", 16, w3_prompts[: int(16 * scale)], int(w3[0]["max_tokens"])))
 
     for mode, engine in engines.items():  # warm-up: kernels compiled, buffers grown
         run_engine(engine, grounded_prompts(off, texts, 2), 8, 2, f"warm-{mode}")
