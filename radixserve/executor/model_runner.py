@@ -74,6 +74,13 @@ class ModelRunner:
     or sampler (``page_table``/``sampler`` None): it only follows steps.
     """
 
+    # speculative decoding with a draft model: writes the draft's KV for every step's tokens
+    # (fb, input ids, page copies), in lockstep with the target's (a class default: the CUDA
+    # runner, which does not speculate, has it too)
+    shadow: (
+        Callable[[ForwardBatch, np.ndarray, tuple[torch.Tensor, torch.Tensor] | None], None] | None
+    ) = None
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -92,12 +99,6 @@ class ModelRunner:
         self.future = FutureTokens(max_rows or _rows(page_table))
         c = model.config
         self.attention = TorchNativeAttention(kv_cache, c.num_attention_heads, c.head_dim)
-        # speculative decoding with a draft model: writes the draft's KV for every step's
-        # tokens (fb, input ids, page copies), in lockstep with the target's
-        self.shadow: (
-            Callable[[ForwardBatch, np.ndarray, tuple[torch.Tensor, torch.Tensor] | None], None]
-            | None
-        ) = None
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Prepare and run ``batch`` at once (serial use)."""
