@@ -110,8 +110,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "simulated device and on CUDA, off on CPU)",
     )
     overlap.add_argument("--disable-overlap", dest="enable_overlap", action="store_false")
+    add_speculative_args(parser)
     add_parallel_args(parser)
     add_scheduler_args(parser)
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    from radixserve.engine.config import SPECULATIVE_MODES
+
+    g = parser.add_argument_group("speculative decoding (docs/speculative.md)")
+    g.add_argument(
+        "--speculative-mode",
+        default="off",
+        choices=SPECULATIVE_MODES,
+        help="ngram: propose from the request's own prompt and output (prompt lookup), "
+        "verify in one step; draft: a smaller model with the same tokenizer proposes "
+        "(--spec-draft-model); auto: ngram while at most --spec-auto-max-batch requests decode",
+    )
+    g.add_argument(
+        "--spec-draft-model",
+        default=None,
+        help="HF folder or .gguf of the draft model (--speculative-mode draft)",
+    )
+    g.add_argument("--num-spec-tokens", type=int, default=4, help="proposals per step")
+    g.add_argument("--spec-ngram-max", type=int, default=4, help="longest suffix looked up")
+    g.add_argument("--spec-ngram-min", type=int, default=2, help="shortest suffix looked up")
+    g.add_argument(
+        "--spec-auto-max-batch",
+        type=int,
+        default=4,
+        help="auto: speculate while this many or fewer requests decode",
+    )
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -252,6 +281,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "master_port": args.master_port,
         "distributed_timeout_s": args.distributed_timeout,
         "generation_config": args.generation_config,
+        "speculative_mode": args.speculative_mode,
+        "num_spec_tokens": args.num_spec_tokens,
+        "spec_ngram_max": args.spec_ngram_max,
+        "spec_ngram_min": args.spec_ngram_min,
+        "spec_auto_max_batch": args.spec_auto_max_batch,
+        "spec_draft_model": args.spec_draft_model,
     }
 
 

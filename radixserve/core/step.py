@@ -23,7 +23,8 @@ class ScheduledBatch:
     at position ``starts[i]`` (its ``num_computed_tokens`` when scheduled); if ``sample[i]``
     the chunk reaches its last token (``starts[i] + num_new_tokens[i] == totals[i]``, the
     request's ``num_tokens`` when scheduled) and the step samples one new token for it, which
-    lands at ``token_ids[totals[i]]``.
+    lands at ``token_ids[totals[i]]`` — with ``num_spec[i]`` proposals verified in the same
+    chunk, 1 to ``num_spec[i] + 1`` tokens land from there.
 
     Invariant: the arrays are aligned with ``requests`` and fixed once scheduled, so the
     executor can build the step's inputs from them while the scheduler moves on.
@@ -38,11 +39,19 @@ class ScheduledBatch:
     # Requests that ended while scheduling (cannot fit, timed out), with no forward.
     failed: list[Request] = field(default_factory=list)
     step_id: int = -1  # set when the scheduler launches the step (``begin_step``)
+    # Speculative decoding: ``num_spec[i]`` proposals follow request i's last token in its
+    # chunk (``num_new_tokens[i] = 1 + num_spec[i]``); they sit in its ``token_ids`` at
+    # ``totals[i] ..`` (past ``num_tokens``: unverified, never counted). None: no proposals.
+    num_spec: np.ndarray | None = None  # [B] int32
     _rows: dict[str, int] | None = field(default=None, repr=False)
 
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+    @property
+    def has_spec(self) -> bool:
+        return self.num_spec is not None and bool(self.num_spec.any())
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,7 @@ from radixserve.executor.placement import check_gpu_count
 from radixserve.executor.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
 
 
 @dataclass
@@ -84,6 +85,16 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: any free port (one node only)
     distributed_timeout_s: float = 300.0  # a collective that waits longer fails the group
+    # Speculative decoding (docs/speculative.md): off | ngram (prompt lookup) | draft (a
+    # smaller model with the same tokenizer, spec_draft_model) | auto (ngram while the
+    # decode batch is at most spec_auto_max_batch requests). Each speculating request
+    # verifies its last token + up to num_spec_tokens proposals in one extend chunk.
+    speculative_mode: str = "off"
+    spec_draft_model: str | None = None  # HF folder or .gguf of the draft (mode draft)
+    num_spec_tokens: int = 4
+    spec_ngram_max: int = 4  # the longest suffix looked up in the request's own tokens
+    spec_ngram_min: int = 2  # the shortest
+    spec_auto_max_batch: int = 4  # auto: speculate while this many or fewer decodes run
 
     def __post_init__(self) -> None:
         if self.simulated_device_time:
@@ -152,6 +163,7 @@ class EngineConfig:
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"
             )
         self._check_parallel()
+        self._check_speculative()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -171,6 +183,35 @@ class EngineConfig:
             raise ValueError("tensor parallelism needs a model (not a simulated device)")
         if tp > 1 and self.resolved_device == "cuda":  # one GPU per rank of this node
             check_gpu_count(tp // nnodes, torch.cuda.device_count(), f"-tp {tp} on cuda")
+
+    def _check_speculative(self) -> None:
+        if self.speculative_mode not in SPECULATIVE_MODES:
+            raise ValueError(
+                f"speculative_mode must be one of {', '.join(SPECULATIVE_MODES)}; "
+                f"got {self.speculative_mode!r}"
+            )
+        if self.num_spec_tokens < 1:
+            raise ValueError(f"num_spec_tokens must be >= 1, got {self.num_spec_tokens}")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise ValueError(
+                f"need 1 <= spec_ngram_min <= spec_ngram_max; got {self.spec_ngram_min}, "
+                f"{self.spec_ngram_max}"
+            )
+        if (self.speculative_mode == "draft") != (self.spec_draft_model is not None):
+            raise ValueError("speculative_mode 'draft' and spec_draft_model go together")
+        if self.spec_auto_max_batch < 1:
+            raise ValueError(f"spec_auto_max_batch must be >= 1, got {self.spec_auto_max_batch}")
+        if self.speculative_mode != "off" and (
+            self.simulated_device or self.tensor_parallel_size > 1
+        ):
+            raise ValueError(
+                "speculative decoding needs a model on one rank (no simulated device, no TP)"
+            )
+
+    @property
+    def speculative(self) -> bool:
+        """Whether speculative decoding may run (``auto`` decides per step)."""
+        return self.speculative_mode != "off"
 
     @property
     def overlap(self) -> bool:

@@ -15,7 +15,7 @@ from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.radix_summary import RadixSummaryData, summarize
-from radixserve.core.request import FinishReason, Request
+from radixserve.core.request import FinishReason, Request, RequestState
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
 from radixserve.engine.config import EngineConfig
@@ -54,6 +54,7 @@ from radixserve.executor.quant import (
 )
 from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.executor.simulated import CostModel, SimulatedRunner
+from radixserve.executor.spec import DraftProposer, NgramProposer, Proposer
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import EngineOverloaded, Scheduler, SchedulerConfig
 
@@ -168,6 +169,7 @@ class Engine:
             )
         self.overlap = config.overlap
         self.device = self._make_device(config)
+        self._init_speculative(config)
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
         self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None)
         self._sequences: dict[str, _Sequence] = {}
@@ -179,6 +181,81 @@ class Engine:
             lambda: GrammarService(self.tokenizer, self.vocab_size, list(self.eos_token_ids)),
             config.grammar_compile_timeout_s,
         )
+
+    def _init_speculative(self, config: EngineConfig) -> None:
+        """Speculative decoding (``config.speculative_mode``): the proposer and counters. A
+        speculative step runs serially: with the overlapped loop, the step in flight is
+        finished first (proposals need every token known), other steps still overlap."""
+        self.proposer: Proposer | None = None
+        self.draft: DraftProposer | None = None
+        self.spec_proposed = 0  # proposals verified
+        self.spec_accepted = 0  # of which kept
+        self.spec_rows = 0  # verify rows (a request verifying proposals in one step)
+        self.spec_steps = 0  # steps that verified proposals
+        self._constrained: set[str] = set()  # samples with a grammar: none speculates then
+        if not config.speculative:
+            return
+        if not isinstance(self.runner, ModelRunner) or config.resolved_runner != "cpu":
+            raise ValueError("speculative decoding runs on the CPU runner only (for now)")
+        self.proposer = NgramProposer(config.spec_ngram_max, config.spec_ngram_min)
+        line = (
+            f"speculative decoding: {config.speculative_mode}, up to "
+            f"{config.num_spec_tokens} proposals per step (n-gram {config.spec_ngram_min}.."
+            f"{config.spec_ngram_max})"
+        )
+        if config.spec_draft_model is not None:
+            source = resolve_model(config.spec_draft_model)
+            self.draft = DraftProposer(
+                source.kind,
+                source.path,
+                self.pool.num_pages,
+                config.page_size,
+                self.page_table,
+                self.dtype,
+                self.vocab_size,
+            )
+            self.runner.shadow = self.draft.shadow
+            line = (
+                f"speculative decoding: draft model {source.path.name}, up to "
+                f"{config.num_spec_tokens} proposals per step; its KV cache "
+                f"{self.draft.kv_bytes / 2**30:.3f} GiB on the same pages"
+            )
+        if config.speculative_mode == "auto":
+            line += f", while at most {config.spec_auto_max_batch} requests decode"
+        logger.info("%s", line)
+        if hasattr(self, "startup_line"):
+            self.startup_line += "; " + line
+
+    def _propose(self, outputs: list[SequenceDelta]) -> dict[str, Any] | None:
+        """Proposals for this step's decoding requests, or None when this step does not
+        speculate (mode off, ``auto`` over its batch size, a constrained request around)."""
+        running = self.scheduler.running
+        if self.proposer is None or not running or self._constrained:
+            return None
+        cfg = self.config
+        if cfg.speculative_mode == "auto" and len(running) > cfg.spec_auto_max_batch:
+            return None
+        if self._in_flight is not None:  # proposals need every token: finish that step
+            outputs.extend(self.drain())
+            running = self.scheduler.running
+        decoding = [
+            r
+            for r in running
+            if r.state is RequestState.DECODE and r.num_tokens - r.num_computed_tokens == 1
+        ]
+        if not decoding:
+            return None
+        if self.draft is not None:  # slots now; the draft fills them once pages are grown
+            slots = np.zeros(cfg.num_spec_tokens, dtype=np.int32)
+            return {r.request_id: slots for r in decoding}
+        drafts = self.proposer.propose(decoding, [cfg.num_spec_tokens] * len(decoding))
+        return {r.request_id: d for r, d in zip(decoding, drafts, strict=True) if d.size}
+
+    def _fill_drafts(self, batch: ScheduledBatch) -> None:
+        """The draft model writes its proposals into the slots the scheduler made."""
+        assert self.draft is not None and batch.num_spec is not None
+        rows = np.flatnonzero(batch.num_spec)
+        self.draft.fill([batch.requests[i] for i in rows.tolist()], batch.num_spec[rows].tolist())
 
     def _make_device(self, config: EngineConfig) -> Device:
         faults = FaultInjector.from_env()  # RADIXSERVE_FAULTS; None (no hook) when unset
@@ -359,6 +436,9 @@ class Engine:
         grammar_key = params.grammar_key()
         if grammar_key is None:
             self.scheduler.add_group(requests)
+        elif self.proposer is not None:
+            self._constrained.update(seq_ids)  # no speculation while a grammar runs
+            self.grammars.add(requests, grammar_key)
         elif self.config.simulated_device:
             raise ValueError("structured_output needs a model (not a simulated device)")
         else:
@@ -418,11 +498,14 @@ class Engine:
         outputs, self._pending = self._pending, []
         outputs.extend(self.check_device())
         self.grammars.poll(self._admit_compiled, lambda r, m: outputs.append(self._fail(r, m)))
-        batch = self.scheduler.schedule()
+        proposals = self._propose(outputs) if self.proposer is not None else None
+        batch = self.scheduler.schedule(proposals)
+        if self.draft is not None and batch.has_spec:
+            self._fill_drafts(batch)
         outputs.extend(self._final(req) for req in batch.failed)
         launched = None if batch.is_empty else self._launch(batch, outputs)
         self._return_freed_pages()  # off the critical path: the device has work now
-        if self.overlap:
+        if self.overlap and not batch.has_spec:
             previous, self._in_flight = self._in_flight, launched
         else:
             previous = launched
@@ -525,12 +608,38 @@ class Engine:
             seq = self._sequences.get(rid)
             if seq is not None and seq.prompt_logprobs is not None:
                 seq.prompt_logprobs[start : start + len(entries)] = entries
+        if batch.has_spec:
+            return outputs + self._process_spec(batch, result)
         for req, index in self.scheduler.end_step(batch, result.tokens):
             token = int(req.token_ids[index])
             num_output = index + 1 - req.num_prompt_tokens
             outputs.append(
                 self._on_token(req, token, num_output, result.logprobs.get(req.request_id))
             )
+        return outputs
+
+    def _process_spec(self, batch: ScheduledBatch, result: StepResult) -> list[SequenceDelta]:
+        """Apply a verify step: each request's emitted tokens one at a time, as if decoded
+        one per step, so a stop, ``max_tokens`` or a stop string ends it exactly there (and
+        only KV before that token is ever cached)."""
+        assert batch.num_spec is not None
+        self.spec_steps += 1
+        for row, k in enumerate(batch.num_spec.tolist()):
+            if k and row in result.spec_tokens and not batch.requests[row].is_finished:
+                self.spec_rows += 1
+                self.spec_proposed += k
+                self.spec_accepted += int(result.spec_tokens[row].size) - 1
+        outputs: list[SequenceDelta] = []
+        for req, index in self.scheduler.end_step(batch, result.tokens, result.spec_tokens):
+            if req.is_finished:
+                continue  # it stopped at an earlier token of this run
+            self.scheduler.reveal(req, index)
+            row = batch.row_of(req.request_id)
+            assert row is not None
+            lps = result.spec_logprobs.get(req.request_id)
+            lp = None if lps is None else lps[index - int(batch.totals[row])]
+            num_output = index + 1 - req.num_prompt_tokens
+            outputs.append(self._on_token(req, int(req.token_ids[index]), num_output, lp))
         return outputs
 
     def _on_token(
@@ -588,6 +697,7 @@ class Engine:
     def _final(self, req: Request) -> SequenceDelta:
         seq = self._sequences.pop(req.request_id)
         self.sampler.forget(req.request_id)
+        self._constrained.discard(req.request_id)
         children = self._children.get(seq.request_id)
         if children is not None and all(c not in self._sequences for c in children):
             del self._children[seq.request_id]
@@ -645,6 +755,9 @@ class Engine:
             kv_pages_evictable=cache.evictable_pages if cache else 0,
             kv_pages_protected=cache.protected_pages if cache else 0,
             radix_nodes=cache.num_nodes if cache else 0,
+            spec_proposed_tokens=self.spec_proposed,
+            spec_accepted_tokens=self.spec_accepted,
+            spec_verify_rows=self.spec_rows,
         )
 
     def radix_summary(self, max_nodes: int = 256, max_depth: int = 8) -> RadixSummaryData:

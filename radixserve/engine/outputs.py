@@ -93,6 +93,11 @@ class EngineStats(msgspec.Struct):
     kv_pages_evictable: int = 0  # held by the radix tree only: free on demand
     kv_pages_protected: int = 0  # in the radix tree and in use by running requests
     radix_nodes: int = 0
+    # speculative decoding: proposals verified, of which kept, and verify rows (a request
+    # verifying proposals in one step); mean accepted length = 1 + accepted / rows
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_rows: int = 0
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,10 @@ class StepResult:
     tokens: np.ndarray
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # speculative rows (batch row -> every token emitted: accepted proposals, then the
+    # target's own; ``tokens[i]`` is the first) and their logprobs, by request id
+    spec_tokens: dict[int, np.ndarray] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

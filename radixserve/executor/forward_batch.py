@@ -21,7 +21,7 @@ class ForwardBatch:
       * ``page_tables[i, :ceil(seq_lens[i] / page_size)]`` are request i's pages, and
         ``slot_mapping[t] = page * page_size + position % page_size`` is where token t's KV goes;
       * ``logits_indices`` are the flat indices of the last token of each sampled request,
-        in batch order.
+        in batch order — of its last ``num_spec[i] + 1`` tokens when it verifies proposals.
     """
 
     input_ids: np.ndarray  # [T] int64
@@ -80,7 +80,16 @@ class ForwardBatch:
         slot_mapping = (
             page_tables[token_req, positions // page_size] * page_size + positions % page_size
         )
-        logits_indices = query_start_loc[1:][scheduled.sample] - 1
+        ends = query_start_loc[1:][scheduled.sample]
+        if scheduled.has_spec:  # every verified position of a speculating request
+            assert scheduled.num_spec is not None
+            rows = scheduled.num_spec[scheduled.sample].astype(np.int64) + 1
+            first = np.repeat(ends - rows, rows)
+            logits_indices = first + (
+                np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
+            )
+        else:
+            logits_indices = ends - 1
         return cls(
             input_ids=input_ids,
             positions=positions,

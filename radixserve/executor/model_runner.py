@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +18,8 @@ from radixserve.executor.host_memory import keep_freed_memory
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.models.base import CausalLM
 from radixserve.executor.sampler import Sampler, SamplingBatch, TokenLogprobs
+from radixserve.executor.spec.verify import SpecPlan, verify
+from radixserve.executor.spec.verify import plan as spec_plan
 
 __all__ = ["ModelRunner", "StepResult"]
 
@@ -52,6 +54,7 @@ class _ModelInputs:
     sampling: SamplingBatch | None
     slots: np.ndarray  # FutureTokens slots of the sampled rows
     prompt_logprobs: list[_PromptLogprobsPlan]
+    spec: SpecPlan | None = None  # proposals verified this step (None: a plain step)
 
 
 class ModelRunner:
@@ -70,6 +73,13 @@ class ModelRunner:
     runner) overrides those two and inherits the rest. A worker's runner has no page table
     or sampler (``page_table``/``sampler`` None): it only follows steps.
     """
+
+    # speculative decoding with a draft model: writes the draft's KV for every step's tokens
+    # (fb, input ids, page copies), in lockstep with the target's (a class default: the CUDA
+    # runner, which does not speculate, has it too)
+    shadow: (
+        Callable[[ForwardBatch, np.ndarray, tuple[torch.Tensor, torch.Tensor] | None], None] | None
+    ) = None
 
     def __init__(
         self,
@@ -109,15 +119,30 @@ class ModelRunner:
         slots = self.future.reserve(len(sampled_reqs))
         placeholders = np.full(len(batch.requests), -1, dtype=np.int64)
         placeholders[batch.sample] = FutureTokens.placeholders(slots)
+        sampling = self.sampler.prepare(sampled_reqs) if sampled_reqs else None
+        spec = None
+        if batch.has_spec and sampling is not None:
+            assert batch.num_spec is not None
+            drafts = [
+                r.token_ids[t : t + k].copy()
+                for r, t, k in zip(
+                    sampled_reqs,
+                    batch.totals[batch.sample].tolist(),
+                    batch.num_spec[batch.sample].tolist(),
+                    strict=True,
+                )
+            ]
+            spec = spec_plan(self.sampler, sampling, drafts)
         inputs = _ModelInputs(
             forward_batch=fb,
             meta=self.attention.prepare(fb),
             copies=copies,
             sample=batch.sample.copy(),
             sampled_ids=[r.request_id for r in sampled_reqs],
-            sampling=self.sampler.prepare(sampled_reqs) if sampled_reqs else None,
+            sampling=sampling,
             slots=slots,
             prompt_logprobs=self._prompt_logprobs_plan(batch, fb),
+            spec=spec,
         )
         return PreparedStep(placeholders, inputs=inputs)
 
@@ -147,8 +172,32 @@ class ModelRunner:
     def run(self, step: PreparedStep) -> StepResult:
         inputs: _ModelInputs = step.inputs
         logits, prompt_logprobs = self._compute(inputs)
+        if inputs.spec is not None:
+            return self._verify(inputs, logits, prompt_logprobs)
         tokens, logprobs = self._sample(inputs, logits)
         return StepResult(tokens, logprobs, prompt_logprobs)
+
+    def _verify(
+        self,
+        inputs: _ModelInputs,
+        logits: torch.Tensor | None,
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
+    ) -> StepResult:
+        """A step with proposals: the verify rule picks each sampled row's tokens."""
+        assert logits is not None and self.sampler is not None and inputs.spec is not None
+        emitted, lps = verify(self.sampler, logits, inputs.spec)
+        rows = np.flatnonzero(inputs.sample)
+        tokens = np.full(inputs.forward_batch.num_requests, -1, dtype=np.int64)
+        first = np.array([t[0] for t in emitted], dtype=np.int64)
+        tokens[rows] = first
+        self.future.store(inputs.slots, first)
+        spec_tokens = {int(r): t for r, t in zip(rows.tolist(), emitted, strict=True)}
+        spec_logprobs = {
+            rid: lp for rid, lp in zip(inputs.sampled_ids, lps, strict=True) if lp is not None
+        }
+        return StepResult(
+            tokens, {}, prompt_logprobs, spec_tokens=spec_tokens, spec_logprobs=spec_logprobs
+        )
 
     def _compute(
         self, inputs: _ModelInputs
@@ -158,15 +207,19 @@ class ModelRunner:
         happens in here, before anything that could fail on this rank alone)."""
         fb = inputs.forward_batch
         sampling = inputs.sampling
+        input_ids = self.future.resolve(fb.input_ids)
+        if self.shadow is not None:
+            self.shadow(fb, input_ids, inputs.copies)
         hidden, logits = self.forward_step(
             fb,
-            self.future.resolve(fb.input_ids),
+            input_ids,
             inputs.copies,
             inputs.meta,
             logits=sampling is not None,
             # Plain greedy needs only an argmax: skip widening the logits to float32.
             upcast=sampling is not None and not sampling.argmax_only,
             graph_ok=sampling is not None
+            and inputs.spec is None
             and bool(inputs.sample.all())
             and not inputs.prompt_logprobs,
         )

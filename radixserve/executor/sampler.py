@@ -130,11 +130,9 @@ class Sampler:
         )
 
     def _blocked_ids(self, r: Request) -> list[int]:
-        """Before min_tokens outputs, EOS and stop_token_ids cannot be drawn."""
-        p = r.sampling_params
-        if r.num_output_tokens >= p.min_tokens or r.grammar is not None:
-            return []  # a grammar decides alone when a constrained output may end
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+        """Before min_tokens outputs, EOS and stop_token_ids cannot be drawn (a grammar
+        decides alone when a constrained output may end)."""
+        return self.blocked_ids(r, r.num_output_tokens)
 
     def __call__(
         self,
@@ -144,6 +142,25 @@ class Sampler:
     ) -> torch.Tensor:
         """Sample from float32 ``logits`` [S, vocab]; returns token ids [S] int64.
         ``resolve`` replaces placeholders in the output histories (penalties)."""
+        logits = self.process(logits, batch, resolve)
+        # max(...).indices: the first maximal index, like argmax, but a vectorised kernel
+        # for bfloat16 too (argmax on bf16 is ~4x slower on CPU).
+        greedy_tokens = logits.max(dim=-1).indices
+        if batch.all_greedy:
+            return greedy_tokens
+        probs = self.probs(logits, batch)
+        noise = self._exponential(probs.shape, batch.generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(batch.temperature == 0, greedy_tokens, sampled)
+
+    def process(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        resolve: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> torch.Tensor:
+        """The logits greedy rows take the argmax of: logit bias, penalties, min_tokens
+        blocking and grammar masks applied (keeps the raw logits when logprobs are asked)."""
         self.raw_logits = logits if any(n is not None for n in batch.num_logprobs) else None
         if batch.needs_bias:
             logits = self._apply_bias(logits, batch.requests)
@@ -153,18 +170,23 @@ class Sampler:
             logits = self._block_stop_tokens(logits, batch)
         if batch.grammar is not None:
             logits = batch.grammar.apply(logits, inplace=logits is not self.raw_logits)
-        # max(...).indices: the first maximal index, like argmax, but a vectorised kernel
-        # for bfloat16 too (argmax on bf16 is ~4x slower on CPU).
-        greedy_tokens = logits.max(dim=-1).indices
-        if batch.all_greedy:
-            return greedy_tokens
+        return logits
+
+    def probs(self, processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution sampled rows draw from: softmax at the row's temperature, then
+        top-k, top-p and min-p (unnormalised after filtering)."""
         temperature = batch.temperature.clamp_min(1e-6).unsqueeze(1)
-        probs = torch.softmax(logits / temperature, dim=-1)
+        probs = torch.softmax(processed / temperature, dim=-1)
         if batch.needs_filter:
             probs = self._filter(probs, batch)
-        noise = self._exponential(probs.shape, batch.generators)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(batch.temperature == 0, greedy_tokens, sampled)
+        return probs
+
+    def blocked_ids(self, r: Request, num_output: int) -> list[int]:
+        """The ids that cannot be drawn when ``r`` has ``num_output`` outputs (min_tokens)."""
+        p = r.sampling_params
+        if num_output >= p.min_tokens or r.grammar is not None:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
     def logprobs_of(self, tokens: torch.Tensor, batch: SamplingBatch) -> list[TokenLogprobs | None]:
         """Per row, the logprobs asked for by its request (after ``__call__`` on that batch)."""

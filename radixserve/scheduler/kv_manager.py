@@ -136,6 +136,16 @@ class KVManager:
         request.num_pages += need
         return True
 
+    def shrink(self, request: Request, num_tokens: int) -> None:
+        """Give back the pages past those covering ``num_tokens`` tokens (pages grown for
+        rejected speculative tokens: private to ``request``, never in the tree)."""
+        keep = self.pool.pages_for(num_tokens)
+        if keep >= request.num_pages:
+            return
+        extra = self.page_table.pages(request.table_row, request.num_pages)[keep:].copy()
+        self.pool.decref(extra)
+        request.num_pages = keep
+
     # -- caching --------------------------------------------------------------------------
     def cache_full_pages(self, request: Request, num_computed: int | None = None) -> None:
         """Insert the full pages of ``request``'s first ``num_computed`` tokens (default: its

@@ -7,7 +7,7 @@ import itertools
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -168,13 +168,18 @@ class Scheduler:
         return bool(self._requests)
 
     # -- the step -------------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, proposals: Mapping[str, np.ndarray] | None = None) -> ScheduledBatch:
+        """This step's batch. ``proposals`` (speculative decoding, serial loop only): token
+        ids proposed after a decoding request's last token; each is verified in that
+        request's chunk as far as the token budget (one token kept for every decode still
+        to schedule), ``max_tokens`` and free pages allow (never by preempting)."""
         failed: list[Request] = []
         self._expire(failed)
         budget = self.config.max_num_batched_tokens
         cap = self.config.long_prefill_threshold or budget
         scheduled: list[Request] = []
         counts: list[int] = []
+        spec: list[int] = []
         preemptions_before = self.stats.num_preemptions
 
         if self.config.policy == "priority":  # higher priority gets budget and pages first
@@ -188,9 +193,17 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             if not self._grow_or_preempt(i, req.num_computed_tokens + n, failed):
                 continue  # req itself was preempted or failed; running[i] is now the next one
+            k = 0
+            if proposals and n == 1 == req.num_tokens - req.num_computed_tokens:
+                draft = proposals.get(req.request_id)
+                if draft is not None and draft.size:
+                    k = self._take_proposals(
+                        req, draft, budget - (len(self.running) - i), len(self.running) - i - 1
+                    )
             scheduled.append(req)
-            counts.append(n)
-            budget -= n
+            counts.append(n + k)
+            spec.append(k)
+            budget -= n + k
             i += 1
 
         if self.stats.num_preemptions != preemptions_before:
@@ -202,7 +215,7 @@ class Scheduler:
                 self.reserve_ratio - span / self.config.reserve_ratio_decay_steps,
             )
             if budget > 0 and self.waiting and not self._batch_wait_pending():
-                self._admit_waiting(budget, cap, scheduled, counts, failed)
+                self._admit_waiting(budget, cap, scheduled, counts, failed, spec)
 
         num_new = np.asarray(counts, dtype=np.int32)
         starts = np.fromiter(
@@ -211,15 +224,41 @@ class Scheduler:
         totals = np.fromiter(
             (r.num_tokens for r in scheduled), dtype=np.int64, count=len(scheduled)
         )
+        num_spec = None
+        if any(spec):
+            num_spec = np.zeros(len(scheduled), dtype=np.int32)
+            num_spec[: len(spec)] = spec  # admissions come after the decodes
+        sample = starts + num_new == totals
+        if num_spec is not None:
+            sample = starts + num_new - num_spec == totals
         return ScheduledBatch(
             requests=scheduled,
             num_new_tokens=num_new,
-            sample=starts + num_new == totals,
+            sample=sample,
             starts=starts,
             totals=totals,
             page_copies=self.kv.take_pending_copies(),
             failed=failed,
+            num_spec=num_spec,
         )
+
+    def _take_proposals(self, req: Request, draft: np.ndarray, room: int, others: int) -> int:
+        """Put up to ``room`` proposals after ``req``'s last token (in ``token_ids`` past
+        ``num_tokens``: unverified, uncounted) if its pages can grow to hold them and still
+        leave a page for each of the ``others`` decodes after it; returns how many. At most
+        ``max_tokens - outputs - 1``: every proposal kept, plus the token after them, stays
+        within ``max_tokens``."""
+        limit = req.sampling_params.max_tokens - req.num_output_tokens - 1
+        k = max(0, min(int(draft.size), room, limit))
+        if k == 0:
+            return 0
+        need = self.kv.pages_needed(req, req.num_tokens + k)
+        if need and need + others > self.kv.available_pages():
+            return 0
+        if not self.kv.grow(req, req.num_tokens + k):
+            return 0
+        req.token_ids[req.num_tokens : req.num_tokens + k] = draft[:k]
+        return k
 
     def _batch_wait_pending(self) -> bool:
         """Hold admissions while the batch is small and the oldest waiting request arrived
@@ -243,7 +282,11 @@ class Scheduler:
         scheduled: list[Request],
         counts: list[int],
         failed: list[Request],
+        spec: list[int] | None = None,
     ) -> None:
+        """Admit waiting requests in policy order; ``spec`` (proposals per scheduled decode,
+        aligned with the first ``len(spec)`` of ``scheduled``) loses the entry of a victim
+        taken out of the batch."""
         committed = self._committed_pages()
         prefilling = self._prefilling_keys()
         deferrals_left = _MAX_DEFERRALS_PER_STEP
@@ -273,6 +316,8 @@ class Scheduler:
                 if victim in scheduled:  # already in this step's batch: take it out again
                     j = scheduled.index(victim)
                     budget += counts.pop(j)
+                    if spec is not None and j < len(spec):
+                        spec.pop(j)  # (its grown pages go with it: _preempt releases them)
                     del scheduled[j]
                 self._preempt(victim)
                 preempted_for_it = True
@@ -457,9 +502,12 @@ class Scheduler:
         one's tokens are known (``end_step`` writes the real tokens)."""
         self._num_launched += 1
         batch.step_id = step_id = self._num_launched
+        real = batch.num_new_tokens
+        if batch.num_spec is not None:  # proposals are not counted until verified
+            real = real - batch.num_spec
         for req, n, do_sample, token in zip(
             batch.requests,
-            batch.num_new_tokens.tolist(),
+            real.tolist(),
             batch.sample.tolist(),
             placeholders.tolist(),
             strict=True,
@@ -470,20 +518,36 @@ class Scheduler:
                 req.append_token(token)
         self._unprocessed.append(batch)
 
-    def end_step(self, batch: ScheduledBatch, sampled: np.ndarray) -> list[tuple[Request, int]]:
+    def end_step(
+        self,
+        batch: ScheduledBatch,
+        sampled: np.ndarray,
+        spec_tokens: Mapping[int, np.ndarray] | None = None,
+    ) -> list[tuple[Request, int]]:
         """Apply the results of the oldest launched step: ``sampled[i]`` replaces the
         placeholder of each sampled request still unfinished; finished prefill chunks become
-        reusable. Returns (request, index of its new token) for those that received one."""
+        reusable. Returns (request, index of its new token) for those that received one.
+
+        ``spec_tokens[i]``: every token row i emitted after verifying its proposals (the
+        first is ``sampled[i]``); they are written after its last token and one entry per
+        token is returned, in order, but the request's counts stay at its first new token
+        (``reveal`` moves them, token by token, so a stop ends it exactly there); pages held
+        for rejected proposals are released now."""
         assert self._unprocessed and self._unprocessed[0] is batch, "steps end in launch order"
         self._unprocessed.popleft()
         received: list[tuple[Request, int]] = []
-        for req, start, n, do_sample, token in zip(
-            batch.requests,
-            batch.starts.tolist(),
-            batch.num_new_tokens.tolist(),
-            batch.sample.tolist(),
-            sampled.tolist(),
-            strict=True,
+        real = batch.num_new_tokens
+        if batch.num_spec is not None:
+            real = real - batch.num_spec
+        for row, (req, start, n, do_sample, token) in enumerate(
+            zip(
+                batch.requests,
+                batch.starts.tolist(),
+                real.tolist(),
+                batch.sample.tolist(),
+                sampled.tolist(),
+                strict=True,
+            )
         ):
             if req.is_finished:  # ended meanwhile: whatever it computed is discarded
                 self.stats.num_discarded_tokens += do_sample
@@ -496,9 +560,25 @@ class Scheduler:
                 req.transition(RequestState.DECODE)
             if req.request_id in self._held:
                 self._release_held(req)
-            req.token_ids[start + n] = token
-            received.append((req, start + n))
+            emitted = None if spec_tokens is None else spec_tokens.get(row)
+            if emitted is None:
+                req.token_ids[start + n] = token
+                received.append((req, start + n))
+                continue
+            m = int(emitted.size)
+            req.token_ids[start + n : start + n + m] = emitted
+            # KV is valid for the last token and the m - 1 accepted proposals only
+            self.kv.shrink(req, start + n + m - 1)
+            received.extend((req, start + n + j) for j in range(m))
         return received
+
+    @staticmethod
+    def reveal(req: Request, index: int) -> None:
+        """Speculative tokens are applied one at a time: ``token_ids[index]`` (already
+        written by ``end_step``) becomes the request's last token, the KV before it
+        computed. A request that stops there ends exactly as without speculation."""
+        req.num_tokens = index + 1
+        req.num_computed_tokens = index
 
     def fail_step(self, batch: ScheduledBatch, message: str) -> list[Request]:
         """The oldest launched step failed: end its unfinished requests with an error (their

@@ -34,6 +34,9 @@ _SUMMED = (
     "kv_pages_evictable",
     "kv_pages_protected",
     "radix_nodes",
+    "spec_proposed_tokens",
+    "spec_accepted_tokens",
+    "spec_verify_rows",
 )
 
 

@@ -36,6 +36,27 @@ class _EngineCollector(Collector):
         )
         yield CounterMetricFamily("radixserve_num_preemptions", "Preemptions", s.preemptions)
         yield CounterMetricFamily("radixserve_engine_steps", "Engine steps", s.steps)
+        yield CounterMetricFamily(
+            "radixserve_spec_proposed_tokens",
+            "Speculative proposals verified",
+            s.spec_proposed_tokens,
+        )
+        yield CounterMetricFamily(
+            "radixserve_spec_accepted_tokens",
+            "Speculative proposals accepted",
+            s.spec_accepted_tokens,
+        )
+        yield CounterMetricFamily(
+            "radixserve_spec_verify_rows",
+            "Requests that verified proposals in a step",
+            s.spec_verify_rows,
+        )
+        mean = 1 + s.spec_accepted_tokens / s.spec_verify_rows if s.spec_verify_rows else 0.0
+        yield GaugeMetricFamily(
+            "radixserve_spec_mean_accepted_length",
+            "Tokens emitted per verify row (1 + accepted proposals), since start",
+            mean,
+        )
 
 
 class Metrics:

@@ -126,9 +126,7 @@ def test_function_call_round_trip_and_previous_response_id(client, server):
     second = client.responses.create(
         model=model,
         previous_response_id=first.id,
-        input=[
-            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"}
-        ],
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"}],
         tools=[WEATHER],
         max_output_tokens=6,
         temperature=0,

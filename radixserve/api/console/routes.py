@@ -100,6 +100,16 @@ def register_console(
                 preemptions=s.preemptions,
                 steps=s.steps,
                 radix_nodes=s.radix_nodes,
+                spec_proposed_tokens=s.spec_proposed_tokens,
+                spec_accepted_tokens=s.spec_accepted_tokens,
+                spec_acceptance_rate=(
+                    s.spec_accepted_tokens / s.spec_proposed_tokens
+                    if s.spec_proposed_tokens
+                    else 0.0
+                ),
+                spec_mean_accepted_length=(
+                    1 + s.spec_accepted_tokens / s.spec_verify_rows if s.spec_verify_rows else 0.0
+                ),
             )
         tracker = server.client.tracker
         return json_response(

@@ -381,6 +381,12 @@
     set("stat-ttft", [f.ttft_s.p50, f.ttft_s.p90, f.ttft_s.p99].map(fmtS).join(" / "));
     set("stat-itl", [f.itl_s.p50, f.itl_s.p90, f.itl_s.p99].map(fmtS).join(" / "));
     set("stat-radix-nodes", String(e.radix_nodes));
+    set(
+      "stat-spec",
+      e.spec_proposed_tokens
+        ? `${(100 * e.spec_acceptance_rate).toFixed(1)} % (${e.spec_mean_accepted_length.toFixed(2)} tokens)`
+        : "off / none",
+    );
     const rows = s.recent.map((q) => {
       const tr = document.createElement("tr");
       tr.dataset.id = q.id;

@@ -1,0 +1,143 @@
+"""The draft-model proposer: a smaller model with the same vocabulary guesses greedily."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from radixserve.core.page_table import PageTable
+from radixserve.core.request import Request
+from radixserve.executor.attention import TorchNativeAttention
+from radixserve.executor.forward_batch import ForwardBatch
+from radixserve.executor.kv_cache import KVCache, bytes_per_page
+from radixserve.executor.loader import load_checkpoint
+from radixserve.executor.model_config import ModelConfig
+from radixserve.executor.models.registry import model_class
+
+
+class DraftProposer:
+    """Proposes by running a draft model greedily for ``k`` steps, batched over requests.
+
+    Invariants:
+      * the draft has its own KV cache addressed by the target's page ids (same page table,
+        same page size, as many pages): every page accounting of the target (free,
+        private, tree-held, copy-on-write) covers the draft's KV of that page too;
+      * ``shadow`` runs the draft over exactly the tokens and slots every target step
+        writes (page copies first), so a page's draft KV always belongs to the same tokens
+        as its target KV, also when it comes back from the radix tree;
+      * proposals are the draft's argmax, a deterministic function of the tokens so far:
+        the verify rule treats them as point masses, so the output stays exact;
+      * ``fill`` writes draft KV only at positions ``num_tokens - 1 ..`` of the rows the
+        scheduler grew for the proposals (pages private to that request).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        path: Path,
+        num_pages: int,
+        page_size: int,
+        page_table: PageTable,
+        dtype: torch.dtype,
+        vocab_size: int,
+    ) -> None:
+        checkpoint = load_checkpoint(kind, path)
+        self.config = mc = ModelConfig.from_hf_dict(checkpoint.hf_config)
+        if mc.vocab_size != vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({mc.vocab_size}) is not the target's "
+                f"({vocab_size}): a draft must share the tokenizer"
+            )
+        self.model = model_class(mc.architecture)(mc, checkpoint.weights, dtype)
+        del checkpoint
+        self.kv_cache = KVCache(
+            mc.num_hidden_layers,
+            num_pages,
+            page_size,
+            self.model.config.num_key_value_heads,
+            mc.head_dim,
+            dtype,
+        )
+        self.kv_bytes = num_pages * bytes_per_page(
+            mc.num_hidden_layers,
+            self.model.config.num_key_value_heads,
+            mc.head_dim,
+            page_size,
+            dtype,
+        )
+        self.attention = TorchNativeAttention(
+            self.kv_cache, mc.num_attention_heads, mc.head_dim, specs=self.model.attention_specs()
+        )
+        self.page_table = page_table
+        self.page_size = page_size
+
+    # -- lockstep with the target -----------------------------------------------------------
+    @torch.inference_mode()
+    def shadow(
+        self,
+        fb: ForwardBatch,
+        input_ids: np.ndarray,
+        copies: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Write the draft's KV for the tokens of a target step (no logits)."""
+        if copies is not None:
+            self.kv_cache.copy_pages(*copies)
+        self.model.forward(
+            torch.from_numpy(input_ids),
+            torch.from_numpy(fb.positions),
+            self.attention,
+            self.attention.prepare(fb),
+        )
+
+    # -- proposing --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def fill(self, requests: list[Request], counts: list[int]) -> None:
+        """Write ``counts[i]`` greedy draft tokens after ``requests[i]``'s last token (in its
+        ``token_ids`` past ``num_tokens``), running the draft ``max(counts)`` decode steps
+        over the requests still drafting."""
+        if not requests:
+            return
+        lengths = np.array([r.num_tokens for r in requests], dtype=np.int64)
+        rows = np.array([r.table_row for r in requests], dtype=np.int64)
+        want = np.array(counts, dtype=np.int64)
+        tokens = np.array([r.token_ids[r.num_tokens - 1] for r in requests], dtype=np.int64)
+        for j in range(int(want.max())):
+            live = np.flatnonzero(want > j)
+            positions = lengths[live] - 1 + j
+            fb = self._decode_batch(rows[live], positions)
+            hidden = self.model.forward(
+                torch.from_numpy(tokens[live].copy()),
+                torch.from_numpy(positions),
+                self.attention,
+                self.attention.prepare(fb),
+            )
+            logits = self.model.compute_logits(hidden, upcast=False)
+            nxt = logits.max(dim=-1).indices.numpy()
+            for i, tok in zip(live.tolist(), nxt.tolist(), strict=True):
+                r = requests[i]
+                r.token_ids[r.num_tokens + j] = tok
+            tokens[live] = nxt
+
+    def _decode_batch(self, rows: np.ndarray, positions: np.ndarray) -> ForwardBatch:
+        """One token per request at ``positions`` (KV before them is the draft's)."""
+        b = rows.size
+        seq_lens = positions + 1
+        max_pages = int(-(-seq_lens.max() // self.page_size))
+        page_tables = self.page_table.table[rows, :max_pages].astype(np.int64)
+        slot_mapping = (
+            page_tables[np.arange(b), positions // self.page_size] * self.page_size
+            + positions % self.page_size
+        )
+        return ForwardBatch(
+            input_ids=np.zeros(b, dtype=np.int64),
+            positions=positions,
+            slot_mapping=slot_mapping,
+            q_lens=np.ones(b, dtype=np.int64),
+            seq_lens=seq_lens,
+            query_start_loc=np.arange(b + 1, dtype=np.int64),
+            page_tables=page_tables,
+            logits_indices=np.arange(b, dtype=np.int64),
+            page_size=self.page_size,
+        )
