@@ -50,4 +50,8 @@ def serve(
         http=limited_protocol(limits),  # header size/count/deadline, connection cap
         timeout_keep_alive=limits.keep_alive_timeout_s,
     )
-    DrainingServer(config).run()
+    # The listening socket is bound before the engine starts: the port is this server's
+    # from the first moment (a tensor-parallel group's rendezvous, picked later, cannot take
+    # it), and a port in use fails at once instead of after the model has loaded.
+    sock = config.bind_socket()
+    DrainingServer(config).run(sockets=[sock])
