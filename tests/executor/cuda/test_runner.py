@@ -69,6 +69,7 @@ def _compare(tiny_models, arch, page_size, device, graphs=None):
     assert llm.engine.cache_stats()["hit_tokens"] >= 32  # the shared prefix was a hit
 
 
+@pytest.mark.slow  # every family through interpreted Triton kernels (CI runs it)
 @pytest.mark.parametrize(
     "arch,page_size", [("llama", 16), ("qwen3", 1), ("gemma3", 4), ("phi3", 16)]
 )
