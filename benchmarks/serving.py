@@ -374,7 +374,9 @@ def run_stub_api(args) -> dict[str, float]:
     )
     try:
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-        jobs = [Job("hello " * 16, 16) for _ in range(args.stub_requests)]
+        # distinct prompts: identical ones would measure the scheduler holding back
+        # requests that share a prefill in flight, not the API's own cost
+        jobs = [Job(f"request {i}: " + "hello " * 16, 16) for i in range(args.stub_requests)]
         rates: dict[str, list[float]] = {"chat": [], args.api: []}
         for api in rates:  # warm-up
             run_async(run_load(server.url, model, jobs[:64], 32, float("inf"), True, api))
