@@ -1,8 +1,8 @@
 """Speculative decoding: n-gram (prompt lookup) and auto against no speculation, one run.
 
-    flock /work/bench.lock VENV/bin/python benchmarks/speculative.py
-    flock /work/bench.lock VENV/bin/python benchmarks/speculative.py --workloads DIR --quick
-    flock /work/bench.lock VENV/bin/python benchmarks/speculative.py --dtype bfloat16
+    VENV/bin/python benchmarks/speculative.py
+    VENV/bin/python benchmarks/speculative.py --workloads DIR --quick
+    VENV/bin/python benchmarks/speculative.py --dtype bfloat16
 
 Workloads (from ``--workloads``, default ``../shared/workloads`` next to the repository):
 
