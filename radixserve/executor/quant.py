@@ -211,8 +211,9 @@ def _dequantizer() -> Any:
 _DEQUANTIZER: Any = False  # not looked for yet
 
 
-def _int4_layout_ok(lib: Any) -> bool:
-    gen = torch.Generator().manual_seed(0)
+def _int4_layout_ok(lib: Any, seed: int = 0) -> bool:
+    """Whether ``lib`` dequantizes a random int4-packed matrix (``seed``) as the reference."""
+    gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (128, 64), generator=gen, dtype=torch.int32)
     scale = torch.rand(128, 2, generator=gen).to(torch.bfloat16)
     zero = torch.rand(128, 2, generator=gen).to(torch.bfloat16)

@@ -115,7 +115,8 @@ def test_native_dequantizer_reads_pytorch_int4_layout():
         pytest.skip("native kernels disabled")
     lib = quant._dequantizer()
     assert lib is not None and lib is quant.load_qlinear()  # the native library, in use
-    assert quant._int4_layout_ok(lib)  # its output equals the reference dequantization
+    # its output equals the reference dequantization on data the first-use check never saw
+    assert all(quant._int4_layout_ok(lib, seed) for seed in (1, 2, 3))
 
 
 # -- GGUF types ---------------------------------------------------------------------------------

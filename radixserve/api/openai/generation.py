@@ -130,16 +130,15 @@ async def stream_events(
         async for i, d in server.frontend.run(prompts, params, body.cache_salt, body.priority):
             idx = i * n + d.index
             timer.delta(idx, d)
+            if d.finished:
+                cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
             if continuous:
-                if d.finished:
-                    cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
                 usage_obj["usage"] = usage(prompts, timer.tokens, sum(cached.values()))
             if d.text or d.logprobs:
                 frame = on_delta(idx, d)
                 if frame:  # empty: held back (a tool call being generated)
                     yield frame
             if d.finished:
-                cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
                 if d.finish_reason == "error":
                     yield sse(
                         APIError(500, d.error or "generation failed", "internal_error").body()
