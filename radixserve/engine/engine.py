@@ -293,6 +293,7 @@ class Engine:
         """Weights, tokenizer and KV sizing of a real model; returns (KV pages, the
         generation config, the model's EOS ids)."""
         self.torch_device = torch.device(config.resolved_device)
+        start = time.perf_counter()
         if config.tensor_parallel_size > 1:
             checkpoint, scheme = self._start_tensor_parallel(config)
             mc = self.model_config
@@ -324,7 +325,8 @@ class Engine:
             f"weights {format_weight_memory(self.weight_bytes)}; dense layers "
             f"{scheme.describe() if scheme else str(self.dtype).removeprefix('torch.')}, "
             f"embeddings and LM head {str(self.dtype).removeprefix('torch.')}; KV cache "
-            f"{num_pages * page_bytes / 2**30:.3f} GiB ({num_pages} pages of {config.page_size})"
+            f"{num_pages * page_bytes / 2**30:.3f} GiB ({num_pages} pages of {config.page_size}); "
+            f"weights and tokenizer loaded in {time.perf_counter() - start:.2f} s"
         )
         logger.info("%s", self.startup_line)
         return num_pages, generation_config, mc.eos_token_ids

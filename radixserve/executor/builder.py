@@ -6,6 +6,8 @@ these and nothing below them.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +26,9 @@ from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.models.base import CausalLM
 from radixserve.executor.models.registry import build_model
 from radixserve.executor.quant import (
+    GGUFPrecisions,
     QuantScheme,
+    install_gguf_linears,
     quantize_model,
     resolve_quantization,
     weight_memory,
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
     from radixserve.executor.distributed import TensorParallelGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(setting: str, checkpoint_dtype: str | None) -> torch.dtype:
@@ -56,7 +62,8 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     dtype: torch.dtype
-    scheme: QuantScheme | None
+    scheme: QuantScheme | GGUFPrecisions | None
+    load_seconds: float = 0.0
 
 
 def load_model(
@@ -75,7 +82,18 @@ def load_model(
     architecture on ``device`` and quantize it. With ``group`` (size > 1), only rank
     ``rank``'s shard is read and built. ``load_format="dummy"``: random weights for the
     folder's config (the same on every rank, each cutting its part)."""
+    start = time.perf_counter()
     world_size = 1 if group is None else group.world_size
+    # a GGUF file run by ``auto`` on the CPU in one process: each dense tensor at its own
+    # precision, built from its codes (bfloat16 activations: float32 is a reference run)
+    from_codes = (
+        kind == "gguf"
+        and quantization == "auto"
+        and world_size == 1
+        and load_format != "dummy"
+        and device.type == "cpu"
+        and dtype in ("auto", "bfloat16")
+    )
     layout: ShardLayout | None = None
     if load_format == "dummy":
         if kind != "hf":
@@ -84,7 +102,7 @@ def load_model(
     elif world_size > 1:
         checkpoint, layout = load_sharded_checkpoint(kind, path, rank, world_size)
     else:
-        checkpoint = load_checkpoint(kind, path)
+        checkpoint = load_checkpoint(kind, path, codes=from_codes)
     config = ModelConfig.from_hf_dict(checkpoint.hf_config)
     if group is not None and layout is None:
         layout = ShardLayout(config, rank, world_size)
@@ -108,14 +126,27 @@ def load_model(
             layout.local_config(), weights, torch_dtype, layout.tensor_parallel(group)
         )
     del weights
-    scheme = resolve_quantization(quantization, group_size, checkpoint.gguf_tensor_types)
-    if quantization == "auto" and (device.type != "cpu" or torch_dtype != torch.bfloat16):
-        # auto quantizes for bfloat16 on the CPU, what the kernels are for; float32 (a
-        # reference run) or a GPU runs the file dequantized
-        scheme = None
-    if scheme is not None:
+    scheme: QuantScheme | GGUFPrecisions | None = resolve_quantization(quantization, group_size)
+    if from_codes:
+        if torch_dtype != torch.bfloat16:
+            raise RuntimeError(f"a GGUF file resolved to {torch_dtype}, not bfloat16")
+        counts = install_gguf_linears(model, checkpoint.gguf_linears, checkpoint.gguf_tensor_types)
+        checkpoint.gguf_linears = {}
+        seconds = time.perf_counter() - start
+        scheme = GGUFPrecisions(tuple((p, t, c) for (p, t), c in sorted(counts.items())), seconds)
+    elif scheme is not None:
         quantize_model(model, scheme)
-    return LoadedModel(checkpoint, config, model, torch_dtype, scheme)
+    elif kind == "gguf" and quantization == "auto" and checkpoint.gguf_tensor_types:
+        log.info(
+            "GGUF tensors run at their own precision on the CPU in one process only: "
+            "here (device %s, %d ranks, %s) the file runs dequantized to %s",
+            device.type,
+            world_size,
+            dtype,
+            str(torch_dtype).removeprefix("torch."),
+        )
+    seconds = time.perf_counter() - start
+    return LoadedModel(checkpoint, config, model, torch_dtype, scheme, seconds)
 
 
 @dataclass(frozen=True)

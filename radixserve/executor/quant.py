@@ -10,6 +10,9 @@ kernels are missing.
 
 Conventions (those of the kernels):
   * int8: ``W[n, k] = q[n, k] * scale[n]``, ``q`` in [-127, 127];
+  * int8 group-wise (GGUF's 5-, 6- and 8-bit types, executed from their codes):
+    ``W[n, k] = q[n, k] * scale[n, g] (+ zero[n, g])``, ``g = k // group``, group 32 or 16,
+    scales and zeros float16 (native/int8_panels.c);
   * int4: ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` with ``g = k // group``,
     ``q`` in [0, 15]. Symmetric: ``zero = 0`` and the scale is the group's largest-magnitude
     value over -8 (llama.cpp's Q4_0 rule, so a Q4_0 tensor re-quantizes to its own codes);
@@ -23,11 +26,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from radixserve.executor.linear import Linear
-from radixserve.executor.native import load_int4_panels, load_qlinear
+from radixserve.executor.loader.gguf_codes import GroupCodes
+from radixserve.executor.native import load_int4_panels, load_int8_panels, load_qlinear
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -51,45 +56,15 @@ class QuantScheme:
         return f"int4 g{self.group_size} {'symmetric' if self.symmetric else 'with zero points'}"
 
 
-# What ``auto`` runs a GGUF file in, by the GGML type of most of its layer weights: the
-# closest supported precision. Q4_0 and Q4_1 map onto int4 g32 code for code (scales rounded
-# to bfloat16); the others are re-quantized from their dequantized values.
-GGUF_SCHEMES: dict[str, QuantScheme | None] = {
-    "F32": None,
-    "F16": None,
-    "BF16": None,
-    "Q8_0": QuantScheme("int8"),
-    "Q6_K": QuantScheme("int8"),
-    "Q4_0": QuantScheme("int4", 32, symmetric=True),
-    "Q4_1": QuantScheme("int4", 32),
-    "Q4_K": QuantScheme("int4", 32),
-    "Q5_0": QuantScheme("int4", 32),
-    "Q5_1": QuantScheme("int4", 32),
-    "Q5_K": QuantScheme("int4", 32),
-    "Q3_K": QuantScheme("int4", 32),
-    "Q2_K": QuantScheme("int4", 32),
-}
+def resolve_quantization(quantization: str, group_size: int) -> QuantScheme | None:
+    """The one scheme of every dense layer for the ``quantization`` setting (None: the
+    checkpoint's float dtype).
 
-
-def gguf_layer_type(tensor_types: dict[str, str]) -> str | None:
-    """The GGML type holding most of the decoder layers' weight matrices (by count)."""
-    counts: dict[str, int] = {}
-    for name, kind in tensor_types.items():
-        if ".layers." in name and name.endswith("_proj.weight"):
-            counts[kind] = counts.get(kind, 0) + 1
-    return max(counts, key=lambda k: counts[k]) if counts else None
-
-
-def resolve_quantization(
-    quantization: str,
-    group_size: int,
-    gguf_tensor_types: dict[str, str] | None,
-) -> QuantScheme | None:
-    """The scheme for the ``quantization`` setting (None: the checkpoint's float dtype).
-
-    ``auto``: a GGUF file in the closest supported precision to its own (``GGUF_SCHEMES``),
-    a Hugging Face checkpoint in its dtype; ``int8``: per-channel; ``int4``: ``group_size``
-    with zero points."""
+    ``auto``: None. A GGUF file on the CPU in one process does not come here: each tensor
+    runs at its own type's precision from its codes (``install_gguf_linears``); anywhere
+    else (tensor parallelism, a GPU) it runs dequantized, never below its own precision.
+    ``int8``: per-channel; ``int4``: ``group_size`` with zero points (both re-quantize a
+    GGUF file's dequantized weights, as asked)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}"
@@ -104,12 +79,7 @@ def resolve_quantization(
         return QuantScheme("int8")
     if quantization == "int4":
         return QuantScheme("int4", group_size)
-    if not gguf_tensor_types:
-        return None
-    kind = gguf_layer_type(gguf_tensor_types)
-    if kind is None:
-        return None
-    return GGUF_SCHEMES.get(kind)  # a type not listed runs dequantized, as before
+    return None
 
 
 # -- quantizers ---------------------------------------------------------------------------------
@@ -514,24 +484,28 @@ def to_panels(
     """The panel layout of ``native/int4_panels.c`` (outputs padded to a multiple of 16 with
     all-zero weights): panels [N/16, K/2, 16] uint8, byte j of (block b, pair p) = the codes
     of output 16 b + j at inputs 2p (low nibble) and 2p + 1 (high); sz [N/16, K/g, 2, 16]
-    bfloat16, the block's scales then zeros per group."""
+    bfloat16, the block's scales then zeros per group. The codes are rearranged with numpy
+    (one thread, no pool to wake: loading converts hundreds of tensors)."""
     n, k = q.shape
     groups = scale.shape[1]
     pad = (-n) % 16
-    q = F.pad(q.to(torch.uint8), (0, 0, 0, pad), value=8)
-    scale = F.pad(scale.to(torch.bfloat16), (0, 0, 0, pad), value=1.0)
-    zero = F.pad(zero.to(torch.bfloat16), (0, 0, 0, pad))
-    blocks = q.shape[0] // 16
-    qb = q.view(blocks, 16, k)
-    panels = (qb[:, :, 0::2] | (qb[:, :, 1::2] << 4)).transpose(1, 2).contiguous()
-    sz = torch.stack(
-        [
-            scale.view(blocks, 16, groups).transpose(1, 2),
-            zero.view(blocks, 16, groups).transpose(1, 2),
-        ],
-        dim=2,
-    ).contiguous()
-    return panels, sz
+    blocks = (n + pad) // 16
+    codes = q.numpy() if q.dtype == torch.uint8 else q.to(torch.uint8).numpy()
+    if pad:
+        codes = np.concatenate([codes, np.full((pad, k), 8, dtype=np.uint8)])
+    qb = codes.reshape(blocks, 16, k // 2, 2)
+    packed = qb[..., 0] | (qb[..., 1] << 4)  # [blocks, 16, K/2]
+    panels = torch.from_numpy(np.ascontiguousarray(packed.transpose(0, 2, 1)))
+
+    def block(t: torch.Tensor, fill: float) -> torch.Tensor:
+        a = t.to(torch.bfloat16).view(torch.int16).numpy()
+        if pad:
+            filler = torch.full((pad, groups), fill, dtype=torch.bfloat16)
+            a = np.concatenate([a, filler.view(torch.int16).numpy()])
+        return a.reshape(blocks, 16, groups).transpose(0, 2, 1)  # [blocks, groups, 16]
+
+    sz = np.ascontiguousarray(np.stack([block(scale, 1.0), block(zero, 0.0)], axis=2))
+    return panels, torch.from_numpy(sz).view(torch.bfloat16)
 
 
 def from_panels(
@@ -547,6 +521,270 @@ def from_panels(
     scale = sz[:, :, 0].transpose(1, 2).reshape(blocks * 16, -1)[:n]
     zero = sz[:, :, 1].transpose(1, 2).reshape(blocks * 16, -1)[:n]
     return q, scale, zero
+
+
+# -- group-wise int8 (GGUF's 5-, 6- and 8-bit types from their codes) -----------------------------
+# Rows from which an Int8GroupLinear dequantizes to bfloat16 and runs oneDNN's GEMM instead
+# of the panel kernel (float32 multiply-adds: about half a bfloat16 GEMM's rate).
+INT8_PANEL_DEQUANT_ROWS = 32
+
+
+def _int8_panel_lib() -> Any:
+    return load_int8_panels()  # cached: built and loaded once per process
+
+
+def to_int8_panels(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The layout of ``native/int8_panels.c`` (outputs padded to a multiple of 16 with zero
+    weights): panels [N/16, K, 16] int8, scale and zero [N/16, K/G, 16] float16.
+    ``ValueError`` where a scale or zero does not fit float16. Rearranged with numpy, as
+    ``to_panels``."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    pad = (-n) % 16
+    blocks = (n + pad) // 16
+    codes = q.to(torch.int8).numpy()
+    if pad:
+        codes = np.concatenate([codes, np.zeros((pad, k), dtype=np.int8)])
+    panels = np.ascontiguousarray(codes.reshape(blocks, 16, k).transpose(0, 2, 1))
+
+    def half(t: torch.Tensor) -> torch.Tensor:
+        a = t.float().numpy()
+        with np.errstate(over="ignore"):
+            h = a.astype(np.float16)
+        if not np.isfinite(h).all():
+            raise ValueError("a scale or zero overflows float16")
+        if pad:
+            h = np.concatenate([h, np.zeros((pad, groups), dtype=np.float16)])
+        return torch.from_numpy(
+            np.ascontiguousarray(h.reshape(blocks, 16, groups).transpose(0, 2, 1))
+        )
+
+    return torch.from_numpy(panels), half(scale), None if zero is None else half(zero)
+
+
+def from_int8_panels(
+    panels: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The inverse of ``to_int8_panels`` (scales as float32), cut back to ``n`` outputs."""
+    blocks, k, _ = panels.shape
+    q = panels.transpose(1, 2).reshape(blocks * 16, k)[:n]
+
+    def unblock(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(blocks * 16, -1)[:n].float()
+
+    return q, unblock(scale), None if zero is None else unblock(zero)
+
+
+class Int8GroupLinear:
+    """``y = x @ W^T (+ b)``, ``W[n, k] = q[n, k] * scale[n, k // group] (+ zero[...])``: int8
+    codes with a float16 scale (and zero) per ``group`` inputs of each output row.
+
+    Invariant: ``__call__`` computes ``F.linear(x, self.dequantized(), bias)`` up to the
+    activation dtype's rounding. The codes live in the panels of ``native/int8_panels.c``:
+    below ``INT8_PANEL_DEQUANT_ROWS`` rows that kernel multiplies straight from them, from
+    there it dequantizes a chunk of outputs at a time to bfloat16 for oneDNN's GEMM; where
+    it is not built (or the input is not bfloat16 on CPU) the plain-torch fallback.
+    """
+
+    __slots__ = ("bias", "group_size", "in_features", "out_features", "panels", "scale", "zero")
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        n, k = q.shape
+        if k % group_size or group_size % 4:
+            raise ValueError(f"int8 groups of {group_size} do not divide {k} inputs")
+        self.out_features, self.in_features = n, k
+        self.group_size = group_size
+        self.bias = bias
+        self.panels, self.scale, self.zero = to_int8_panels(q, scale, zero)
+
+    @classmethod
+    def from_codes(cls, codes: GroupCodes, bias: torch.Tensor | None = None) -> Int8GroupLinear:
+        return cls(codes.q, codes.scale, codes.zero, codes.group, bias)
+
+    @property
+    def nbytes(self) -> int:
+        zero = 0 if self.zero is None else self.zero.nbytes
+        return self.panels.nbytes + self.scale.nbytes + zero
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q [N, K] int8, scale [N, K/g] float32, zero or None) as held."""
+        return from_int8_panels(self.panels, self.scale, self.zero, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        q, scale, zero = self.codes()
+        n, k = q.shape
+        w = q.float().view(n, k // self.group_size, self.group_size) * scale[..., None]
+        if zero is not None:
+            w = w + zero[..., None]
+        return w.view(n, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lib = _int8_panel_lib()
+        if lib is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
+            return self.fallback(x)
+        if x.shape[0] < INT8_PANEL_DEQUANT_ROWS:
+            return self._panel_gemm(lib, x.contiguous())
+        return self._panel_dequant_gemm(lib, x)
+
+    def _ptr(self, t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    def _panel_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        y = torch.empty(m, self.out_features, dtype=x.dtype)
+        xt = torch.empty(m * k, dtype=torch.float32)
+        xs = torch.empty(m * (k // self.group_size), dtype=torch.float32)
+        rc = lib.int8_panels_gemm_bf16(
+            x.data_ptr(),
+            m,
+            k,
+            self.panels.data_ptr(),
+            self.scale.data_ptr(),
+            self._ptr(self.zero),
+            self.out_features,
+            self.group_size,
+            xt.data_ptr(),
+            xs.data_ptr(),
+            y.data_ptr(),
+            self.out_features,
+            _threads(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"int8_panels_gemm_bf16 refused its arguments ({rc})")
+        return y if self.bias is None else y + self.bias
+
+    def _panel_dequant_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
+        k = self.in_features
+        blocks = self.panels.shape[0]
+        chunk = max(4, (_CHUNK_ELEMENTS // k) // 16 // 4 * 4)  # output blocks of 16
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for first in range(0, blocks, chunk):
+            count = min(chunk, blocks - first)
+            wt = _Scratch.take(k, 16 * count)
+            rc = lib.int8_panels_dequant_bf16(
+                self.panels.data_ptr(),
+                self.scale.data_ptr(),
+                self._ptr(self.zero),
+                k,
+                self.group_size,
+                first,
+                count,
+                _threads(),
+                wt.data_ptr(),
+            )
+            if rc != 0:
+                raise RuntimeError(f"int8_panels_dequant_bf16 refused its arguments ({rc})")
+            lo, hi = 16 * first, min(16 * (first + count), self.out_features)
+            y[:, lo:hi] = torch.mm(x, wt[:, : hi - lo])
+        return y if self.bias is None else y + self.bias
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+
+
+# -- GGUF tensors at their own precision ------------------------------------------------------------
+def precision_label(codes: GroupCodes) -> str:
+    """What a tensor of these codes executes as: ``int4-g32`` or ``int8-g32`` / ``int8-g16``."""
+    return f"int{codes.bits}-g{codes.group}"
+
+
+def linear_from_codes(codes: GroupCodes) -> Int4Linear | Int8GroupLinear | Linear:
+    """The layer executing ``codes`` exactly (up to the 16-bit rounding of scales and zeros):
+    4-bit codes in the int4 panels (group 32), others in the int8 group-wise panels; a
+    bfloat16 ``Linear`` of the dequantized codes where neither applies (a scale beyond
+    float16, int4 without its panel kernel)."""
+    if codes.bits == 4 and codes.group == 32 and _panel_lib() is not None:
+        zero = codes.zero if codes.zero is not None else torch.zeros_like(codes.scale)
+        q4 = torch.from_numpy(codes.q.numpy().view(np.uint8) + np.uint8(8))  # q + 8 (wraps)
+        return Int4Linear(q4, codes.scale, zero, 32)
+    try:
+        return Int8GroupLinear.from_codes(codes)
+    except ValueError:
+        return Linear(codes.dequantize().to(torch.bfloat16))
+
+
+def executed_label(layer: Any) -> str:
+    """The precision a dense layer executes at, for the start-up line."""
+    if isinstance(layer, Int4Linear):
+        return f"int4-g{layer.group_size}"
+    if isinstance(layer, Int8GroupLinear):
+        return f"int8-g{layer.group_size}"
+    if isinstance(layer, Int8Linear):
+        return "int8-channel"
+    if isinstance(layer, Linear):
+        return "bf16"
+    return type(layer).__name__
+
+
+@dataclass(frozen=True)
+class GGUFPrecisions:
+    """How ``auto`` runs a GGUF file: each dense-layer tensor at its own type's precision.
+    Invariant: ``counts`` holds (executed precision, GGML type, number of tensors), each
+    tensor of the file's decoder layers counted once."""
+
+    counts: tuple[tuple[str, str, int], ...]
+    load_seconds: float = 0.0
+
+    kind = "gguf"
+
+    def describe(self) -> str:
+        parts = [f"{count} {label} ({ggml})" for label, ggml, count in self.counts]
+        return "per tensor: " + ", ".join(parts)
+
+
+# Which projections each dense-layer field of the models holds, by layer-relative Hugging
+# Face name: the fused ones in order (as loaded), else one stored fused.
+LAYER_FIELD_SOURCES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "qkv": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        ("self_attn.qkv_proj.weight",),
+    ),
+    "gate_up": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("mlp.gate_up_proj.weight",)),
+    "o": (("self_attn.o_proj.weight",),),
+    "down": (("mlp.down_proj.weight",),),
+}
+
+
+def install_gguf_linears(
+    model: Any, linears: dict[str, Any], tensor_types: dict[str, str]
+) -> dict[tuple[str, str], int]:
+    """Put the layers built from a GGUF file's codes (``linears``: by the Hugging Face name
+    of each fused group's first tensor) in place of the placeholder ``Linear``s of
+    ``model.layers`` (weights on the meta device), with their biases. Returns the count of
+    tensors per (executed precision, GGML type). ``RuntimeError`` when a placeholder has no
+    layer or a layer no placeholder."""
+    left = dict(linears)
+    counts: dict[tuple[str, str], int] = {}
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        for name in _layer_fields(layer):
+            value = getattr(layer, name)
+            if not isinstance(value, Linear) or value.weight.device.type != "meta":
+                continue
+            group = next(
+                (g for g in LAYER_FIELD_SOURCES.get(name, ()) if prefix + g[0] in left), None
+            )
+            if group is None:
+                raise RuntimeError(f"layer {i} {name}: no weights were built for it")
+            built = left.pop(prefix + group[0])
+            built.bias = value.bias
+            setattr(layer, name, built)
+            label = executed_label(built)
+            for part in group:
+                key = (label, tensor_types[prefix + part])
+                counts[key] = counts.get(key, 0) + 1
+    if left:
+        raise RuntimeError(f"weights built for no layer: {sorted(left)[:3]}")
+    return counts
 
 
 def int4_group_size(in_features: int, wanted: int) -> int | None:
@@ -570,7 +808,7 @@ def quantize_linear(layer: Linear, scheme: QuantScheme) -> Linear | Int8Linear |
     return Int4Linear.from_float(w, b, group, scheme.symmetric)
 
 
-AnyLinear = Linear | Int8Linear | Int4Linear
+AnyLinear = Linear | Int8Linear | Int4Linear | Int8GroupLinear
 
 
 def _layer_fields(layer: Any) -> Iterable[str]:
@@ -613,6 +851,9 @@ def weight_memory(model: Any) -> dict[str, int]:
             add_tensor(value.bias)
         elif isinstance(value, Int4Linear):
             add("int4", value.nbytes)
+            add_tensor(value.bias)
+        elif isinstance(value, Int8GroupLinear):
+            add("int8", value.nbytes)
             add_tensor(value.bias)
         elif isinstance(value, Linear):
             plain = value.plain_weight

@@ -27,6 +27,12 @@ class LinearLike(Protocol):
 
 
 def fused(weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> Linear:
-    """One ``Linear`` over several stacked along the output dim (q/k/v, gate/up): one GEMM."""
+    """One ``Linear`` over several stacked along the output dim (q/k/v, gate/up): one GEMM.
+    Placeholders on the meta device (a GGUF file's layers built from their codes, put in
+    later) stack to one placeholder without ``torch.cat`` (which on meta tensors imports
+    torch's compiler stack, seconds)."""
     bias = None if biases is None else torch.cat(biases)
+    if all(w.device.type == "meta" for w in weights):
+        rows = sum(int(w.shape[0]) for w in weights)
+        return Linear(torch.empty(rows, *weights[0].shape[1:], device="meta"), bias)
     return Linear(torch.cat(weights, dim=0), bias)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,13 +74,17 @@ class GGUFContents:
     """What a GGUF file holds, in Hugging Face terms.
 
     Invariant: ``weights`` use Hugging Face tensor names and layouts (llama.cpp's q/k row
-    permutation undone), as float32.
+    permutation undone), as float32 (bfloat16 for the embedding and LM head of a group-code
+    type with ``codes`` loading); with ``codes`` loading, the dense-layer tensors built
+    from their codes are placeholders on the meta device in ``weights`` and their layers
+    are in ``linears`` (by the name of their fused group's first tensor).
     """
 
     hf_config: dict[str, Any]
     weights: dict[str, torch.Tensor]
     metadata: dict[str, Any]  # every scalar / list field, by GGUF key
     tensor_types: dict[str, str]  # GGML type name (F32, Q8_0, Q4_K ...) by Hugging Face name
+    linears: dict[str, Any] = field(default_factory=dict)
 
 
 def read_metadata(path: Path, skip_tokens: bool = False) -> dict[str, Any]:
@@ -111,10 +115,16 @@ def _reverse_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 def load_gguf(
     path: Path,
     select: Callable[[dict[str, Any]], Callable[[str, torch.Tensor], torch.Tensor]] | None = None,
+    codes: bool = False,
 ) -> GGUFContents:
     """The whole file as float32 tensors. ``select(hf_config)``, if given, returns a function
     applied to each tensor as soon as it is decoded (name, tensor → the part to keep), so
-    only one whole tensor is in memory at a time (tensor-parallel shards)."""
+    only one whole tensor is in memory at a time (tensor-parallel shards).
+
+    ``codes``: the decoder layers' dense weights whose every fused part has a group-code
+    type (``gguf_codes.CODE_TYPES``) go straight from the file's blocks (read through the
+    memory map) into the layer that executes them (``quant.linear_from_codes``), never
+    through float32; the rest as above."""
     gguf_file = GGUFFile(path)
     meta = gguf_file.metadata
     hf_config = gguf_hf_config(path, meta, {t.name for t in gguf_file.tensors})
@@ -129,6 +139,26 @@ def load_gguf(
 
     weights: dict[str, torch.Tensor] = {}
     tensor_types: dict[str, str] = {}
+    by_hf = {_hf_name(t.name, arch): t for t in gguf_file.tensors}
+    groups = _code_groups(by_hf) if codes and keep is None else {}
+    linears: dict[str, Any] = {}
+
+    def build_group(first: str) -> None:
+        from radixserve.executor.loader.gguf_codes import concat_codes, decode_codes
+        from radixserve.executor.quant import linear_from_codes
+
+        parts = []
+        for name in groups[first]:
+            info = by_hf[name]
+            part = decode_codes(info.data, info.type_name, info.shape)
+            if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "k_proj.weight")):
+                n_heads = heads if name.endswith("q_proj.weight") else kv_heads
+                index = _reverse_permute(torch.arange(part.shape[0])[:, None], n_heads)[:, 0]
+                part = part.permute_rows(index)
+            parts.append(part)
+        linears[first] = linear_from_codes(concat_codes(parts))
+
+    coded = {name: first for first, names in groups.items() for name in names}
     for tensor in gguf_file.tensors:
         if tensor.name == "rope_freqs.weight":  # per-frequency rope divisors (llama3)
             factors = gguf_file.dequantize(tensor).reshape(-1).tolist()
@@ -137,6 +167,27 @@ def load_gguf(
         name = _hf_name(tensor.name, arch)
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {tensor.name!r}")
+        if name in coded:
+            if coded[name] not in linears:
+                try:
+                    build_group(coded[name])
+                except ValueError as exc:
+                    raise ValueError(f"{path}: cannot decode {tensor.name}: {exc}") from None
+            weights[name] = torch.empty(tensor.shape, device="meta")
+            tensor_types[name] = tensor.type_name
+            continue
+        if (
+            codes
+            and keep is None
+            and not name.startswith("model.layers.")
+            and len(tensor.shape) == 2
+            and _codes_type(tensor.type_name)
+        ):
+            # the embedding (and an untied LM head): straight to bfloat16, rows at a time
+            t = _dequantize_bf16(tensor)
+            weights[name] = t
+            tensor_types[name] = tensor.type_name
+            continue
         try:
             array = gguf_file.dequantize(tensor)
         except Exception as exc:
@@ -151,8 +202,59 @@ def load_gguf(
         weights[name] = t if keep is None else keep(name, t)
         tensor_types[name] = tensor.type_name
     return GGUFContents(
-        hf_config=hf_config, weights=weights, metadata=meta, tensor_types=tensor_types
+        hf_config=hf_config,
+        weights=weights,
+        metadata=meta,
+        tensor_types=tensor_types,
+        linears=linears,
     )
+
+
+def _codes_type(type_name: str) -> bool:
+    from radixserve.executor.loader.gguf_codes import CODE_TYPES
+
+    return type_name in CODE_TYPES
+
+
+def _dequantize_bf16(tensor: Any, rows_at_a_time: int = 8192) -> torch.Tensor:
+    """A 2-D tensor of a group-code type as bfloat16, decoded a slice of rows at a time
+    (no float32 copy of the whole table)."""
+    from radixserve.executor.loader.gguf_codes import decode_codes
+
+    n, k = tensor.shape
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    raw = tensor.data.reshape(n, -1)
+    for first in range(0, n, rows_at_a_time):
+        last = min(n, first + rows_at_a_time)
+        part = decode_codes(raw[first:last], tensor.type_name, (last - first, k))
+        out[first:last] = part.dequantize()
+    return out
+
+
+def _code_groups(by_hf: dict[str | None, Any]) -> dict[str, list[str]]:
+    """The decoder layers' dense weights that load from their codes: by the Hugging Face
+    name of each fused group's first tensor, the group's names (every part present, 2-D,
+    of a type in ``CODE_TYPES``)."""
+    from radixserve.executor.loader.gguf_codes import CODE_TYPES
+    from radixserve.executor.quant import LAYER_FIELD_SOURCES
+
+    out: dict[str, list[str]] = {}
+    for name in by_hf:
+        m = name and re.fullmatch(r"(model\.layers\.\d+\.)(.+)", name)
+        if not m:
+            continue
+        prefix, rest = m.group(1), m.group(2)
+        for options in LAYER_FIELD_SOURCES.values():
+            for group in options:
+                if group[0] != rest:
+                    continue
+                names = [prefix + g for g in group]
+                infos = [by_hf.get(n) for n in names]
+                if all(
+                    i is not None and len(i.shape) == 2 and i.type_name in CODE_TYPES for i in infos
+                ):
+                    out[names[0]] = names
+    return out
 
 
 def gguf_hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:

@@ -544,3 +544,22 @@ def load_int4_panels() -> ctypes.CDLL | None:
     lib.int4_panels_dequant_bf16.argtypes = [p, p, i64, i64, i64, i64, i, p]
     lib.int4_panels_dequant_bf16.restype = i
     return lib
+
+
+@cache
+def load_int8_panels() -> ctypes.CDLL | None:
+    """The group-wise int8 "panels" GEMM (a few rows) and dequantizer (None: without the
+    AVX-512 BF16 build; Int8GroupLinear then runs its plain-torch fallback)."""
+    lib = _load(_SOURCE.with_name("int8_panels.c"))
+    if lib is None:
+        return None
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.int8_panels_has_gemm.argtypes = []
+    lib.int8_panels_has_gemm.restype = i
+    if not lib.int8_panels_has_gemm():
+        return None
+    lib.int8_panels_gemm_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, p, p, p, i64, i]
+    lib.int8_panels_gemm_bf16.restype = i
+    lib.int8_panels_dequant_bf16.argtypes = [p, p, p, i64, i64, i64, i64, i, p]
+    lib.int8_panels_dequant_bf16.restype = i
+    return lib

@@ -1,0 +1,210 @@
+"""The integer codes of a GGUF tensor's blocks, with their per-group scales and zeros.
+
+Every type here is an affine map of small integers over groups of 16 or 32 inputs,
+``W[n, k] = q[n, k] * scale[n, g] + zero[n, g]`` with ``g = k // group``; ``decode_codes``
+reads those numbers straight from the file's bytes (no float32 copy of the weights), the
+same arithmetic as the ``gguf`` package's dequantizers, which are the reference:
+
+========  =====  ===========  =======================================================
+type      group  q            scale, zero
+========  =====  ===========  =======================================================
+Q4_0      32     -8..7        d, none
+Q4_1      32     -8..7        d, m + 8 d
+Q4_K      32     -8..7        d sc[j], 8 d sc[j] - dmin m[j]
+Q5_0      32     -16..15      d, none
+Q5_1      32     0..31        d, m
+Q5_K      32     0..31        d sc[j], -dmin m[j]
+Q6_K      16     -32..31      d sc[j] (sc a signed byte), none
+Q8_0      32     -127..127    d, none
+========  =====  ===========  =======================================================
+
+The 4-bit types (``bits == 4``) fit the int4 kernels (code ``q + 8`` in 0..15), the others
+the int8 group-wise ones. Scales and zeros are float32 here, exact (a float16 times an
+integer below 2**8); the kernels round them to 16 bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+QK_K = 256
+# GGML type name -> (group, bits of the codes' range)
+CODE_TYPES: dict[str, tuple[int, int]] = {
+    "Q4_0": (32, 4),
+    "Q4_1": (32, 4),
+    "Q4_K": (32, 4),
+    "Q5_0": (32, 8),
+    "Q5_1": (32, 8),
+    "Q5_K": (32, 8),
+    "Q6_K": (16, 8),
+    "Q8_0": (32, 8),
+}
+
+
+@dataclass
+class GroupCodes:
+    """A weight [N, K] as ``q * scale + zero`` per group of ``group`` inputs.
+
+    Invariant: ``q`` int8 [N, K] (in -8..7 when ``bits == 4``); ``scale`` float32
+    [N, K / group]; ``zero`` the same shape or None (all zero); ``source`` the GGML type
+    names it came from (several for fused projections)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group: int
+    bits: int
+    source: tuple[str, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        n, k = self.shape
+        w = self.q.float().view(n, k // self.group, self.group) * self.scale[..., None]
+        if self.zero is not None:
+            w = w + self.zero[..., None]
+        return w.view(n, k)
+
+    def permute_rows(self, index: torch.Tensor) -> GroupCodes:
+        """The same codes with output rows reordered (``index`` [N])."""
+        i = index.numpy()
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(t.numpy()[i]))
+
+        zero = None if self.zero is None else take(self.zero)
+        return GroupCodes(take(self.q), take(self.scale), zero, self.group, self.bits, self.source)
+
+    def regroup(self, group: int) -> GroupCodes:
+        """The same weight with ``group`` (a divisor of this one): scales repeated."""
+        if group == self.group:
+            return self
+        if self.group % group:
+            raise ValueError(f"cannot regroup {self.group} into {group}")
+        r = self.group // group
+
+        def repeat(t: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(np.repeat(t.numpy(), r, axis=1))
+
+        zero = None if self.zero is None else repeat(self.zero)
+        return GroupCodes(self.q, repeat(self.scale), zero, group, self.bits, self.source)
+
+
+def concat_codes(parts: list[GroupCodes]) -> GroupCodes:
+    """Parts stacked along the outputs (fused q/k/v, gate/up), exactly: the smallest group
+    of any part, zeros where any part has them, 8 bits where any part needs them."""
+    if len(parts) == 1:
+        return parts[0]
+    group = min(p.group for p in parts)
+    parts = [p.regroup(group) for p in parts]
+    with_zero = any(p.zero is not None for p in parts)
+    zeros = [p.zero if p.zero is not None else torch.zeros_like(p.scale) for p in parts]
+
+    def cat(ts: list[torch.Tensor]) -> torch.Tensor:  # numpy: one thread, no pool to wake
+        return torch.from_numpy(np.concatenate([t.numpy() for t in ts]))
+
+    return GroupCodes(
+        cat([p.q for p in parts]),
+        cat([p.scale for p in parts]),
+        cat(zeros) if with_zero else None,
+        group,
+        max(p.bits for p in parts),
+        tuple(s for p in parts for s in p.source),
+    )
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """float16 fields (2 bytes each along the last axis) as float32."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, half: int) -> np.ndarray:
+    """[..., half] bytes → [..., 2 * half] codes: low nibbles first, then high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 packed bytes → 8 six-bit scales and 8 six-bit mins (gguf's rule)."""
+    lead = scales.shape[:-1]
+    s = scales.reshape(*lead, 3, 4)
+    d, m, m_d = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def decode_codes(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GroupCodes:
+    """The codes of a tensor of ``shape`` [N, K] from its raw blocks (uint8, any shape
+    holding them in order). ``ValueError`` for a type not in ``CODE_TYPES``."""
+    if type_name not in CODE_TYPES:
+        raise ValueError(f"GGML type {type_name} has no group-code form")
+    n, k = shape
+    group, bits = CODE_TYPES[type_name]
+    b = np.asarray(raw).reshape(n, -1)
+    zero: np.ndarray | None = None
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        head = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8, "Q8_0": 2}[type_name]
+        blocks = b.reshape(n, k // 32, -1)
+        d = _f16(blocks[..., 0:2])[..., 0]
+        if type_name == "Q8_0":
+            q = blocks[..., 2:].view(np.int8)
+        else:
+            qs = blocks[..., head:]
+            codes = _nibbles(qs, 16)
+            if type_name in ("Q5_0", "Q5_1"):
+                qh = np.ascontiguousarray(blocks[..., head - 4 : head]).view(np.uint32)
+                high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+                codes = codes | (high.astype(np.uint8) << 4)
+            if type_name in ("Q4_0", "Q4_1"):
+                q = codes.astype(np.int8) - np.int8(8)
+            elif type_name == "Q5_0":
+                q = codes.astype(np.int8) - np.int8(16)
+            else:
+                q = codes.astype(np.int8)
+        scale = d
+        if type_name == "Q4_1":
+            zero = _f16(blocks[..., 2:4])[..., 0] + 8.0 * d
+        elif type_name == "Q5_1":
+            zero = _f16(blocks[..., 2:4])[..., 0]
+    elif type_name in ("Q4_K", "Q5_K"):
+        blocks = b.reshape(n, k // QK_K, -1)
+        d = _f16(blocks[..., 0:2])  # [n, nb, 1]
+        dmin = _f16(blocks[..., 2:4])
+        sc, mn = _k_scale_min(blocks[..., 4:16])  # [n, nb, 8]
+        scale = d * sc
+        m = dmin * mn
+        if type_name == "Q4_K":
+            qs = blocks[..., 16:].reshape(n, k // QK_K, 4, 32)
+            codes = _nibbles(qs, 32).reshape(n, k // QK_K, 4, 2, 32)  # low: sub 2i, high: 2i+1
+            q = codes.astype(np.int8) - np.int8(8)
+            zero = 8.0 * scale - m
+        else:
+            qh = blocks[..., 16:48]  # [n, nb, 32]
+            qs = blocks[..., 48:].reshape(n, k // QK_K, 4, 32)
+            low = _nibbles(qs, 32).reshape(n, k // QK_K, 4, 2, 32)
+            high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [n,nb,8,32]
+            q = (low | (high.reshape(n, k // QK_K, 4, 2, 32) << 4)).astype(np.int8)
+            zero = -m
+        scale, zero = scale.reshape(n, -1), zero.reshape(n, -1)
+    else:  # Q6_K
+        blocks = b.reshape(n, k // QK_K, -1)
+        ql = blocks[..., 0:128].reshape(n, -1, 2, 64)
+        qh = blocks[..., 128:192].reshape(n, -1, 2, 32)
+        sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
+        d = _f16(blocks[..., 208:210])
+        low = _nibbles(ql, 64).reshape(n, -1, 2, 4, 32)  # (half, quarter, 32)
+        high = (qh[..., None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3
+        q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+        scale = (d * sc).reshape(n, -1)
+    qt = torch.from_numpy(np.ascontiguousarray(q).reshape(n, k))
+    st = torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, k // group))
+    zt = None
+    if zero is not None:
+        zt = torch.from_numpy(np.ascontiguousarray(zero, dtype=np.float32).reshape(n, k // group))
+    return GroupCodes(qt, st, zt, group, bits, (type_name,))

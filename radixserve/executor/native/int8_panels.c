@@ -1,0 +1,199 @@
+/* Group-wise int8 weights in "panels": W[n, k] = q[n, k] * scale[n, k / G] (+ zero[n, k / G]),
+ * multiplied without leaving the kernel: a GEMM for a few rows (decode) and a dequantizer
+ * to bfloat16 for many (prefill, then oneDNN's GEMM). It holds GGUF's Q8_0, Q6_K, Q5_0,
+ * Q5_1 and Q5_K tensors exactly (their codes as they are, one scale per block of 32 or 16
+ * inputs) up to the float16 rounding of the scales.
+ *
+ * Layout (executor/quant.py: ``to_int8_panels``), N padded to a multiple of 16:
+ *   panels [N/16][K][16] int8: byte j of (block b, input k) is q[16 b + j, k];
+ *   scale  [N/16][K/G][16] float16; zero the same, or NULL (all zero).
+ * A decode row streams each block's K * 16 bytes once, front to back: int8 plus a float16
+ * scale per G inputs is 8.5 bits a weight at G = 32 (9 with zeros), 9 at G = 16.
+ *
+ * Products: codes widened to float32 (exact), x (bfloat16) widened to float32 (exact),
+ * fused multiply-adds in float32 per group, then out += scale * acc + zero * sum(x over
+ * the group). Without AVX-512 (F, BW, BF16) both entry points return -1 and callers use another path.
+ */
+#include <stdint.h>
+#include <string.h>
+
+int int8_panels_has_gemm(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline __m512 f16x16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline __m512 codes16(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* Rows [m0, m0 + MT) against output block b. xt: x of this tile as float32 [k][MT];
+ * xs: per row and group the sum of x (only read with zeros). */
+static inline __attribute__((always_inline)) void block_rows(
+    const float *xt, int64_t k, int64_t m0, const int MT, const int8_t *pb, const uint16_t *sb,
+    const uint16_t *zb, int64_t group, const float *xs, int64_t groups, uint16_t *y,
+    int64_t y_stride, int64_t col, __mmask16 store_mask) {
+    __m512 out[12];
+    for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[12];
+        for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+        const int8_t *pg = pb + g * group * 16;
+        const float *xg = xt + g * group * MT;
+        for (int64_t i = 0; i < group; i++) {
+            const __m512 w = codes16(pg + 16 * i);
+            for (int r = 0; r < MT; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xg[i * MT + r]), w, acc[r]);
+        }
+        const __m512 s = f16x16(sb + g * 16);
+        for (int r = 0; r < MT; r++) out[r] = _mm512_fmadd_ps(s, acc[r], out[r]);
+        if (zb) {
+            const __m512 z = f16x16(zb + g * 16);
+            for (int r = 0; r < MT; r++)
+                out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * groups + g]), out[r]);
+        }
+    }
+    for (int r = 0; r < MT; r++)
+        _mm256_mask_storeu_epi16(y + (m0 + r) * y_stride + col, store_mask,
+                                 (__m256i)_mm512_cvtneps_pbh(out[r]));
+}
+
+/* One row: four independent accumulators per group (a multiply-add's latency is four
+ * cycles; one chain would leave the loads waiting), summed at the group's end. */
+static inline void block_row1(const float *x, const int8_t *pb, const uint16_t *sb,
+                              const uint16_t *zb, int64_t group, const float *xs, int64_t groups,
+                              uint16_t *y, __mmask16 store_mask) {
+    __m512 out = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const int8_t *pg = pb + g * group * 16;
+        const float *xg = x + g * group;
+        for (int64_t i = 0; i < group; i += 4) {
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(xg[i]), codes16(pg + 16 * i), a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(xg[i + 1]), codes16(pg + 16 * (i + 1)), a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(xg[i + 2]), codes16(pg + 16 * (i + 2)), a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(xg[i + 3]), codes16(pg + 16 * (i + 3)), a3);
+        }
+        const __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+        out = _mm512_fmadd_ps(f16x16(sb + g * 16), acc, out);
+        if (zb) out = _mm512_fmadd_ps(f16x16(zb + g * 16), _mm512_set1_ps(xs[g]), out);
+    }
+    _mm256_mask_storeu_epi16(y, store_mask, (__m256i)_mm512_cvtneps_pbh(out));
+}
+
+static inline int tile_at(int64_t m, int64_t m0) {
+    const int64_t left = m - m0;
+    if (left >= 12) return 12;
+    if (left >= 8) return 8;
+    if (left >= 4) return 4;
+    if (left >= 2) return 2;
+    return 1;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart (bfloat16,
+ * rounded to nearest even). xt is scratch for m * k floats, xs for m * (k / group). */
+int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
+                          const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
+                          float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
+    if (group % 4 || k % group || m < 1) return -1;
+    const int64_t groups = k / group, blocks = (n + 15) / 16;
+    /* x as float32, per row tile [k][tile rows] (m = 1: just the row); group sums */
+    for (int64_t t0 = 0; t0 < m;) {
+        const int mt = tile_at(m, t0);
+        for (int r = 0; r < mt; r++) {
+            const uint16_t *row = x + (t0 + r) * k;
+            float *t = xt + t0 * k + r;
+            for (int64_t i = 0; i < k; i++) t[i * mt] = bf16_to_f32(row[i]);
+            if (zero)
+                for (int64_t g = 0; g < groups; g++) {
+                    float s = 0.0f;
+                    for (int64_t i = 0; i < group; i++) s += bf16_to_f32(row[g * group + i]);
+                    xs[(t0 + r) * groups + g] = s;
+                }
+        }
+        t0 += mt;
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *pb = panels + b * k * 16;
+        const uint16_t *sb = scale + b * groups * 16;
+        const uint16_t *zb = zero ? zero + b * groups * 16 : NULL;
+        const int64_t left = n - 16 * b;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        if (m == 1) {
+            block_row1(xt, pb, sb, zb, group, xs, groups, y + 16 * b, mask);
+            continue;
+        }
+        for (int64_t m0 = 0; m0 < m;) {
+            const int mt = tile_at(m, m0);
+            const float *t = xt + m0 * k;
+            switch (mt) {
+            case 12: block_rows(t, k, m0, 12, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            case 8: block_rows(t, k, m0, 8, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            case 4: block_rows(t, k, m0, 4, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            case 2: block_rows(t, k, m0, 2, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            default: block_rows(t, k, m0, 1, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            }
+            m0 += mt;
+        }
+    }
+    return 0;
+}
+
+/* Dequantize output blocks [first_block, first_block + num_blocks) to bfloat16 W^T:
+ * out[k][16 * (b - first_block) + j] = W[16 b + j, k], out row stride 16 * num_blocks. */
+int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const uint16_t *zero,
+                             int64_t k, int64_t group, int64_t first_block, int64_t num_blocks,
+                             int num_threads, uint16_t *out) {
+    if (k % group) return -1;
+    const int64_t groups = k / group, width = 16 * num_blocks;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t bi = 0; bi < num_blocks; bi++) {
+        const int64_t b = first_block + bi;
+        const int8_t *pb = panels + b * k * 16;
+        const uint16_t *sb = scale + b * groups * 16;
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 s = f16x16(sb + g * 16);
+            const __m512 z = zero ? f16x16(zero + b * groups * 16 + g * 16) : _mm512_setzero_ps();
+            for (int64_t i = g * group; i < (g + 1) * group; i++) {
+                const __m512 w = _mm512_fmadd_ps(codes16(pb + 16 * i), s, z);
+                _mm256_storeu_si256((__m256i *)(out + i * width + 16 * bi),
+                                    (__m256i)_mm512_cvtneps_pbh(w));
+            }
+        }
+    }
+    return 0;
+}
+#else
+int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
+                          const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
+                          float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
+    (void)x; (void)m; (void)k; (void)panels; (void)scale; (void)zero; (void)n; (void)group;
+    (void)xt; (void)xs; (void)y; (void)y_stride; (void)num_threads;
+    return -1;
+}
+
+int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const uint16_t *zero,
+                             int64_t k, int64_t group, int64_t first_block, int64_t num_blocks,
+                             int num_threads, uint16_t *out) {
+    (void)panels; (void)scale; (void)zero; (void)k; (void)group; (void)first_block;
+    (void)num_blocks; (void)num_threads; (void)out;
+    return -1;
+}
+#endif
