@@ -15,7 +15,6 @@ from radixserve import LLM
 from radixserve.cli import build_parser, engine_kwargs
 from radixserve.engine.config import EngineConfig
 from radixserve.executor.quant import (
-    GGUF_SCHEMES,
     Int4Linear,
     Int8Linear,
     dequantize_int4,
@@ -120,76 +119,6 @@ def test_native_dequantizer_reads_pytorch_int4_layout():
 
 
 # -- GGUF types ---------------------------------------------------------------------------------
-def _synthetic_blocks(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Raw blocks of a K-quant type the gguf package cannot quantize to: random bytes with
-    sane float16 super-block scales (the leading d, dmin / trailing d fields)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block, nbytes = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
-    d = np.full((rows, cols // block), 0.002, dtype=np.float16).view(np.uint8)
-    d = d.reshape(rows, cols // block, 2)
-    if qtype == GGMLQuantizationType.Q6_K:  # d is the last field
-        raw[..., -2:] = d
-    else:  # d, dmin first
-        raw[..., 0:2] = d
-        raw[..., 2:4] = d
-    return raw.reshape(rows, -1)
-
-
-def _q4_codes(raw: np.ndarray, type_name: str, rows: int, cols: int) -> torch.Tensor:
-    """The 4-bit codes of Q4_0 blocks (fp16 d, 16 bytes) / Q4_1 blocks (fp16 d, m, 16 bytes):
-    byte j holds code j (low nibble) and code j + 16 (high nibble)."""
-    head = 2 if type_name == "Q4_0" else 4
-    blocks = raw.reshape(rows, cols // 32, head + 16)[..., head:]
-    codes = np.concatenate([blocks & 0xF, blocks >> 4], axis=-1)
-    return torch.from_numpy(codes.reshape(rows, cols).astype(np.uint8))
-
-
-GGUF_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-
-
-@pytest.mark.parametrize("type_name", GGUF_TYPES)
-def test_gguf_type_round_trip_against_gguf_dequantize(type_name):
-    """A GGUF tensor → the model dtype (bfloat16) → our quantized form → dequantized, vs
-    the gguf package's own dequantization: Q4_0 / Q4_1 code for code (only bfloat16
-    rounding), the others within half a step of the target grid."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    qtype = GGMLQuantizationType[type_name]
-    rows, cols = 48, 512
-    rng = np.random.default_rng(7)
-    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
-        raw = _synthetic_blocks(qtype, rows, cols, seed=3)
-    else:
-        raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
-    ref = torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32)).reshape(rows, cols)
-    assert torch.isfinite(ref).all()
-    w = ref.to(torch.bfloat16)  # what the model holds before quantizing
-    scheme = GGUF_SCHEMES[type_name]
-    bf16_ulp = 2.0**-8 * ref.abs()
-    if scheme.kind == "int8":
-        q, scale = quantize_int8(w)
-        ours = dequantize_int8(q, scale)
-        bound = scale[:, None] / 2 + bf16_ulp
-    else:
-        q, s, z = quantize_int4(w, scheme.group_size, scheme.symmetric)
-        ours = dequantize_int4(q, s, z, scheme.group_size)
-        step = s.float().abs().repeat_interleave(scheme.group_size, dim=1)
-        if type_name in ("Q4_0", "Q4_1"):
-            # the file's own codes, recovered exactly; values off by the bfloat16 rounding of the
-            # weights, scales and zeros only (a quarter of the half step allowed below)
-            assert torch.equal(q, _q4_codes(raw, type_name, rows, cols))
-            group_max = ref.reshape(rows, -1, 32).abs().amax(dim=2, keepdim=True)
-            bound = (2.0**-6 * group_max).expand(-1, -1, 32).reshape(rows, cols)
-        else:
-            bound = step / 2 + 2 * bf16_ulp
-    err = (ours - ref).abs()
-    assert torch.all(err <= bound + 1e-7), (err - bound).max()
-
-
 # -- tiny models --------------------------------------------------------------------------------
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Teacher-forced: log p of each prompt token after the first, and the model's top-1
@@ -334,16 +263,16 @@ def write_tiny_gguf(path: Path, type_name: str, seed: int = 0) -> Path:
 @pytest.mark.parametrize(
     ("type_name", "expect", "max_mean_err"),
     [
-        ("Q8_0", "int8 per-channel", 0.06),
-        ("Q4_0", "int4 g32 symmetric", 0.04),
-        ("Q4_1", "int4 g32 with zero points", 0.04),
+        ("Q8_0", "14 int8-g32 (Q8_0)", 0.04),
+        ("Q4_0", "14 int4-g32 (Q4_0)", 0.04),
+        ("Q4_1", "14 int4-g32 (Q4_1)", 0.04),
     ],
 )
 def test_gguf_file_runs_quantized(tmp_path, type_name, expect, max_mean_err):
-    """``auto`` on a Q8_0 / Q4_0 / Q4_1 file picks int8 / int4; its prompt log-probs stay
-    close to the same file dequantized to bfloat16 (Q4_0 / Q4_1: the same codes, so only
-    rounding differs, about as much as bfloat16 differs from float32 on these models, 0.02
-    nats; Q8_0: re-quantized per channel)."""
+    """``auto`` runs a Q8_0 / Q4_0 / Q4_1 file's layer tensors from their own codes (int8
+    group-wise / int4, the start-up line says so per tensor); its prompt log-probs stay
+    close to the same file dequantized to bfloat16 (the same values, so only rounding
+    differs, about as much as bfloat16 differs from float32 on these models, 0.02 nats)."""
     path = write_tiny_gguf(tmp_path / f"tiny-{type_name}.gguf", type_name)
     prompts = [[(5 * i + 3 * j) % 250 for j in range(20)] for i in range(3)]
     dense = LLM(str(path), dtype="bfloat16", quantization="none")
@@ -358,15 +287,12 @@ def test_gguf_file_runs_quantized(tmp_path, type_name, expect, max_mean_err):
 
 
 def test_resolve_quantization_choices():
-    assert resolve_quantization("auto", 32, None) is None  # an HF checkpoint: its dtype
-    assert resolve_quantization("none", 32, {"model.layers.0.mlp.up_proj.weight": "Q8_0"}) is None
-    types = {f"model.layers.0.{n}.weight": "Q4_K" for n in ("mlp.up_proj", "self_attn.q_proj")}
-    types["model.layers.0.mlp.down_proj.weight"] = "Q6_K"
-    assert resolve_quantization("auto", 128, types).describe() == "int4 g32 with zero points"
-    assert resolve_quantization("int8", 128, types).describe() == "int8 per-channel"
-    assert resolve_quantization("int4", 128, None).describe() == "int4 g128 with zero points"
-    # a type without a quantized path runs dequantized, as before
-    assert resolve_quantization("auto", 32, {"model.layers.0.mlp.up_proj.weight": "IQ2_XS"}) is None
+    # auto: one scheme for no model (an HF checkpoint runs in its dtype; a GGUF file per
+    # tensor from its codes, tests/executor/test_gguf_codes.py)
+    assert resolve_quantization("auto", 32) is None
+    assert resolve_quantization("none", 32) is None
+    assert resolve_quantization("int8", 128).describe() == "int8 per-channel"
+    assert resolve_quantization("int4", 128).describe() == "int4 g128 with zero points"
 
 
 def test_bad_quantization_values_are_clear_errors(tiny_llama):
