@@ -106,7 +106,7 @@ def test_tokenizer_equals_transformers(gemma3_file):
     assert ours.convert_tokens_to_ids("<end_of_turn>") == 106
 
 
-def test_greedy_tokens_equal_transformers_float32(gemma3_file):
+def test_greedy_tokens_equal_transformers_float32_and_auto(gemma3_file):
     from radixserve import LLM
 
     llm = LLM(str(gemma3_file), dtype="float32", quantization="none")
@@ -118,7 +118,20 @@ def test_greedy_tokens_equal_transformers_float32(gemma3_file):
     ]
     prompts = [llm.engine.tokenize(t) for t in texts]
     ours = generate_ids(llm, prompts, greedy(16))
-    assert ours == hf_greedy(gemma3_file.parent, prompts, 16, gguf_file=gemma3_file.name)
+    llm.engine.close()
+    expected = hf_greedy(gemma3_file.parent, prompts, 16, gguf_file=gemma3_file.name)
+    assert ours == expected
+    # auto: bfloat16 activations, each tensor from its own codes (Q4_K in int4, Q5_0 /
+    # Q6_K / Q8_0 in int8 groups): the same continuations, the chat one up to its 9th
+    # token, where the float32 model's best two tokens (" " and "\n") are 0.025 nats
+    # apart (measured) and bfloat16 takes the other
+    auto = LLM(str(gemma3_file))
+    assert "per tensor:" in auto.engine.startup_line
+    mine = generate_ids(auto, prompts, greedy(16))
+    assert mine[:2] == expected[:2]
+    assert mine[2][:8] == expected[2][:8]
+    auto.engine.check_idle()
+    auto.engine.close()
 
 
 def test_generate_runs_the_file_through_its_chat_template(gemma3_file):
@@ -165,3 +178,49 @@ def test_generate_runs_the_file_through_its_chat_template(gemma3_file):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == expected.strip()
+
+
+def test_auto_runs_each_tensor_at_its_own_precision(gemma3_file):
+    """``auto`` runs this Q4_K_M file mixed, as it is: Q4_K tensors in int4, Q5_0 / Q6_K /
+    Q8_0 ones in the int8 group-wise form (q/k/v fused at the widest of their forms), and
+    every executed weight, dequantized back, is the gguf package's dequantization of the
+    file's tensors up to the 16-bit rounding of scales and zeros (int4: 2^-7 of the
+    group's largest magnitude, int8: 2^-10)."""
+    import numpy as np
+    import torch
+
+    from radixserve.executor.builder import load_model
+    from radixserve.executor.loader.gguf_file import GGUFFile
+    from radixserve.executor.quant import Int4Linear, Int8GroupLinear, dequantize_int4
+
+    loaded = load_model("gguf", gemma3_file, device=torch.device("cpu"))
+    described = loaded.scheme.describe()
+    for label in ("int4-g32 (Q4_K)", "int8-g32 (Q5_0)", "int8-g16 (Q6_K)", "int8-g32 (Q8_0)"):
+        assert label in described, described
+    tensors = {t.name: t for t in GGUFFile(gemma3_file).tensors}
+    fields = {
+        "qkv": ("attn_q", "attn_k", "attn_v"),
+        "o": ("attn_output",),
+        "gate_up": ("ffn_gate", "ffn_up"),
+        "down": ("ffn_down",),
+    }
+    file = GGUFFile(gemma3_file)
+    checked = 0
+    for i, layer in enumerate(loaded.model.layers):
+        for field, names in fields.items():
+            parts = [tensors[f"blk.{i}.{n}.weight"] for n in names]
+            ref = torch.from_numpy(np.concatenate([file.dequantize(p) for p in parts]))
+            executed = getattr(layer, field)
+            if isinstance(executed, Int4Linear):
+                assert all(p.type_name in ("Q4_K", "Q4_0", "Q4_1") for p in parts)
+                q, s, z = executed.codes()
+                w, group, rel = dequantize_int4(q, s, z, executed.group_size), 32, 2.0**-7
+            else:
+                assert isinstance(executed, Int8GroupLinear), type(executed)
+                w, group, rel = executed.dequantized(), executed.group_size, 2.0**-10
+            rows, cols = ref.shape
+            gmax = ref.reshape(rows, cols // group, group).abs().amax(dim=2, keepdim=True)
+            bound = (rel * gmax).expand(-1, -1, group).reshape(rows, cols)
+            assert torch.all((w - ref).abs() <= bound + 1e-9), (i, field)
+            checked += len(parts)
+    assert checked == 7 * len(loaded.model.layers)
