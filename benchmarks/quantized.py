@@ -12,6 +12,17 @@ to int8 per channel (from the dequantized Q4_1 values).
 
 Last line: JSON with ppl_bf16, ppl_int8, ppl_int4, decode_ratio_int8_bs1,
 decode_ratio_int4_bs1 (and _bs64), tokens/s and weights_gib_1b_* keys.
+
+GGUF files as they come (``--gguf LABEL=PATH``, repeatable; ``smollm2`` alone is the
+shipped file): ``auto`` (each tensor at its own type's precision, from its codes) against
+the same file dequantized (``--quantization none``: the file's own values, in bfloat16),
+both with bfloat16 activations: perplexity of the W1 prompts and decode tokens/s with 1 and
+16 running requests.
+
+    python benchmarks/quantized.py --gguf smollm2 --gguf gemma3=PATH [--prompts 16]
+
+Last line: JSON with ppl_{auto,none}_<label>, ppl_change_pct_<label>,
+tokens_per_s_{auto,none}_bs{1,16}_<label> and decode_ratio_bs{1,16}_<label> (auto / none).
 """
 
 from __future__ import annotations
@@ -96,13 +107,63 @@ def weights_gib_1b(quantization: str) -> dict[str, float]:
     return sizes
 
 
+def gguf_files(specs: list[str], prompts_n: int, decode_tokens: int) -> None:
+    """The ``--gguf`` mode: one table row per file and setting, then the JSON line."""
+    from radixserve import LLM
+    from radixserve.engine.model_source import default_model_path
+
+    requests = [json.loads(line) for line in W1.read_text().splitlines() if line.strip()]
+    result: dict[str, float] = {}
+    print(f"{'file':<10}{'setting':<8}{'ppl':>10}{'tok/s bs1':>12}{'tok/s bs16':>12}  start-up")
+    for spec in specs:
+        label, _, path = spec.partition("=")
+        path = path or str(default_model_path())
+        for setting in ("none", "auto"):
+            llm = LLM(path, dtype="bfloat16", quantization=setting, max_num_seqs=16)
+            tok = llm.engine.tokenize
+            prompts = [tok(r["prompt"]) for r in requests[:prompts_n]]
+            ppl = perplexity(llm, prompts)
+            short = [tok(r["prompt"])[:32] for r in requests[:16]]
+            bs1 = decode_tokens_per_s(llm, short[:1], decode_tokens)
+            bs16 = decode_tokens_per_s(llm, short, decode_tokens)
+            result[f"ppl_{setting}_{label}"] = round(ppl, 4)
+            result[f"tokens_per_s_{setting}_bs1_{label}"] = round(bs1, 1)
+            result[f"tokens_per_s_{setting}_bs16_{label}"] = round(bs16, 1)
+            print(
+                f"{label:<10}{setting:<8}{ppl:>10.4f}{bs1:>12.1f}{bs16:>12.1f}  "
+                f"{llm.engine.startup_line}",
+                flush=True,
+            )
+            llm.engine.close()
+            del llm
+            gc.collect()
+        change = 100 * (result[f"ppl_auto_{label}"] / result[f"ppl_none_{label}"] - 1)
+        result[f"ppl_change_pct_{label}"] = round(change, 3)
+        for bs in (1, 16):
+            auto = result[f"tokens_per_s_auto_bs{bs}_{label}"]
+            result[f"decode_ratio_bs{bs}_{label}"] = round(
+                auto / result[f"tokens_per_s_none_bs{bs}_{label}"], 3
+            )
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        metavar="LABEL[=PATH]",
+        help="GGUF mode: auto vs the file dequantized, per file (smollm2: the shipped file)",
+    )
     ap.add_argument("--prompts", type=int, default=64, help="W1 prompts for the perplexity")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--skip-1b", action="store_true", help="no 1B-shaped weight memory")
     ap.add_argument("--only-1b", action="store_true", help="only the 1B-shaped weight memory")
     args = ap.parse_args()
+    if args.gguf:
+        gguf_files(args.gguf, args.prompts, args.decode_tokens)
+        return
     from radixserve import LLM
 
     requests = [json.loads(line) for line in W1.read_text().splitlines() if line.strip()]
