@@ -324,7 +324,8 @@ class Engine:
         self.startup_line = (
             f"weights {format_weight_memory(self.weight_bytes)}; dense layers "
             f"{scheme.describe() if scheme else str(self.dtype).removeprefix('torch.')}, "
-            f"embeddings and LM head {str(self.dtype).removeprefix('torch.')}; KV cache "
+            f"embeddings{'' if getattr(scheme, 'head', None) else ' and LM head'} "
+            f"{str(self.dtype).removeprefix('torch.')}; KV cache "
             f"{num_pages * page_bytes / 2**30:.3f} GiB ({num_pages} pages of {config.page_size}); "
             f"weights and tokenizer loaded in {time.perf_counter() - start:.2f} s"
         )

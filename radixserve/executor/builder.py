@@ -28,6 +28,7 @@ from radixserve.executor.models.registry import build_model
 from radixserve.executor.quant import (
     GGUFPrecisions,
     QuantScheme,
+    executed_label,
     install_gguf_linears,
     quantize_model,
     resolve_quantization,
@@ -133,7 +134,10 @@ def load_model(
         counts = install_gguf_linears(model, checkpoint.gguf_linears, checkpoint.gguf_tensor_types)
         checkpoint.gguf_linears = {}
         seconds = time.perf_counter() - start
-        scheme = GGUFPrecisions(tuple((p, t, c) for (p, t), c in sorted(counts.items())), seconds)
+        head_type = next((t for (p, t) in counts if p == "lm_head"), None)
+        head = f"{executed_label(model.lm_head)} ({head_type})" if head_type else None
+        layers = sorted((p, t, c) for (p, t), c in counts.items() if p != "lm_head")
+        scheme = GGUFPrecisions(tuple(layers), seconds, head)
     elif scheme is not None:
         quantize_model(model, scheme)
     elif kind == "gguf" and quantization == "auto" and checkpoint.gguf_tensor_types:

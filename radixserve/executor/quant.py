@@ -733,12 +733,14 @@ class GGUFPrecisions:
 
     counts: tuple[tuple[str, str, int], ...]
     load_seconds: float = 0.0
+    head: str | None = None  # the LM head's, e.g. "int8-g32 (Q8_0)"; None: the model dtype
 
     kind = "gguf"
 
     def describe(self) -> str:
         parts = [f"{count} {label} ({ggml})" for label, ggml, count in self.counts]
-        return "per tensor: " + ", ".join(parts)
+        head = f"; LM head {self.head}" if self.head else ""
+        return "per tensor: " + ", ".join(parts) + head
 
 
 # Which projections each dense-layer field of the models holds, by layer-relative Hugging
@@ -760,8 +762,9 @@ def install_gguf_linears(
     """Put the layers built from a GGUF file's codes (``linears``: by the Hugging Face name
     of each fused group's first tensor) in place of the placeholder ``Linear``s of
     ``model.layers`` (weights on the meta device), with their biases. Returns the count of
-    tensors per (executed precision, GGML type). ``RuntimeError`` when a placeholder has no
-    layer or a layer no placeholder."""
+    tensors per (executed precision, GGML type), and ("lm_head", its GGML type) when the LM
+    head was built too (``linears["lm_head.weight"]``, replacing ``model.lm_head``).
+    ``RuntimeError`` when a placeholder has no layer or a layer no placeholder."""
     left = dict(linears)
     counts: dict[tuple[str, str], int] = {}
     for i, layer in enumerate(model.layers):
@@ -782,6 +785,10 @@ def install_gguf_linears(
             for part in group:
                 key = (label, tensor_types[prefix + part])
                 counts[key] = counts.get(key, 0) + 1
+    head = left.pop("lm_head.weight", None)
+    if head is not None:
+        model.lm_head = head
+        counts[("lm_head", tensor_types["lm_head.weight"])] = 1
     if left:
         raise RuntimeError(f"weights built for no layer: {sorted(left)[:3]}")
     return counts

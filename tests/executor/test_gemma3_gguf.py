@@ -224,3 +224,13 @@ def test_auto_runs_each_tensor_at_its_own_precision(gemma3_file):
             assert torch.all((w - ref).abs() <= bound + 1e-9), (i, field)
             checked += len(parts)
     assert checked == 7 * len(loaded.model.layers)
+    # the LM head: the tied Q8_0 embedding, from its codes (its first 4096 rows checked)
+    from radixserve.executor.quant import from_int8_panels
+
+    head = loaded.model.lm_head
+    assert isinstance(head, Int8GroupLinear) and "LM head int8-g32 (Q8_0)" in described
+    q, s, _ = from_int8_panels(head.panels[:256], head.scale[:256], None, 4096)
+    w = (q.float().view(4096, -1, 32) * s[..., None]).view(4096, -1)
+    embed = tensors["token_embd.weight"]
+    ref = torch.from_numpy(file.dequantize(embed)[:4096].copy())
+    assert torch.equal(w, ref)  # Q8_0's float16 scales: exact

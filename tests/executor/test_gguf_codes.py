@@ -209,9 +209,10 @@ MIXED = {
 }
 
 
-def write_gguf(path: Path, types: dict[str, str], seed: int = 0) -> Path:
-    """A 2-layer llama GGUF (byte-level vocabulary of 258 tokens, float32 embedding, head
-    and norms) whose layer matrices are of ``types[name]``."""
+def write_gguf(path: Path, types: dict[str, str], seed: int = 0, tied: str | None = None) -> Path:
+    """A 2-layer llama GGUF (byte-level vocabulary of 258 tokens, float32 norms) whose layer
+    matrices are of ``types[name]``; a float32 embedding and LM head, or with ``tied`` an
+    embedding of that type and no LM head (tied, as SmolLM2's and Gemma 3's files)."""
     import gguf
     from gguf import GGMLQuantizationType
 
@@ -232,11 +233,16 @@ def write_gguf(path: Path, types: dict[str, str], seed: int = 0) -> Path:
     w.add_token_types([1] * 257 + [3])
     w.add_eos_token_id(vocab - 1)
     rng = np.random.default_rng(seed)
-    w.add_tensor(
-        "token_embd.weight", (rng.standard_normal((vocab, HIDDEN)) * 0.5).astype(np.float32)
-    )
+    if tied:
+        raw = encode_blocks(tied, vocab, HIDDEN, seed=seed + 99, std=0.5)
+        w.add_tensor("token_embd.weight", raw, raw_dtype=GGMLQuantizationType[tied])
+    else:
+        embed = (rng.standard_normal((vocab, HIDDEN)) * 0.5).astype(np.float32)
+        w.add_tensor("token_embd.weight", embed)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    w.add_tensor("output.weight", (rng.standard_normal((vocab, HIDDEN)) * 0.5).astype(np.float32))
+    if not tied:
+        head = (rng.standard_normal((vocab, HIDDEN)) * 0.5).astype(np.float32)
+        w.add_tensor("output.weight", head)
     for i in range(LAYERS):
         for j, (name, (rows, cols)) in enumerate(LAYER_TENSORS.items()):
             qtype = types[name]
@@ -283,9 +289,14 @@ def test_tiny_file_greedy_equals_transformers(tmp_path, types):
     pick the other token and the texts go apart, correctly); at least half the tokens are
     compared."""
     table = MIXED if types == "mixed" else {name: types for name in LAYER_TENSORS}
-    path = write_gguf(tmp_path / f"tiny-{types}.gguf", table)
+    tied = "Q8_0" if types == "mixed" else None  # the mixed file's head: its Q8_0 embedding
+    path = write_gguf(tmp_path / f"tiny-{types}.gguf", table, tied=tied)
     llm = LLM(str(path))
     line = llm.engine.startup_line
+    if tied:
+        assert "LM head int8-g32 (Q8_0), embeddings bfloat16" in line, line
+    else:
+        assert "embeddings and LM head bfloat16" in line, line
     for type_name in set(table.values()):
         group, bits = CODE_TYPES[type_name]
         assert f"({type_name})" in line, line

@@ -159,6 +159,18 @@ def load_gguf(
         linears[first] = linear_from_codes(concat_codes(parts))
 
     coded = {name: first for first, names in groups.items() for name in names}
+    # the LM head (the embedding table when tied) from its codes too: at decode it is the
+    # largest matrix a step reads (Gemma 3: 262k x 640)
+    head_source = "lm_head.weight" if "lm_head.weight" in by_hf else "model.embed_tokens.weight"
+    head = by_hf.get(head_source) if codes and keep is None else None
+    if head is not None and len(head.shape) == 2 and _codes_type(head.type_name):
+        from radixserve.executor.loader.gguf_codes import decode_codes
+        from radixserve.executor.quant import linear_from_codes
+
+        linears["lm_head.weight"] = linear_from_codes(
+            decode_codes(head.data, head.type_name, head.shape)
+        )
+        tensor_types["lm_head.weight"] = head.type_name
     for tensor in gguf_file.tensors:
         if tensor.name == "rope_freqs.weight":  # per-frequency rope divisors (llama3)
             factors = gguf_file.dequantize(tensor).reshape(-1).tolist()
@@ -167,6 +179,9 @@ def load_gguf(
         name = _hf_name(tensor.name, arch)
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {tensor.name!r}")
+        if name == "lm_head.weight" and name in linears:
+            weights[name] = torch.empty(tensor.shape, device="meta")
+            continue
         if name in coded:
             if coded[name] not in linears:
                 try:
