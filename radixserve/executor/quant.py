@@ -168,6 +168,20 @@ class _Scratch:
         return cls.buf[: rows * cols].view(rows, cols)
 
 
+class _Work:
+    """One growing float32 buffer for a panel kernel's per-call scratch (the input's float
+    copy, its group sums), so a decode step allocates none. Invariant: a view handed out is
+    valid until the next ``take`` (layers run one at a time, on one thread)."""
+
+    buf = torch.empty(0, dtype=torch.float32)
+
+    @classmethod
+    def take(cls, count: int) -> torch.Tensor:
+        if cls.buf.numel() < count:
+            cls.buf = torch.empty(count, dtype=torch.float32)
+        return cls.buf[:count]
+
+
 def _dequantizer() -> Any:
     """The native dequantizers, if they build and read PyTorch's int4 layout as checked
     here (it is PyTorch-internal); None otherwise."""
@@ -641,8 +655,8 @@ class Int8GroupLinear:
     def _panel_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         y = torch.empty(m, self.out_features, dtype=x.dtype)
-        xt = torch.empty(m * k, dtype=torch.float32)
-        xs = torch.empty(m * (k // self.group_size), dtype=torch.float32)
+        work = _Work.take(m * k + m * (k // self.group_size))
+        xt, xs = work[: m * k], work[m * k :]
         rc = lib.int8_panels_gemm_bf16(
             x.data_ptr(),
             m,
