@@ -1,0 +1,69 @@
+"""How close the quantized decode GEMVs (one row) come to the memory bandwidth, on
+matrices far larger than the caches: bytes each kernel reads per call over its time,
+against a plain read of as many bytes (``torch.sum`` over an int32 view, the same threads).
+
+    python benchmarks/gemv_bandwidth.py [--n 16384] [--k 4096] [--reps 20]
+
+Prints a table; last line JSON: read_gbs, and per kernel gbs_<kernel> and
+fraction_<kernel> (of read_gbs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def best_time(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=16384)
+    ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    from radixserve.executor.quant import Int4Linear, Int8GroupLinear
+
+    n, k = args.n, args.k
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    s = torch.rand(n, k // 32, generator=gen) * 0.01
+    int4 = Int4Linear(q4, s, s, 32)
+    q8 = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    int8_g32 = Int8GroupLinear(q8, s, None, 32)
+    int8_g16 = Int8GroupLinear(q8, torch.rand(n, k // 16, generator=gen) * 0.01, None, 16)
+    del q4, q8
+    layers = {"int4_g32": int4, "int8_g32": int8_g32, "int8_g16": int8_g16}
+    big = torch.empty(n * k // 4, dtype=torch.int32).random_(generator=gen)
+    read_s = best_time(lambda: big.sum(), args.reps)
+    read_gbs = big.nbytes / read_s / 1e9
+    result: dict[str, float] = {"read_gbs": round(read_gbs, 2)}
+    print(f"threads {torch.get_num_threads()}, matrix {n} x {k}")
+    print(f"{'kernel':<10}{'MB read':>10}{'ms':>10}{'GB/s':>10}{'of read':>10}")
+    print(f"{'read':<10}{big.nbytes / 1e6:>10.1f}{read_s * 1e3:>10.2f}{read_gbs:>10.2f}{1:>10.2f}")
+    for name, layer in layers.items():
+        seconds = best_time(lambda layer=layer: layer(x), args.reps)
+        gbs = layer.nbytes / seconds / 1e9
+        result[f"gbs_{name}"] = round(gbs, 2)
+        result[f"fraction_{name}"] = round(gbs / read_gbs, 3)
+        print(
+            f"{name:<10}{layer.nbytes / 1e6:>10.1f}{seconds * 1e3:>10.2f}{gbs:>10.2f}"
+            f"{gbs / read_gbs:>10.2f}"
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
