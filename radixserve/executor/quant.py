@@ -713,17 +713,21 @@ def precision_label(codes: GroupCodes) -> str:
 
 def linear_from_codes(codes: GroupCodes) -> Int4Linear | Int8GroupLinear | Linear:
     """The layer executing ``codes`` exactly (up to the 16-bit rounding of scales and zeros):
-    4-bit codes in the int4 panels (group 32), others in the int8 group-wise panels; a
-    bfloat16 ``Linear`` of the dequantized codes where neither applies (a scale beyond
-    float16, int4 without its panel kernel)."""
-    if codes.bits == 4 and codes.group == 32 and _panel_lib() is not None:
+    4-bit codes in groups of 32 as ``Int4Linear`` (its panels, or PyTorch's int4 layout
+    where the panel kernel is not built), the others as ``Int8GroupLinear`` where its
+    kernel is built; else (no AVX-512 BF16 build, or a scale beyond float16) a bfloat16
+    ``Linear`` of the dequantized codes: never below the file's precision, and through
+    oneDNN rather than the per-call dequantizing fallback."""
+    if codes.bits == 4 and codes.group == 32:
         zero = codes.zero if codes.zero is not None else torch.zeros_like(codes.scale)
         q4 = torch.from_numpy(codes.q.numpy().view(np.uint8) + np.uint8(8))  # q + 8 (wraps)
         return Int4Linear(q4, codes.scale, zero, 32)
-    try:
-        return Int8GroupLinear.from_codes(codes)
-    except ValueError:
-        return Linear(codes.dequantize().to(torch.bfloat16))
+    if _int8_panel_lib() is not None:
+        try:
+            return Int8GroupLinear.from_codes(codes)
+        except ValueError:
+            pass
+    return Linear(codes.dequantize().to(torch.bfloat16))
 
 
 def executed_label(layer: Any) -> str:
