@@ -35,11 +35,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def one_run(pythonpath: str, path: str) -> tuple[float, str]:
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    out = subprocess.run(
+    out = subprocess.run(  # run in that checkout: ``-c`` puts the working directory first
         [sys.executable, "-c", _CHILD, path],
         capture_output=True,
         text=True,
         env=env,
+        cwd=pythonpath,
         check=True,
         timeout=900,
     )
