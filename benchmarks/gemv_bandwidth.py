@@ -1,6 +1,7 @@
 """How close the quantized decode GEMVs (one row) come to the memory bandwidth, on
 matrices far larger than the caches: bytes each kernel reads per call over its time,
-against a plain read of as many bytes (``torch.sum`` over an int32 view, the same threads).
+against a plain read of as many bytes (``torch.sum`` over them as float32, the same
+threads; an int32 sum, the first version, ran at under 1 GB/s: no reference).
 
     python benchmarks/gemv_bandwidth.py [--n 16384] [--k 4096] [--reps 20]
 
@@ -46,7 +47,7 @@ def main() -> None:
     int8_g16 = Int8GroupLinear(q8, torch.rand(n, k // 16, generator=gen) * 0.01, None, 16)
     del q4, q8
     layers = {"int4_g32": int4, "int8_g32": int8_g32, "int8_g16": int8_g16}
-    big = torch.empty(n * k // 4, dtype=torch.int32).random_(generator=gen)
+    big = torch.rand(n * k // 4, generator=gen)  # float32: the sum vectorises
     read_s = best_time(lambda: big.sum(), args.reps)
     read_gbs = big.nbytes / read_s / 1e9
     result: dict[str, float] = {"read_gbs": round(read_gbs, 2)}
