@@ -539,8 +539,10 @@ def from_panels(
 
 # -- group-wise int8 (GGUF's 5-, 6- and 8-bit types from their codes) -----------------------------
 # Rows from which an Int8GroupLinear dequantizes to bfloat16 and runs oneDNN's GEMM instead
-# of the panel kernel (float32 multiply-adds: about half a bfloat16 GEMM's rate).
-INT8_PANEL_DEQUANT_ROWS = 32
+# of the panel kernel (float32 multiply-adds). The panel kernel is for one row (decode at
+# one request): a first, contended run of benchmarks/quantized.py --gguf had 16 running
+# requests 4-5x slower through it than through the dequantized file, on both models.
+INT8_PANEL_DEQUANT_ROWS = 2
 
 
 def _int8_panel_lib() -> Any:

@@ -170,8 +170,14 @@ def test_int8_group_matmul_matches_float64_and_fallback(group, with_zero, rows):
     y = layer(x)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     assert (y.double() - ref).abs().max().item() <= tol
-    if load_int8_panels() is not None:
+    lib = load_int8_panels()
+    if lib is not None:
         assert (y.double() - fallback.double()).abs().max().item() <= tol
+        # both native paths at every row count, whichever the threshold picks
+        direct = layer._panel_gemm(lib, x.contiguous())
+        assert (direct.double() - ref).abs().max().item() <= tol
+        chunked = layer._panel_dequant_gemm(lib, x)
+        assert (chunked.double() - ref).abs().max().item() <= tol
 
 
 def test_int8_group_scales_beyond_float16_run_dequantized():
