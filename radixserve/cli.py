@@ -117,6 +117,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     from radixserve.engine.config import SPECULATIVE_MODES
+    from radixserve.executor.quant import QUANTIZATIONS
 
     g = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     g.add_argument(
@@ -131,6 +132,13 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         "--spec-draft-model",
         default=None,
         help="HF folder or .gguf of the draft model (--speculative-mode draft)",
+    )
+    g.add_argument(
+        "--spec-draft-quantization",
+        default="auto",
+        choices=list(QUANTIZATIONS),
+        help="how the draft's layers run (as --quantization); int8/int4 run it in bfloat16, "
+        "so a model can take an int4 copy of itself as its draft",
     )
     g.add_argument("--num-spec-tokens", type=int, default=4, help="proposals per step")
     g.add_argument("--spec-ngram-max", type=int, default=4, help="longest suffix looked up")
@@ -287,6 +295,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "spec_ngram_min": args.spec_ngram_min,
         "spec_auto_max_batch": args.spec_auto_max_batch,
         "spec_draft_model": args.spec_draft_model,
+        "spec_draft_quantization": args.spec_draft_quantization,
     }
 
 

@@ -91,6 +91,10 @@ class EngineConfig:
     # verifies its last token + up to num_spec_tokens proposals in one extend chunk.
     speculative_mode: str = "off"
     spec_draft_model: str | None = None  # HF folder or .gguf of the draft (mode draft)
+    # how the draft's dense layers run (as --quantization: auto | none | int8 | int4); int8
+    # or int4 runs the draft in bfloat16 whatever the target's dtype, so a bfloat16 (or
+    # float32) target can take an int4 copy of itself as its draft
+    spec_draft_quantization: str = "auto"
     num_spec_tokens: int = 4
     spec_ngram_max: int = 4  # the longest suffix looked up in the request's own tokens
     spec_ngram_min: int = 2  # the shortest
@@ -196,6 +200,11 @@ class EngineConfig:
             raise ValueError(
                 f"need 1 <= spec_ngram_min <= spec_ngram_max; got {self.spec_ngram_min}, "
                 f"{self.spec_ngram_max}"
+            )
+        if self.spec_draft_quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"spec_draft_quantization must be one of {QUANTIZATIONS}, "
+                f"got {self.spec_draft_quantization!r}"
             )
         if (self.speculative_mode == "draft") != (self.spec_draft_model is not None):
             raise ValueError("speculative_mode 'draft' and spec_draft_model go together")

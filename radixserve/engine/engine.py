@@ -213,10 +213,13 @@ class Engine:
                 self.page_table,
                 self.dtype,
                 self.vocab_size,
+                config.spec_draft_quantization,
             )
             self.runner.shadow = self.draft.shadow
+            scheme = self.draft.scheme
+            precision = scheme.describe() if scheme is not None else str(self.draft.dtype)
             line = (
-                f"speculative decoding: draft model {source.path.name}, up to "
+                f"speculative decoding: draft model {source.path.name} ({precision}), up to "
                 f"{config.num_spec_tokens} proposals per step; its KV cache "
                 f"{self.draft.kv_bytes / 2**30:.3f} GiB on the same pages"
             )
