@@ -232,6 +232,12 @@ def main() -> None:
     ap.add_argument(
         "--quantization", default="auto", help="the target's (auto | none | int8 | int4)"
     )
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="which of off, ngram, auto to run (off always runs: the baseline); each engine "
+        "holds its own weights and KV cache",
+    )
     ap.add_argument("--grounded-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
@@ -246,9 +252,10 @@ def main() -> None:
     spec_kw = {"num_spec_tokens": args.num_spec_tokens, "quantization": args.quantization}
     if args.spec_auto_max_batch is not None:
         spec_kw["spec_auto_max_batch"] = args.spec_auto_max_batch
+    modes = ["off", *(m for m in args.modes.split(",") if m in MODES and m != "off")]
     engines = {
         mode: LLM(args.model, dtype=args.dtype, speculative_mode=mode, **spec_kw).engine
-        for mode in MODES
+        for mode in modes
     }
     if args.draft_model is not None:
         engines["draft"] = LLM(
