@@ -14,8 +14,15 @@ import numpy as np
 
 from radixserve.core.request import FinishReason, Request, RequestState
 from radixserve.core.step import ScheduledBatch
+from radixserve.scheduler.fair import (
+    DEFAULT_OUTPUT_WEIGHT,
+    DEFAULT_PROMPT_WEIGHT,
+    FairPolicy,
+    FairQueue,
+    VirtualTokenCounter,
+)
 from radixserve.scheduler.kv_manager import KVManager
-from radixserve.scheduler.policy import POLICIES, WaitingQueue, make_policy
+from radixserve.scheduler.policy import POLICIES, SchedulePolicy, WaitingQueue, make_policy
 
 # In-batch prefix sharing: a waiting request whose next this many uncached tokens equal
 # those a running request is prefilling right now waits for that KV instead of
@@ -45,6 +52,9 @@ class SchedulerConfig:
     reserve_ratio_init: float = 0.7
     reserve_ratio_min: float = 0.1
     reserve_ratio_decay_steps: int = 600
+    # policy "fair": service charged per prompt token computed and per output token
+    fair_prompt_weight: float = DEFAULT_PROMPT_WEIGHT
+    fair_output_weight: float = DEFAULT_OUTPUT_WEIGHT
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -109,9 +119,16 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.clock = clock
-        self.policy = make_policy(config.policy, kv.cache)
-        self.waiting = WaitingQueue(use_priority=config.policy == "priority")
         self.running: list[Request] = []
+        self._fair: FairPolicy | None = None
+        if config.policy == "fair":
+            vtc = VirtualTokenCounter(config.fair_prompt_weight, config.fair_output_weight)
+            self.waiting: WaitingQueue = FairQueue(vtc)
+            self._fair = FairPolicy(self.waiting, lambda: self.running, kv.cache)
+            self.policy: SchedulePolicy = self._fair
+        else:
+            self.policy = make_policy(config.policy, kv.cache)
+            self.waiting = WaitingQueue(use_priority=config.policy == "priority")
         self._held: dict[str, list[Request]] = {}  # group leader id -> siblings
         self._fork_source: dict[str, Request] = {}  # sibling id -> leader to share from
         self._requests: dict[str, Request] = {}
@@ -231,6 +248,8 @@ class Scheduler:
         sample = starts + num_new == totals
         if num_spec is not None:
             sample = starts + num_new - num_spec == totals
+        if self._fair is not None:
+            self._fair.charge_outputs(scheduled, sample.tolist())
         return ScheduledBatch(
             requests=scheduled,
             num_new_tokens=num_new,

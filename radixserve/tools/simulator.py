@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import numpy as np
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
-from radixserve.core.request import FinishReason, Request
+from radixserve.core.request import FinishReason, Request, Tenant
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.step import ScheduledBatch
 from radixserve.executor.simulated import CostModel, SimulatedRunner, VirtualClock
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -24,6 +26,7 @@ class TraceRequest:
     prompt: np.ndarray
     max_tokens: int
     priority: int = 0
+    tenant: Tenant | None = None
 
 
 def load_trace(path: Path, vocab_size: int = 32000) -> list[TraceRequest]:
@@ -103,6 +106,7 @@ class SimulationResult:
     hit_rate: float = 0.0
     preemptions: int = 0
     steps: int = 0
+    ttft_by_tenant: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def output_tok_s(self) -> float:
@@ -155,7 +159,14 @@ class Simulator:
         self.scheduler = Scheduler(scheduler_config, self.kv, clock=self.clock)
         self.runner = SimulatedRunner(cost, clock=self.clock)
 
-    def run(self, trace: list[TraceRequest], max_steps: int = 10_000_000) -> SimulationResult:
+    def run(
+        self,
+        trace: list[TraceRequest],
+        max_steps: int = 10_000_000,
+        on_step: Callable[[ScheduledBatch, list[Request]], None] | None = None,
+    ) -> SimulationResult:
+        """Run ``trace`` to its end. ``on_step(batch, received)``, if given, sees every
+        step after it ran: its batch and the requests that received a token."""
         pending = sorted(trace, key=lambda t: t.arrival_s)
         first_token: dict[str, float] = {}
         last_token: dict[str, float] = {}
@@ -167,7 +178,14 @@ class Simulator:
                 t = pending[next_idx]
                 rid = f"sim-{next_idx}"
                 params = SamplingParams(max_tokens=t.max_tokens, ignore_eos=True)
-                req = Request(rid, t.prompt, params, arrival_time=t.arrival_s, priority=t.priority)
+                req = Request(
+                    rid,
+                    t.prompt,
+                    params,
+                    arrival_time=t.arrival_s,
+                    priority=t.priority,
+                    tenant=t.tenant,
+                )
                 self.scheduler.add_request(req)
                 arrival[rid] = t.arrival_s
                 next_idx += 1
@@ -190,11 +208,16 @@ class Simulator:
             result.steps += 1
             tokens = self.runner.execute(batch).tokens
             now = self.clock.now
-            for req in self.scheduler.update_after_step(batch, tokens):
+            received = self.scheduler.update_after_step(batch, tokens)
+            if on_step is not None:
+                on_step(batch, received)
+            for req in received:
                 rid = req.request_id
                 if rid not in first_token:
                     first_token[rid] = now
                     result.ttft_s.append(now - arrival[rid])
+                    ttfts = result.ttft_by_tenant.setdefault(req.tenant.name, [])
+                    ttfts.append(now - arrival[rid])
                 else:
                     result.itl_s.append(now - last_token[rid])
                 last_token[rid] = now
