@@ -8,13 +8,16 @@ preempted request that is admitted again is not charged twice) and ``output_weig
 output token (charged when the step that samples it is scheduled). Admission takes the
 backlogged tenant (one with waiting requests) with the least counter; inside a tenant the
 request with the longest cached prefix among its oldest ``window`` waiting ones (arrival
-order without the radix cache). A tenant that becomes backlogged again after idling has its
+order without the radix cache). Within a step, decodes come first, then prefill chunks
+of running requests in tenant-counter order, with the admissions placed after the chunks
+of tenants served less than the tenant to admit (and its own): a light tenant's new
+request, or its prompt half done, does not wait behind a heavy tenant's long prefills. A tenant that becomes backlogged again after idling has its
 counter lifted to the least counter among the backlogged tenants (to the last admitted
 one's if none), never left behind: idling earns no credit. A tenant at its ``max_running``
 cap is passed over until one of its requests ends.
 
 Cost per admission: O(backlogged tenants + window); per step O(running) to count each
-tenant's running requests. Nothing of this runs under the other policies.
+tenant's running requests, O(p log p) to order the p prefill chunks. Nothing of this runs under the other policies.
 """
 
 from __future__ import annotations
@@ -156,8 +159,27 @@ class FairPolicy:
                 tried.add(req.request_id)
         # (unreachable: the loop returns)
 
+    def split_held(self, held: list[Request]) -> tuple[list[Request], list[Request]]:
+        """Held prefill chunks (all of a step's, in fair mode) in tenant-counter order,
+        split into those to schedule before the admissions (tenants served less than the
+        next tenant to admit, and that tenant's own) and those after."""
+        vtc = self.vtc
+        held.sort(key=lambda r: (vtc.value(r.tenant.name), r.admit_seq))
+        running = Counter(r.tenant.name for r in self._running())
+        least = self._least_tenant(running, set())
+        if least is None:
+            return held, []
+        floor = vtc.value(least)
+        first = [r for r in held if r.tenant.name == least or vtc.value(r.tenant.name) < floor]
+        if len(first) == len(held):
+            return held, []
+        ids = {id(r) for r in first}
+        return first, [r for r in held if id(r) not in ids]
+
     def _least_tenant(self, running: Counter, done: set[str]) -> str | None:
-        best: tuple[float, tuple[int, int]] | None = None
+        """The backlogged tenant below its cap with the least counter; on a tie the one
+        with fewer running requests, then the one waiting longest."""
+        best: tuple[float, int, tuple[int, int]] | None = None
         best_name = None
         vtc = self.vtc
         for name, (keys, _) in self.queue.by_tenant.items():
@@ -166,7 +188,7 @@ class FairPolicy:
             cap = vtc.tenants[name].max_running
             if cap is not None and running[name] >= cap:
                 continue
-            key = (vtc.value(name), keys[0])
+            key = (vtc.value(name), running[name], keys[0])
             if best is None or key < best:
                 best, best_name = key, name
         return best_name

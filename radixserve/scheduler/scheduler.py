@@ -201,6 +201,10 @@ class Scheduler:
 
         if self.config.policy == "priority":  # higher priority gets budget and pages first
             self.running.sort(key=lambda r: (r.priority, r.admit_seq))
+        # policy fair: decodes first, then prefill chunks and admissions by tenant counter
+        # (prefill chunks are ``held`` until after the decodes)
+        hold = self._fair is not None
+        held: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -208,6 +212,10 @@ class Scheduler:
                 i += 1  # its last token is not processed yet; it ends without another step
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            if hold and n > 1:
+                held.append(req)
+                i += 1
+                continue
             if not self._grow_or_preempt(i, req.num_computed_tokens + n, failed):
                 continue  # req itself was preempted or failed; running[i] is now the next one
             k = 0
@@ -231,8 +239,15 @@ class Scheduler:
                 self.config.reserve_ratio_min,
                 self.reserve_ratio - span / self.config.reserve_ratio_decay_steps,
             )
-            if budget > 0 and self.waiting and not self._batch_wait_pending():
-                self._admit_waiting(budget, cap, scheduled, counts, failed, spec)
+            admit = budget > 0 and self.waiting and not self._batch_wait_pending()
+            if held:  # (fair) prefills of tenants served less than the next admission's
+                held, later = self._fair.split_held(held)
+                budget = self._schedule_held(held, budget, cap, scheduled, counts, failed)
+                held = later
+            if admit:
+                budget = self._admit_waiting(budget, cap, scheduled, counts, failed, spec)
+        if held:
+            budget = self._schedule_held(held, budget, cap, scheduled, counts, failed)
 
         num_new = np.asarray(counts, dtype=np.int32)
         starts = np.fromiter(
@@ -260,6 +275,34 @@ class Scheduler:
             failed=failed,
             num_spec=num_spec,
         )
+
+    def _schedule_held(
+        self,
+        held: list[Request],
+        budget: int,
+        cap: int,
+        scheduled: list[Request],
+        counts: list[int],
+        failed: list[Request],
+    ) -> int:
+        """Prefill chunks held back by policy fair, in order, with the budget left (never
+        preempting: the growing is done). Returns the budget left."""
+        for req in held:
+            if budget <= 0:
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            grown = self.kv.grow(req, req.num_computed_tokens + n)
+            if not grown and not scheduled and req in self.running:
+                # nothing else runs this step: make room as the running loop would (the
+                # batch is empty, so no victim is in it)
+                grown = self._grow_or_preempt(
+                    self.running.index(req), req.num_computed_tokens + n, failed
+                )
+            if grown:
+                scheduled.append(req)
+                counts.append(n)
+                budget -= n
+        return budget
 
     def _take_proposals(self, req: Request, draft: np.ndarray, room: int, others: int) -> int:
         """Put up to ``room`` proposals after ``req``'s last token (in ``token_ids`` past
@@ -302,10 +345,10 @@ class Scheduler:
         counts: list[int],
         failed: list[Request],
         spec: list[int] | None = None,
-    ) -> None:
+    ) -> int:
         """Admit waiting requests in policy order; ``spec`` (proposals per scheduled decode,
         aligned with the first ``len(spec)`` of ``scheduled``) loses the entry of a victim
-        taken out of the batch."""
+        taken out of the batch. Returns the budget left."""
         committed = self._committed_pages()
         prefilling = self._prefilling_keys()
         deferrals_left = _MAX_DEFERRALS_PER_STEP
@@ -354,6 +397,7 @@ class Scheduler:
                 prefilling.add(key)
             if preempted_for_it:
                 break  # the room was made for this request, not for those behind it
+        return budget
 
     def _reserve_tokens(self, req: Request) -> float:
         remaining = req.sampling_params.max_tokens - req.num_output_tokens

@@ -17,7 +17,7 @@ from radixserve.scheduler.fair import DEFAULT_OUTPUT_WEIGHT as W_O
 from radixserve.scheduler.fair import DEFAULT_PROMPT_WEIGHT as W_P
 from radixserve.scheduler.scheduler import SchedulerConfig
 from radixserve.tools.simulator import Simulator, TraceRequest
-from tests.scheduler.test_scheduler import make, run
+from tests.scheduler.test_scheduler import apply, make, run
 
 COST = CostModel(step_s=0.01, token_s=1e-4, kv_token_s=1e-7)
 
@@ -224,7 +224,7 @@ def test_fair_survives_the_randomised_stress(overlap):
     and the pages add up (the stress of test_stress, with the fair policy)."""
     from tests.scheduler.test_stress import run_stress
 
-    run_stress("fair", overlap, num_requests=1500, tenants=6)
+    run_stress("fair", overlap, num_requests=1500, tenants=6, num_pages=300)
 
 
 def test_waiting_request_states_are_consistent_with_tenant_queues():
@@ -240,3 +240,20 @@ def test_waiting_request_states_are_consistent_with_tenant_queues():
     assert {r.request_id for r in ended} == {r.request_id for r in reqs} - {"r4"}
     assert all(r.state is RequestState.FINISHED for r in ended)
     assert not s.waiting.by_tenant and not s.waiting
+
+
+def test_a_new_light_request_goes_before_running_heavy_prefills():
+    s = make(num_pages=1024, page_size=4, budget=64, max_seqs=8, threshold=32, policy="fair")
+    heavy, light = Tenant("heavy"), Tenant("light")
+    for i in range(2):
+        s.add_request(Request(f"h{i}", [3] * 200, SamplingParams(max_tokens=2), tenant=heavy))
+    first = s.schedule()
+    assert [r.request_id for r in first.requests] == ["h0", "h1"]
+    apply(s, first, [])
+    s.add_request(Request("l0", [5] * 40, SamplingParams(max_tokens=2), tenant=light))
+    batch = s.schedule()
+    # fcfs would give the whole budget to the two running prefills
+    assert [r.request_id for r in batch.requests] == ["l0", "h0"]
+    assert batch.num_new_tokens.tolist() == [32, 32]
+    apply(s, batch, [])
+    run(s)

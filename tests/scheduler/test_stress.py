@@ -28,7 +28,13 @@ def test_five_thousand_requests_end_exactly_once(policy, overlap):
     run_stress(policy, overlap)
 
 
-def run_stress(policy: str, overlap: bool, num_requests: int = NUM_REQUESTS, tenants: int = 0):
+def run_stress(
+    policy: str,
+    overlap: bool,
+    num_requests: int = NUM_REQUESTS,
+    tenants: int = 0,
+    num_pages: int = 600,
+):
     """The stress itself; ``tenants`` > 0: requests come from that many tenants, of
     random weights, some capped in running requests."""
     rng = random.Random(policy)
@@ -37,7 +43,7 @@ def run_stress(policy: str, overlap: bool, num_requests: int = NUM_REQUESTS, ten
         for i in range(tenants)
     ]
     clock = VirtualClock()
-    pool = PagePool(600, 8)  # 4,800 tokens of KV: preemption and eviction are constant
+    pool = PagePool(num_pages, 8)  # 600: 4,800 tokens of KV, preemption and eviction constant
     table = PageTable(64, 128)
     kv = KVManager(pool, table, RadixCache(pool))
     sched = Scheduler(

@@ -154,16 +154,21 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self._count = itertools.count()
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        """``authorization: Bearer KEY`` metadata (``api.auth``, as for HTTP)."""
+        """``authorization: Bearer KEY`` metadata (``api.auth``, as for HTTP); sets the
+        call's tenant from its key, refined by ``x-tenant`` metadata when the key allows."""
         keys = self.server.keys
         if not keys:
             return
-        header = ""
+        metadata: dict[str, str] = {}
         for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str):
-                header = value
-        if not keys.allows(header):
+            if key in ("authorization", "x-tenant") and isinstance(value, str):
+                metadata[key] = value
+        if not keys.allows(metadata.get("authorization")):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, auth.MISSING_KEY_MESSAGE)
+        try:
+            self.server.set_tenant(metadata)
+        except APIError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
 
     async def _fail(
         self, context: grpc.aio.ServicerContext, error: APIError, input_name: str = "input"
