@@ -24,6 +24,7 @@ from radixserve.executor.simulated import CostModel
 from radixserve.scheduler.scheduler import SchedulerConfig
 from radixserve.tools.simulator import Simulator, TraceRequest
 
+
 def trace(args: argparse.Namespace, flood: bool) -> list[TraceRequest]:
     heavy, light = Tenant("heavy", max_running=args.heavy_cap), Tenant("light")
     rng = np.random.default_rng(args.seed)

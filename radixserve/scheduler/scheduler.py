@@ -290,9 +290,11 @@ class Scheduler:
         for req in held:
             if budget <= 0:
                 break
+            if req.state is not RequestState.PREFILL:
+                continue  # preempted meanwhile (to make room for an earlier one here)
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             grown = self.kv.grow(req, req.num_computed_tokens + n)
-            if not grown and not scheduled and req in self.running:
+            if not grown and not scheduled:
                 # nothing else runs this step: make room as the running loop would (the
                 # batch is empty, so no victim is in it)
                 grown = self._grow_or_preempt(
