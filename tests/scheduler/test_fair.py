@@ -17,7 +17,7 @@ from radixserve.scheduler.fair import DEFAULT_OUTPUT_WEIGHT as W_O
 from radixserve.scheduler.fair import DEFAULT_PROMPT_WEIGHT as W_P
 from radixserve.scheduler.scheduler import SchedulerConfig
 from radixserve.tools.simulator import Simulator, TraceRequest
-from tests.scheduler.test_scheduler import apply, make, run
+from tests.scheduler.test_scheduler import apply, check_accounting, make, run
 
 COST = CostModel(step_s=0.01, token_s=1e-4, kv_token_s=1e-7)
 
@@ -190,6 +190,7 @@ def test_a_returning_tenant_starts_at_the_least_counter_not_zero():
     assert vtc.value("a") == served  # already above: never lowered
     run(s)
     assert not s.waiting.by_tenant and not s.running
+    check_accounting(s)
 
 
 def test_admissions_in_one_step_alternate_between_tenants_by_counter():
@@ -203,6 +204,9 @@ def test_admissions_in_one_step_alternate_between_tenants_by_counter():
     names = [r.request_id for r in batch.requests]
     # each admission charges 40 / weight: b (weight 3) is admitted three times per a
     assert names[:8] == ["a0", "b0", "b1", "b2", "a1", "b3", "b4", "b5"], names
+    apply(s, batch, [])
+    run(s)
+    check_accounting(s)
 
 
 def test_cache_aware_inside_a_tenant():
@@ -216,6 +220,9 @@ def test_cache_aware_inside_a_tenant():
     batch = s.schedule()
     assert [r.request_id for r in batch.requests] == ["long", "none"]
     assert batch.requests[0].num_cached_tokens == 60
+    apply(s, batch, [])
+    run(s)
+    check_accounting(s)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -240,6 +247,7 @@ def test_waiting_request_states_are_consistent_with_tenant_queues():
     assert {r.request_id for r in ended} == {r.request_id for r in reqs} - {"r4"}
     assert all(r.state is RequestState.FINISHED for r in ended)
     assert not s.waiting.by_tenant and not s.waiting
+    check_accounting(s)
 
 
 def test_a_new_light_request_goes_before_running_heavy_prefills():
@@ -257,3 +265,4 @@ def test_a_new_light_request_goes_before_running_heavy_prefills():
     assert batch.num_new_tokens.tolist() == [32, 32]
     apply(s, batch, [])
     run(s)
+    check_accounting(s)
