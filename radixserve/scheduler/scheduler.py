@@ -100,7 +100,9 @@ class Scheduler:
         (``finish`` / ``abort`` / a failure listed in a batch's ``failed``);
       * running requests hold pages (``table_row >= 0``); waiting ones hold none;
       * a running request is scheduled every step while the budget lasts (decodes first),
-        so no prefill, however long, delays a decode by more than one chunk;
+        so no prefill, however long, delays a decode by more than one chunk (policy fair:
+        after the decodes, prefill chunks go by tenant counter with the admissions among
+        them, and a chunk that cannot grow without preempting waits for the next step);
       * admission keeps free + evictable pages >= the uncached prompt pages of every running
         request + a decode reserve that adapts (``reserve_ratio``) to observed preemptions;
       * steps are launched (``begin_step``) and processed (``end_step``) in order, at most a
