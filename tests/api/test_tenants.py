@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import grpc
 import httpx
 import msgspec
 import pytest
@@ -15,11 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve import SamplingParams
 from radixserve.api import auth
+from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
+from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
 from radixserve.api.tenants import KeysFileError, load_keys_file, parse_keys_file, tenant_tag
 from radixserve.core.request import Tenant
 from radixserve.serving import protocol as p
 from radixserve.serving.tenancy import DEFAULT_TAG
-from tests.api.server_helpers import ServerProcess
+from tests.api.server_helpers import ServerProcess, free_port
 
 GOOD = """\
 # tenants of the test server
@@ -136,10 +139,11 @@ def _scrape(url: str, headers: dict) -> dict[tuple, float]:
 def test_server_tenants_from_a_keys_file_with_metrics_and_sighup(tiny_llama, tmp_path):
     keys_file = tmp_path / "tenants.keys"
     keys_file.write_text(GOOD)
+    grpc_port = free_port()
     srv = ServerProcess(
         "--model", str(tiny_llama), "--dtype", "float32",
         "--api-keys-file", str(keys_file), "--admin-api-key", "root-key",
-        "--schedule-policy", "fair",
+        "--schedule-policy", "fair", "--grpc-port", str(grpc_port),
     )  # fmt: skip
     root = {"authorization": "Bearer root-key"}
     url = srv.url + "/v1/completions"
@@ -162,14 +166,27 @@ def test_server_tenants_from_a_keys_file_with_metrics_and_sighup(tiny_llama, tmp
             url, json={**body, "stream": True}, headers={"authorization": "Bearer sk-bob-00002"}
         )
         assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
+        # gRPC: the same key in metadata, the sub-tenant in x-tenant metadata
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb_grpc.GenerateServiceStub(channel)
+            req = pb.GenerateRequest(
+                text="hi", sampling_params=pb.SamplingParams(max_tokens=3, ignore_eos=True)
+            )
+            auth_md = ("authorization", "Bearer sk-bob-00002")
+            answers = list(stub.Generate(req, metadata=(auth_md, ("x-tenant", "team-2"))))
+            assert sum(len(a.token_ids) for a in answers) == 3
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(req, metadata=(auth_md, ("x-tenant", "no spaces"))))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         got = _scrape(srv.url, root)
         tokens = "radixserve_generation_tokens_total"
         assert got[(tokens, (("tenant", "alice"),))] == 3
-        assert got[(tokens, (("tenant", "bob"),))] == 6  # sub-tenant team-1 and plain bob
+        assert got[(tokens, (("tenant", "bob"),))] == 9  # team-1, plain bob, gRPC team-2
         labels = {dict(labels).get("tenant") for _, labels in got} - {None}
-        assert labels == {"alice", "bob"}  # keys-file names only, never a sub-tenant
+        defaults = [k for k in got if ("tenant", "default") in k[1]]
+        assert labels == {"alice", "bob"}, defaults  # keys-file names, never a sub-tenant
         ttft = "radixserve_time_to_first_token_seconds_count"
-        assert got[(ttft, (("tenant", "alice"),))] == 1 and got[(ttft, (("tenant", "bob"),))] == 2
+        assert got[(ttft, (("tenant", "alice"),))] == 1 and got[(ttft, (("tenant", "bob"),))] == 3
         success = "radixserve_request_success_total"
         assert got[(success, (("finished_reason", "length"), ("tenant", "alice")))] == 1
 

@@ -31,6 +31,7 @@ from radixserve.api.openai import converter as cv
 from radixserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.api.openai.server import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving import tenancy
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 
@@ -255,12 +256,14 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             completion: dict[int, int] = {}
             # one message per sample for everything that arrived while the last one was
             # being written: a stream that keeps up gets a message per engine step
+            tag = tenancy.current.get()  # (set by _authorize)
+            tenant = None if tag is tenancy.DEFAULT_TAG else tag.tenant
             async for batch in frontend.client.generate_batches(
-                engine_id, ids, params, request.cache_salt or None, request.priority
+                engine_id, ids, params, request.cache_salt or None, request.priority, tenant
             ):
                 outs: dict[int, pb.GenerateResponse] = {}
                 for d in batch:
-                    frontend.observe(d)
+                    frontend.observe(d, tag.label)
                     timer.delta(d.index, d)
                     out = outs.get(d.index)
                     if out is None:
