@@ -3,7 +3,7 @@ and then. The light tenant's TTFT with the flood present, under ``fair`` and ``f
 against the light tenant alone; the real scheduler, radix cache and page pool on a
 virtual clock (``tools/simulator.py``), so the figures are deterministic and need no model.
 
-    python benchmarks/tenant_fairness.py            # ~10 s
+    python benchmarks/tenant_fairness.py            # ~20 s
     python benchmarks/tenant_fairness.py --duration 120
 
 Prints a table and, last, one JSON line with light_tenant_ttft_p99_ratio (light tenant's
