@@ -32,7 +32,9 @@ class TraceRequest:
 def load_trace(path: Path, vocab_size: int = 32000) -> list[TraceRequest]:
     """JSONL, one request a line: ``arrival`` (s), ``output_tokens``, and either
     ``prompt_ids`` or ``prompt_tokens`` (random ids) with optional ``prefix_group`` and
-    ``prefix_tokens`` (requests of a group share their first ``prefix_tokens`` ids)."""
+    ``prefix_tokens`` (requests of a group share their first ``prefix_tokens`` ids);
+    optional ``priority``, and ``tenant`` (a name) with ``weight`` and ``max_concurrency``
+    (policy ``fair``)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"trace file {path} does not exist")
@@ -55,12 +57,21 @@ def load_trace(path: Path, vocab_size: int = 32000) -> list[TraceRequest]:
                 head = prefixes[group][:shared] if group is not None else np.zeros(0, np.int32)
                 tail = rng.integers(0, vocab_size, total - head.size, dtype=np.int32)
                 prompt = np.concatenate([head, tail])
+            tenant = None
+            if "tenant" in item:
+                cap = item.get("max_concurrency")
+                tenant = Tenant(
+                    str(item["tenant"]),
+                    float(item.get("weight", 1.0)),
+                    None if cap is None else int(cap),
+                )
             trace.append(
                 TraceRequest(
                     float(item.get("arrival", 0.0)),
                     prompt,
                     int(item["output_tokens"]),
                     int(item.get("priority", 0)),
+                    tenant,
                 )
             )
         except (KeyError, ValueError, TypeError) as exc:
@@ -131,6 +142,11 @@ class SimulationResult:
             "hit_rate": round(self.hit_rate, 4),
             "preemptions": self.preemptions,
             "steps": self.steps,
+            **{
+                f"ttft_p99_s[{name}]": round(pct(values, 99), 4)
+                for name, values in sorted(self.ttft_by_tenant.items())
+                if len(self.ttft_by_tenant) > 1
+            },
         }
 
 

@@ -266,3 +266,23 @@ def test_a_new_light_request_goes_before_running_heavy_prefills():
     apply(s, batch, [])
     run(s)
     check_accounting(s)
+
+
+def test_a_trace_file_names_tenants_and_the_summary_reports_each(tmp_path):
+    from radixserve.tools.simulator import load_trace
+
+    lines = [
+        '{"arrival": 0.0, "prompt_tokens": 600, "output_tokens": 8, "tenant": "heavy", '
+        '"max_concurrency": 2}'
+    ] * 20 + [
+        '{"arrival": 0.1, "prompt_tokens": 20, "output_tokens": 4, "tenant": "light", "weight": 2}'
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines))
+    trace = load_trace(path)
+    assert trace[-1].tenant == Tenant("light", 2.0) and trace[0].tenant.max_running == 2
+    sim = _sim("fair", max_seqs=8, budget=512, chunk=256, pages=1024)
+    summary = sim.run(trace).summary()
+    sim.check_pages()
+    assert summary["finished"] == 21
+    assert summary["ttft_p99_s[light]"] < summary["ttft_p99_s[heavy]"]
