@@ -322,6 +322,14 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", action="append", default=[], help="repeatable")
     srv.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="inference keys, one 'NAME:KEY [weight=W] [max_concurrency=N] "
+        "[subtenants=true]' a line, each naming its tenant (docs/many-users.md); "
+        "re-read on SIGHUP",
+    )
+    srv.add_argument(
         "--admin-api-key",
         action="append",
         default=[],
@@ -586,6 +594,7 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             api_keys=tuple(args.api_key),
             admin_api_keys=tuple(args.admin_api_key),
+            api_keys_file=args.api_keys_file,
             loopback_only=is_loopback(args.host),
             body_timeout_s=args.body_timeout or None,
             max_prompts_per_request=args.max_prompts_per_request,

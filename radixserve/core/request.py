@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,6 +67,28 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request is served for, as the ``fair`` schedule policy sees it: ``name``
+    (non-empty), its ``weight`` (> 0: a tenant of weight 2 is due twice the service of one
+    of weight 1) and ``max_running`` (its running requests at most; None: no cap)."""
+
+    name: str
+    weight: float = 1.0
+    max_running: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a tenant needs a name")
+        if not self.weight > 0:
+            raise ValueError(f"tenant {self.name!r}: weight must be > 0")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"tenant {self.name!r}: max_running must be >= 1")
+
+
+DEFAULT_TENANT = Tenant("default")
+
+
 class Request:
     """One sequence being generated.
 
@@ -109,6 +132,7 @@ class Request:
         "sampling_params",
         "state",
         "table_row",
+        "tenant",
         "token_ids",
     )
 
@@ -122,6 +146,7 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         deadline: float | None = None,
+        tenant: Tenant | None = None,
     ) -> None:
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
@@ -144,6 +169,7 @@ class Request:
         self.last_step = 0  # id of the latest launched step that contains it
         self.priority = priority  # lower runs first (policy "priority")
         self.deadline = deadline  # monotonic time after which it fails, in any state
+        self.tenant = DEFAULT_TENANT if tenant is None else tenant  # policy "fair"
         self.queue_key: tuple[int, int] = (0, 0)  # position in the waiting queue
         # cached-prefix estimate kept by prefix-aware policies while waiting
         self.probe_len = 0

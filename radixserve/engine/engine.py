@@ -15,7 +15,7 @@ from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.radix_summary import RadixSummaryData, summarize
-from radixserve.core.request import FinishReason, Request, RequestState
+from radixserve.core.request import FinishReason, Request, RequestState, Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
 from radixserve.engine.config import EngineConfig
@@ -409,11 +409,13 @@ class Engine:
         cache_salt: str | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
+        tenant: Tenant | None = None,
     ) -> list[int]:
         """Queue ``params.n`` samples of ``prompt``; returns the prompt's token ids.
 
         Requests with different ``cache_salt`` never share cached KV; lower ``priority``
-        values run first under the ``priority`` policy; a request still unfinished
+        values run first under the ``priority`` policy; ``tenant`` is who it is served for (the
+        ``fair`` policy shares the engine between tenants); a request still unfinished
         ``timeout_s`` seconds from now fails with an error. Raises ``EngineOverloaded`` when
         the waiting queue is full."""
         if self.fatal_error is not None:
@@ -433,6 +435,7 @@ class Engine:
                 cache_salt=cache_salt,
                 priority=priority,
                 deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+                tenant=tenant,
             )
             for i, sid in enumerate(seq_ids)
         ]

@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.core.request import Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.parallel import replica_environments
@@ -192,8 +193,11 @@ class DataParallelClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[p.Delta]:
-        return self._routed("generate", request_id, prompt_token_ids, params, cache_salt, priority)
+        return self._routed(
+            "generate", request_id, prompt_token_ids, params, cache_salt, priority, tenant
+        )
 
     def generate_batches(
         self,
@@ -202,9 +206,10 @@ class DataParallelClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[list[p.Delta]]:
         return self._routed(
-            "generate_batches", request_id, prompt_token_ids, params, cache_salt, priority
+            "generate_batches", request_id, prompt_token_ids, params, cache_salt, priority, tenant
         )
 
     async def _routed(
@@ -215,12 +220,13 @@ class DataParallelClient:
         params: SamplingParams,
         cache_salt: str | None,
         priority: int,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[Any]:
         """The chosen engine's ``method`` (an async generator), counted in its load until the
         caller is done with it."""
         worker = self._pick(request_id, prompt_token_ids, cache_salt)
         gen = getattr(self.clients[worker], method)(
-            request_id, prompt_token_ids, params, cache_salt, priority
+            request_id, prompt_token_ids, params, cache_salt, priority, tenant
         )
         try:
             async for item in gen:

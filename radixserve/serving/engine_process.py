@@ -147,6 +147,7 @@ def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
             msg.params,
             cache_salt=msg.cache_salt,
             priority=msg.priority,
+            tenant=msg.tenant,
         )
     except EngineOverloaded as exc:
         push.send(p.encoder.encode(p.Rejected(msg.request_id, str(exc), overloaded=True)))

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from radixserve.core.request import Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.outputs import EngineStats
 
@@ -22,6 +23,7 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     params: SamplingParams  # made and checked by the frontend (engine.inputs)
     cache_salt: str | None = None
     priority: int = 0
+    tenant: Tenant | None = None  # who it is served for (policy "fair"; None: "default")
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
