@@ -23,7 +23,12 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.inputs import InputProcessor, sampling_defaults
-from radixserve.engine.model_source import ModelSource, resolve_model
+from radixserve.engine.model_source import (
+    ModelSource,
+    model_matryoshka,
+    model_pooling,
+    resolve_model,
+)
 from radixserve.engine.outputs import CacheFlushResult, EngineStats, SequenceDelta
 from radixserve.engine.parallel import worker_spec
 from radixserve.engine.structured import GrammarWaitList
@@ -316,6 +321,9 @@ class Engine:
             self.model_config = mc = loaded.config
             self.model, self.dtype = loaded.model, loaded.dtype
         self.tokenizer, generation_config = self._load_tokenizer(checkpoint.gguf_metadata)
+        # an embedding model's own pooling (None: a generative model)
+        self.model_pooling = model_pooling(self.source, checkpoint.gguf_metadata)
+        self.matryoshka_dimensions = model_matryoshka(self.source)
         if isinstance(self.tokenizer, MissingTokenizer):
             self.detokenize = False  # outputs carry token ids only
         del checkpoint
@@ -356,6 +364,8 @@ class Engine:
         tokens) for measuring everything around the model."""
         meta = read_metadata(self.source.path) if self.source.kind == "gguf" else None
         self.tokenizer, generation_config = self._load_tokenizer(meta)
+        self.model_pooling = None
+        self.matryoshka_dimensions = None
         self.model_config = None
         self.vocab_size = len(self.tokenizer)
         self.max_model_len = config.max_model_len or _SIMULATED_MAX_MODEL_LEN

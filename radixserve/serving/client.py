@@ -31,8 +31,10 @@ class EngineClient(Protocol):
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        pooling: str | None = None,
     ) -> AsyncIterator[p.Delta]:
-        """The deltas of ``params.n`` samples, with their text, until all have finished."""
+        """The deltas of ``params.n`` samples, with their text, until all have finished;
+        with ``pooling``, a pooling request's one finished delta (with ``embedding``)."""
         ...
 
     def generate_batches(

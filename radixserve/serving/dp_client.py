@@ -192,8 +192,11 @@ class DataParallelClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        pooling: str | None = None,
     ) -> AsyncIterator[p.Delta]:
-        return self._routed("generate", request_id, prompt_token_ids, params, cache_salt, priority)
+        return self._routed(
+            "generate", request_id, prompt_token_ids, params, cache_salt, priority, pooling
+        )
 
     def generate_batches(
         self,
@@ -215,12 +218,14 @@ class DataParallelClient:
         params: SamplingParams,
         cache_salt: str | None,
         priority: int,
+        pooling: str | None = None,
     ) -> AsyncIterator[Any]:
         """The chosen engine's ``method`` (an async generator), counted in its load until the
         caller is done with it."""
         worker = self._pick(request_id, prompt_token_ids, cache_salt)
+        extra = {} if pooling is None else {"pooling": pooling}
         gen = getattr(self.clients[worker], method)(
-            request_id, prompt_token_ids, params, cache_salt, priority
+            request_id, prompt_token_ids, params, cache_salt, priority, **extra
         )
         try:
             async for item in gen:

@@ -370,10 +370,14 @@ class EngineProcessClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        pooling: str | None = None,
     ) -> AsyncIterator[p.Delta]:
         """Yield the deltas of ``params.n`` samples, with their text, until all have finished.
-        Cancelling (client gone) aborts the request in the engine."""
-        outputs, pending = self._start(request_id, prompt_token_ids, params, cache_salt, priority)
+        Cancelling (client gone) aborts the request in the engine. ``pooling``: a pooling
+        request instead (``params.n`` must be 1): one finished delta with ``embedding``."""
+        outputs, pending = self._start(
+            request_id, prompt_token_ids, params, cache_salt, priority, pooling
+        )
         finished = False
         try:
             while pending.remaining:
@@ -450,6 +454,7 @@ class EngineProcessClient:
         params: SamplingParams,
         cache_salt: str | None,
         priority: int,
+        pooling: str | None = None,
     ) -> tuple[RequestOutputProcessor, _Pending]:
         """Register the request (and with the tracker) and send it to the engine."""
         if not self.alive:
@@ -461,7 +466,9 @@ class EngineProcessClient:
             self._watch.work_started()  # the hang clock starts with the engine's work
         self._owed += n
         self._pending[request_id] = pending
-        self._send(p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority))
+        self._send(
+            p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority, pooling)
+        )
         self.tracker.start(request_id, len(prompt_token_ids), n)
         return outputs, pending
 
