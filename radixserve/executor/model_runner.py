@@ -147,8 +147,8 @@ class ModelRunner:
                 r.token_ids[t : t + k].copy()
                 for r, t, k in zip(
                     sampled_reqs,
-                    batch.totals[batch.sample].tolist(),
-                    batch.num_spec[batch.sample].tolist(),
+                    batch.totals[sample].tolist(),
+                    batch.num_spec[sample].tolist(),
                     strict=True,
                 )
             ]
