@@ -191,3 +191,34 @@ def test_pooling_request_checks(tiny_llama):
     np.testing.assert_array_equal(a, b)
     engine.abort("nothing")  # an unknown id: nothing happens
     engine.check_idle()
+
+
+def test_model_pooling_and_matryoshka_from_the_model_files(tmp_path):
+    import json
+
+    from radixserve.engine.model_source import ModelSource, model_matryoshka, model_pooling
+
+    gguf = ModelSource("gguf", tmp_path / "m.gguf", "m")
+    assert model_pooling(gguf, {"llama.pooling_type": 1}) == "mean"
+    assert model_pooling(gguf, {"qwen3.pooling_type": 3}) == "last"
+    assert model_pooling(gguf, {"bert.pooling_type": 2}) is None  # CLS: not implemented
+    assert model_pooling(gguf, {"general.architecture": "llama"}) is None
+    assert model_matryoshka(gguf) is None
+
+    hf = ModelSource("hf", tmp_path, "st")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    assert model_pooling(hf) is None and model_matryoshka(hf) is None  # generative
+    pooling = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "st.models.Pooling"}
+    (tmp_path / "modules.json").write_text(json.dumps([pooling]))
+    (tmp_path / "1_Pooling").mkdir()
+    for key, kind in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean")):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({key: True}))
+        assert model_pooling(hf) == kind
+    (tmp_path / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
+    assert model_pooling(hf) is None
+    (tmp_path / "1_Pooling" / "config.json").write_text("not json")
+    assert model_pooling(hf) is None
+    (tmp_path / "config.json").write_text(json.dumps({"is_matryoshka": True}))
+    assert model_matryoshka(hf) == []
+    (tmp_path / "config.json").write_text(json.dumps({"matryoshka_dimensions": [32, 8]}))
+    assert model_matryoshka(hf) == [8, 32]
