@@ -375,6 +375,19 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
         help="how tool calls are read from chat output: <tool_call> tags or Llama 3 JSON",
     )
     srv.add_argument(
+        "--enable-embeddings",
+        action="store_true",
+        help="serve /v1/embeddings on a generative model: its final-norm hidden states, "
+        "pooled (an embedding model's are always served; otherwise it is a 400)",
+    )
+    srv.add_argument(
+        "--embedding-pooling",
+        default=None,
+        choices=["last", "mean"],
+        help="how /v1/embeddings pools the prompt's hidden states (default: the model's "
+        "own pooling if it is an embedding model, else the last token)",
+    )
+    srv.add_argument(
         "--grammar-compile-timeout",
         type=float,
         default=10.0,
@@ -609,6 +622,8 @@ def run_serve(args: argparse.Namespace) -> int:
             **dp_kwargs(args),
             supervision=supervision_config(args),
             enable_debug_endpoints=args.enable_debug_endpoints,
+            enable_embeddings=args.enable_embeddings,
+            embedding_pooling=args.embedding_pooling,
         ),
         host=args.host,
         port=args.port,

@@ -56,6 +56,11 @@ _ALLOWED: dict[RequestState, frozenset[RequestState]] = {
 TERMINAL_STATES = frozenset({RequestState.FINISHED, RequestState.ABORTED})
 
 
+# How a pooling request (an embedding: prompt only, no sampling) reduces the final hidden
+# states of its prompt: the last token's, or the mean over every prompt token.
+POOLING_KINDS = ("last", "mean")
+
+
 class InvalidTransition(RuntimeError):
     pass
 
@@ -103,6 +108,10 @@ class Request:
       * ``table_row`` is set exactly while the request owns KV pages (PREFILL or DECODE).
       * while a launched step is not processed, ``token_ids[num_tokens - 1]`` may be a
         placeholder (negative); every token before it is real.
+      * ``pooling`` (one of ``POOLING_KINDS``) marks a pooling request: its
+        ``max_tokens`` is 1 and the step that computes its last prompt token samples nothing
+        for it (the slot after the prompt holds -1); the engine ends it there with the
+        pooled hidden state instead of a token.
     """
 
     __slots__ = (
@@ -123,6 +132,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "num_tokens",
+        "pooling",
         "priority",
         "probe_len",
         "probe_node",
@@ -147,10 +157,17 @@ class Request:
         priority: int = 0,
         deadline: float | None = None,
         tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> None:
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
+        if pooling is not None:
+            if pooling not in POOLING_KINDS:
+                raise ValueError(f"pooling must be one of {', '.join(POOLING_KINDS)}")
+            if sampling_params.max_tokens != 1 or sampling_params.n != 1:
+                raise ValueError("a pooling request has max_tokens = 1 and n = 1")
+        self.pooling = pooling
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
         self.sampling_params = sampling_params

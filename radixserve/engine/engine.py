@@ -11,18 +11,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.core.errors import InputError
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.radix_summary import RadixSummaryData, summarize
-from radixserve.core.request import FinishReason, Request, RequestState, Tenant
+from radixserve.core.request import POOLING_KINDS, FinishReason, Request, RequestState, Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.inputs import InputProcessor, sampling_defaults
-from radixserve.engine.model_source import ModelSource, resolve_model
+from radixserve.engine.model_source import (
+    ModelSource,
+    model_matryoshka,
+    model_pooling,
+    resolve_model,
+)
 from radixserve.engine.outputs import CacheFlushResult, EngineStats, SequenceDelta
 from radixserve.engine.parallel import worker_spec
 from radixserve.engine.structured import GrammarWaitList
@@ -78,6 +84,11 @@ class _Sequence:
     # prompt logprobs by position (entry p: prompt token p + 1), filled as chunks run and
     # sent once with the first output token; None when not asked for (or already sent)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # a pooling request: the kind; with "mean", the sum of the final hidden states of its
+    # prompt positions 0 .. pool_tokens - 1 computed so far (float32)
+    pooling: str | None = None
+    pool_sum: np.ndarray | None = None
+    pool_tokens: int = 0
 
 
 def _queue_time(req: Request) -> float | None:
@@ -313,6 +324,9 @@ class Engine:
             self.model_config = mc = loaded.config
             self.model, self.dtype = loaded.model, loaded.dtype
         self.tokenizer, generation_config = self._load_tokenizer(checkpoint.gguf_metadata)
+        # an embedding model's own pooling (None: a generative model)
+        self.model_pooling = model_pooling(self.source, checkpoint.gguf_metadata)
+        self.matryoshka_dimensions = model_matryoshka(self.source)
         if isinstance(self.tokenizer, MissingTokenizer):
             self.detokenize = False  # outputs carry token ids only
         del checkpoint
@@ -353,6 +367,8 @@ class Engine:
         tokens) for measuring everything around the model."""
         meta = read_metadata(self.source.path) if self.source.kind == "gguf" else None
         self.tokenizer, generation_config = self._load_tokenizer(meta)
+        self.model_pooling = None
+        self.matryoshka_dimensions = None
         self.model_config = None
         self.vocab_size = len(self.tokenizer)
         self.max_model_len = config.max_model_len or _SIMULATED_MAX_MODEL_LEN
@@ -470,6 +486,54 @@ class Engine:
             )
         self._children[request_id] = seq_ids
         return token_ids
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        pooling: str = "last",
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        tenant: Tenant | None = None,
+    ) -> list[int]:
+        """Queue a pooling request (an embedding) for ``tenant`` (as ``add_request``): the prompt is prefilled like any other,
+        under the same token budget and in the same batches as generation, but nothing is
+        sampled; its one finished delta carries ``embedding``, the final-norm hidden state
+        of the last prompt token (``pooling="last"``) or the mean over all prompt tokens
+        (``"mean"``), float32, not normalised. Returns the prompt's token ids.
+
+        Prefix cache: ``last`` reuses a cached prefix (its last token is always computed);
+        ``mean`` needs every token's hidden state and never reuses one. Both leave their
+        prompt's KV in the cache when they end, like a finished generation."""
+        if self.fatal_error is not None:
+            raise RuntimeError(self.fatal_error)
+        if pooling not in POOLING_KINDS:
+            raise InputError(
+                f"pooling must be one of {', '.join(POOLING_KINDS)}, got {pooling!r}",
+                param="pooling",
+            )
+        if self.config.simulated_device:
+            raise ValueError("pooling requests need a model (not a simulated device)")
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.inputs.check_prompt(ids, 0)  # nothing is generated: the prompt may fill it
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        req = Request(
+            request_id,
+            ids,
+            params,
+            cache_salt=cache_salt,
+            priority=priority,
+            deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+            tenant=tenant,
+            pooling=pooling,
+        )
+        self.scheduler.add_group([req])
+        self._sequences[request_id] = _Sequence(request_id, 0, None, frozenset(), pooling=pooling)
+        self._children[request_id] = [request_id]
+        return ids
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort every sample of ``request_id`` (any state), or only sample ``index``; pages
@@ -614,9 +678,14 @@ class Engine:
             seq = self._sequences.get(rid)
             if seq is not None and seq.prompt_logprobs is not None:
                 seq.prompt_logprobs[start : start + len(entries)] = entries
+        for rid, pooled in result.pooled.items():
+            self._add_pooled(rid, *pooled)
         if batch.has_spec:
             return outputs + self._process_spec(batch, result)
         for req, index in self.scheduler.end_step(batch, result.tokens):
+            if req.pooling is not None:
+                outputs.append(self._end_pooling(req))
+                continue
             token = int(req.token_ids[index])
             num_output = index + 1 - req.num_prompt_tokens
             outputs.append(
@@ -639,6 +708,9 @@ class Engine:
         for req, index in self.scheduler.end_step(batch, result.tokens, result.spec_tokens):
             if req.is_finished:
                 continue  # it stopped at an earlier token of this run
+            if req.pooling is not None:
+                outputs.append(self._end_pooling(req))
+                continue
             self.scheduler.reveal(req, index)
             row = batch.row_of(req.request_id)
             assert row is not None
@@ -647,6 +719,39 @@ class Engine:
             num_output = index + 1 - req.num_prompt_tokens
             outputs.append(self._on_token(req, int(req.token_ids[index]), num_output, lp))
         return outputs
+
+    def _add_pooled(self, request_id: str, start: int, num: int, vec: np.ndarray) -> None:
+        """A step's part of a pooling request (``StepResult.pooled``). Mean pooling sums
+        chunk by chunk; a chunk from position 0 starts over (a preempted request computes
+        its prompt again: it never reuses a prefix), one that does not follow on from the
+        sum marks it broken (None, with ``pool_tokens`` -1)."""
+        seq = self._sequences.get(request_id)
+        if seq is None or seq.pooling is None:
+            return  # ended meanwhile
+        if seq.pooling == "last" or start == 0:
+            seq.pool_sum, seq.pool_tokens = vec, start + num
+        elif seq.pool_sum is not None and start == seq.pool_tokens:
+            seq.pool_sum = seq.pool_sum + vec
+            seq.pool_tokens += num
+        else:
+            seq.pool_sum, seq.pool_tokens = None, -1
+
+    def _end_pooling(self, req: Request) -> SequenceDelta:
+        """A pooling request computed its last prompt token: it ends with its embedding."""
+        seq = self._sequences[req.request_id]
+        vec = seq.pool_sum
+        if vec is None or seq.pool_tokens != req.num_prompt_tokens:
+            message = (
+                f"internal error: pooled {seq.pool_tokens} of {req.num_prompt_tokens} prompt tokens"
+            )
+            self.scheduler.finish(req, FinishReason.ERROR, message)
+            return self._final(req)
+        if seq.pooling == "mean":
+            vec = vec / req.num_prompt_tokens
+        self.scheduler.finish(req, FinishReason.STOP)
+        delta = self._final(req)
+        delta.embedding = np.asarray(vec, dtype=np.float32)
+        return delta
 
     def _on_token(
         self, req: Request, token: int, num_output: int, logprobs: TokenLogprobs | None = None

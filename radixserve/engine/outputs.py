@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 
 @dataclass
@@ -31,6 +32,9 @@ class SequenceDelta:
     # with the first output token, if asked: TokenLogprobs of prompt tokens 1.. (token 0
     # has none); only the sample that computed the prompt carries them
     prompt_logprobs: list[Any] | None = None
+    # a pooling request's finished delta: the pooled final hidden state (float32 numpy
+    # array, not normalised); None for generation
+    embedding: Any = None
 
 
 @dataclass
@@ -111,3 +115,10 @@ class CacheFlushResult:
     kv_pages_free: int
     radix_nodes_before: int
     error: str | None = None
+
+
+def l2_normalize(vec: np.ndarray) -> np.ndarray:
+    """``vec`` scaled to unit L2 norm (float32; a zero vector stays zero)."""
+    vec = np.asarray(vec, dtype=np.float32)
+    norm = float(np.linalg.norm(vec.astype(np.float64)))
+    return vec / np.float32(norm) if norm > 0 else vec

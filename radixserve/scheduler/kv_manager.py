@@ -62,11 +62,13 @@ class KVManager:
     # -- attach: a row and the reusable prefix --------------------------------------------
     def match(self, request: Request) -> MatchResult | None:
         """The cached prefix of ``request``'s tokens but the last (always computed). None
-        for requests that want prompt logprobs: every prompt token must be computed."""
+        for requests that need every prompt token's hidden state: prompt logprobs, and
+        mean pooling (last-token pooling reuses a prefix: its last token is computed)."""
         if (
             self.cache is None
             or request.num_tokens < 2
             or request.sampling_params.prompt_logprobs is not None
+            or request.pooling == "mean"
         ):
             return None
         tokens = request.token_ids[: request.num_tokens - 1]

@@ -33,8 +33,10 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         priority: int = 0,
         tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[p.Delta]:
-        """The deltas of ``params.n`` samples, with their text, until all have finished."""
+        """The deltas of ``params.n`` samples, with their text, until all have finished;
+        with ``pooling``, a pooling request's one finished delta (with ``embedding``)."""
         ...
 
     def generate_batches(

@@ -194,9 +194,10 @@ class DataParallelClient:
         cache_salt: str | None = None,
         priority: int = 0,
         tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[p.Delta]:
         return self._routed(
-            "generate", request_id, prompt_token_ids, params, cache_salt, priority, tenant
+            "generate", request_id, prompt_token_ids, params, cache_salt, priority, tenant, pooling
         )
 
     def generate_batches(
@@ -221,12 +222,14 @@ class DataParallelClient:
         cache_salt: str | None,
         priority: int,
         tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[Any]:
         """The chosen engine's ``method`` (an async generator), counted in its load until the
         caller is done with it."""
         worker = self._pick(request_id, prompt_token_ids, cache_salt)
+        extra = {} if pooling is None else {"pooling": pooling}
         gen = getattr(self.clients[worker], method)(
-            request_id, prompt_token_ids, params, cache_salt, priority, tenant
+            request_id, prompt_token_ids, params, cache_salt, priority, tenant, **extra
         )
         try:
             async for item in gen:

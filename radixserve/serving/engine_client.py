@@ -372,11 +372,13 @@ class EngineProcessClient:
         cache_salt: str | None = None,
         priority: int = 0,
         tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[p.Delta]:
         """Yield the deltas of ``params.n`` samples, with their text, until all have finished.
-        Cancelling (client gone) aborts the request in the engine."""
+        Cancelling (client gone) aborts the request in the engine. ``pooling``: a pooling
+        request instead (``params.n`` must be 1): one finished delta with ``embedding``."""
         outputs, pending = self._start(
-            request_id, prompt_token_ids, params, cache_salt, priority, tenant
+            request_id, prompt_token_ids, params, cache_salt, priority, tenant, pooling
         )
         finished = False
         try:
@@ -458,6 +460,7 @@ class EngineProcessClient:
         cache_salt: str | None,
         priority: int,
         tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> tuple[RequestOutputProcessor, _Pending]:
         """Register the request (and with the tracker) and send it to the engine."""
         if not self.alive:
@@ -470,7 +473,9 @@ class EngineProcessClient:
         self._owed += n
         self._pending[request_id] = pending
         self._send(
-            p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority, tenant)
+            p.GenerateRequest(
+                request_id, prompt_token_ids, params, cache_salt, priority, tenant, pooling
+            )
         )
         self.tracker.start(request_id, len(prompt_token_ids), n)
         return outputs, pending

@@ -152,15 +152,18 @@ class Frontend:
         cache_salt: str | None = None,
         priority: int = 0,
         request_id: str | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[tuple[int, Delta]]:
-        """Yield (prompt index, delta) for all prompts' ``params.n`` samples, as they come.
+        """Yield (prompt index, delta) for all prompts' ``params.n`` samples, as they come;
+        with ``pooling`` (``params.n`` 1), each prompt's one pooling delta (``embedding``).
         They run for the tenant the transport set (``tenancy.current``)."""
         base = request_id or uuid.uuid4().hex
         tag = tenancy.current.get()
         tenant: Tenant | None = None if tag is tenancy.DEFAULT_TAG else tag.tenant
+        extra = {} if pooling is None else {"pooling": pooling}
         if len(prompts) == 1:  # the common case: no fan-in queue, no extra tasks
             async for delta in self.client.generate(
-                f"{base}-0", prompts[0], params, cache_salt, priority, tenant
+                f"{base}-0", prompts[0], params, cache_salt, priority, tenant, **extra
             ):
                 self.observe(delta, tag.label)
                 yield 0, delta
@@ -170,7 +173,7 @@ class Frontend:
         async def pump(i: int, ids: list[int]) -> None:
             try:
                 async for delta in self.client.generate(
-                    f"{base}-{i}", ids, params, cache_salt, priority, tenant
+                    f"{base}-{i}", ids, params, cache_salt, priority, tenant, **extra
                 ):
                     await queue.put((i, delta))
             except BaseException as exc:

@@ -24,6 +24,9 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     cache_salt: str | None = None
     priority: int = 0
     tenant: Tenant | None = None  # who it is served for (policy "fair"; None: "default")
+    # a pooling request (an embedding: ``Engine.add_pooling_request``): "last" or "mean";
+    # ``params`` is then ignored (the engine makes its own)
+    pooling: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -66,6 +69,9 @@ class Delta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     # set by the frontend when a stop string ended the sample: that string
     stop_str: str | None = None
+    # a pooling request's finished delta: the pooled final hidden state, not normalised,
+    # as little-endian float32 bytes
+    embedding: bytes | None = None
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -121,6 +127,12 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     max_model_len: int
     sampling_defaults: dict[str, Any] = {}
+    # embeddings: the model's own pooling ("last" / "mean") if it is an embedding model;
+    # the size of a pooled vector (0: no model, a simulated device); the sizes a Matryoshka
+    # model may be truncated to ([]: any; None: not a Matryoshka model)
+    model_pooling: str | None = None
+    hidden_size: int = 0
+    matryoshka_dimensions: list[int] | None = None
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: one ``OpenAIServer`` over the serving frontend, its
-route families (``completions``, ``chat``, ``native``), the console, health, metrics and
+route families (``completions``, ``chat``, ``responses``, ``embeddings``, ``native``), the console, health, metrics and
 the OpenAPI document."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from radixserve.api.asgi import (
 )
 from radixserve.api.console.debug import add_debug_routes
 from radixserve.api.console.routes import register_console
-from radixserve.api.openai import chat, completions, native, responses
+from radixserve.api.openai import chat, completions, embeddings, native, responses
 from radixserve.api.openai.converter import parse_body
 from radixserve.api.openai.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
 from radixserve.api.tenants import load_keys_file, tenant_tag
@@ -51,6 +51,10 @@ class ServerConfig:
     dp_balance: Any = None  # serving.balancer.BalanceConfig (None: its defaults)
     supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
     enable_debug_endpoints: bool = False  # /debug/* (see console/debug.py)
+    # /v1/embeddings on a generative model (an embedding model is always served); pooling:
+    # "last" | "mean" (None: the model's own, else last-token)
+    enable_embeddings: bool = False
+    embedding_pooling: str | None = None
     max_stored_responses: int = DEFAULT_MAX_RESPONSES  # the Responses API's store
     # per-request limits (a 400 naming the limit): prompts, prompts x n, prompt tokens in
     # all, completion tokens asked for in all (max_tokens x n x prompts)
@@ -229,6 +233,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     completions.add_routes(app, server)
     chat.add_routes(app, server)
     responses.add_routes(app, server)
+    embeddings.add_routes(app, server)
     messages.add_routes(app, server)  # Anthropic's Messages API
     return app
 
