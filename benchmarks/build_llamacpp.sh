@@ -8,6 +8,7 @@
 #   benchmarks/build_llamacpp.sh                 # version 0.3.36, default cache
 #   LLAMACPP_PY_VERSION=0.3.36 LLAMACPP_DIR=/some/dir benchmarks/build_llamacpp.sh
 #   JOBS=2 NICE=10 benchmarks/build_llamacpp.sh
+#   benchmarks/build_llamacpp.sh --print-stamp  # what a finished build records, then exit
 #
 # Network: only the package registry pip is configured with (`pip download`
 # of the sdist).  The build turns off everything that would fetch at build
@@ -36,6 +37,10 @@ CMAKE_FLAGS=(
     -DLLAMA_OPENSSL=OFF
 )
 STAMP="llama-cpp-python==$VERSION ${CMAKE_FLAGS[*]}"
+if [[ "${1:-}" == "--print-stamp" ]]; then
+    echo "$STAMP"
+    exit 0
+fi
 
 have_all() {
     local b
