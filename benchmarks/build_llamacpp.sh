@@ -8,6 +8,7 @@
 #   benchmarks/build_llamacpp.sh                 # version 0.3.36, default cache
 #   LLAMACPP_PY_VERSION=0.3.36 LLAMACPP_DIR=/some/dir benchmarks/build_llamacpp.sh
 #   JOBS=2 NICE=10 benchmarks/build_llamacpp.sh
+#   LLAMACPP_KEEP_AMX=1 benchmarks/build_llamacpp.sh   # keep the AMX path on an AMX CPU
 #   benchmarks/build_llamacpp.sh --print-stamp  # what a finished build records, then exit
 #
 # Network: only the package registry pip is configured with (`pip download`
@@ -36,6 +37,14 @@ CMAKE_FLAGS=(
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
     -DLLAMA_OPENSSL=OFF
 )
+# On a CPU with AMX, -march=native also compiles llama.cpp's AMX path, and that path of this
+# version segfaults at the first matmul (ggml_backend_amx_mul_mat; seen on a 2-core Xeon VM).
+# Compiled without AMX, llama.cpp runs its AVX-512 kernels with repacked weights: what it
+# runs on every CPU without AMX. (GCC keeps explicit -mno-* over what -march implies.)
+if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && [[ -z "${LLAMACPP_KEEP_AMX:-}" ]]; then
+    CMAKE_FLAGS+=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                  "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
 STAMP="llama-cpp-python==$VERSION ${CMAKE_FLAGS[*]}"
 if [[ "${1:-}" == "--print-stamp" ]]; then
     echo "$STAMP"
