@@ -134,34 +134,52 @@ def w1_throughput(args, llm, requests) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
 
+def kv_bytes_per_token(args) -> int:
+    """KV bytes of one token of the model, from its metadata (no weights loaded)."""
+    from radixserve.engine.model_source import resolve_model
+    from radixserve.executor.loader.gguf_loader import read_metadata
+    from radixserve.executor.loader.safetensors_loader import read_json
+
+    source = resolve_model(args.model)
+    width = 4 if args.dtype == "float32" else 2
+    if source.kind == "gguf":
+        meta = read_metadata(source.path)
+        arch = meta["general.architecture"]
+        layers = int(meta[f"{arch}.block_count"])
+        heads = int(meta[f"{arch}.attention.head_count"])
+        kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+        head_dim = int(meta[f"{arch}.embedding_length"]) // heads
+    else:
+        c = read_json(source.path / "config.json")
+        layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
+        kv_heads = c.get("num_key_value_heads", heads)
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    return 2 * layers * kv_heads * head_dim * width
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--sessions", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--first-tokens", type=int, default=512, help="first message")
-    parser.add_argument("--turn-tokens", type=int, default=128, help="each later message")
-    parser.add_argument("--max-tokens", type=int, default=16, help="reply length")
-    parser.add_argument("--pool-tokens", type=int, default=2048, help="KV pool size")
-    parser.add_argument("--w1-runs", type=int, default=2, help="W1 runs per side (0: skip)")
+    parser.add_argument("--sessions", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--first-tokens", type=int, default=384, help="first message")
+    parser.add_argument("--turn-tokens", type=int, default=96, help="each later message")
+    parser.add_argument("--max-tokens", type=int, default=4, help="reply length")
+    parser.add_argument("--pool-tokens", type=int, default=768, help="KV pool size")
+    parser.add_argument("--w1-runs", type=int, default=1, help="W1 runs per side (0: skip)")
     parser.add_argument("--workload", type=Path, default=W1)
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: a temp dir")
     args = parser.parse_args()
 
     from radixserve import SamplingParams
-    from radixserve.executor.kv_cache import bytes_per_page
 
     requests = load_w1(args.workload)
-    probe = make_llm(argparse.Namespace(**{**vars(args), "pool_gb": 0.01}))
-    eng = probe.engine
-    text_ids = [eng.tokenize(r["prompt"]) for r in requests]
-    kv = eng.runner.kv_cache
-    layers, _, heads, _, head_dim = kv.k.shape
-    token_bytes = bytes_per_page(layers, heads, head_dim, 1, kv.k.dtype)
-    close(probe)
+    token_bytes = kv_bytes_per_token(args)
     args.pool_gb = args.pool_tokens * token_bytes / 2**30
+    off_llm = make_llm(args)
+    text_ids = [off_llm.engine.tokenize(r["prompt"]) for r in requests]
 
     # conversations from W1 text: a session's first message, then its later messages
     stream = itertools.cycle(itertools.chain.from_iterable(text_ids))
@@ -195,7 +213,7 @@ def main() -> None:
     }
     last_convs: list[list[int]] = []
     for name, tiers in configs.items():
-        llm = make_llm(args, **tiers)
+        llm = off_llm if name == "off" else make_llm(args, **tiers)
         ttfts, outs, convs, wall, ntok = chat(args, llm, sessions, user_turns, params)
         rows[name] = {
             "ttft_p50_s": pct(ttfts, 50),
@@ -212,13 +230,16 @@ def main() -> None:
             rows[name]["move_s"] = s.host_seconds + s.disk_seconds
         outputs[name] = outs
         last_convs = convs
-        close(llm)  # host+disk: persists the tree to the disk tier
+        if name != "off":
+            close(llm)  # host+disk: persists the tree to the disk tier
 
     # restart: replay every session's last conversation on a new engine
     replay = [c[: len(c) - args.max_tokens] for c in last_convs]
     restart: dict[str, dict] = {}
+    off_llm.engine.check_idle()  # empties its tree: the cold side (no tiers, nothing cached)
     for name, tiers in (("cold", {}), ("disk-warm", configs["host+disk"])):
-        llm = make_llm(args, **tiers)
+        llm = off_llm if name == "cold" else make_llm(args, **tiers)
+        llm.engine.prefix_cache.hit_tokens = llm.engine.prefix_cache.queried_tokens = 0
         runner = Runner(llm.engine)
         ttfts = [runner.serve(conv, params)[0] for conv in replay]
         restart[name] = {
