@@ -483,7 +483,8 @@ class RadixCache:
         return freed
 
     def _spill(self, node: RadixNode) -> None:
-        """Queue the full pages of a host-tier node for the disk tier (keyed by prefix hash)."""
+        """Queue the full pages of a node leaving the tree for the disk tier (keyed by
+        prefix hash)."""
         assert self.transfer is not None
         ps = self.page_size
         full = node.key.size // ps
@@ -502,7 +503,7 @@ class RadixCache:
         prefix = np.concatenate(chain[::-1])
         start = (prefix.size - node.key.size) // ps
         keys = page_prefix_hashes(prefix, ps, start + full, namespace)[start:]
-        self.transfer.spill(node.pages[:full], keys)
+        self.transfer.spill(node.pages[:full], keys, from_pool=node.tier == TIER_POOL)
         self.tiers.spilled_pages += full
 
     def _release_pool_pages(self, pages: np.ndarray) -> None:
@@ -539,8 +540,11 @@ class RadixCache:
 
     def _drop_subtree(self, node: RadixNode) -> int:
         """Detach an unlocked node and every (host-tier) node below it; returns the pool
-        pages released."""
-        if not node.children:
+        pages released. With a disk tier (and a host tier: not while ``reset``), their full
+        pages are written there first."""
+        transfer = self.transfer
+        spill = self.host is not None and transfer is not None and transfer.has_disk
+        if not node.children and not spill:
             return self._detach(node)
         order: list[RadixNode] = []
         stack = [node]
@@ -550,6 +554,8 @@ class RadixCache:
             stack.extend(n.children.values())
         released = 0
         for n in reversed(order):  # children before their parent
+            if spill:
+                self._spill(n)
             size = self._detach(n)
             if n.tier == TIER_POOL:
                 released += size
@@ -774,7 +780,7 @@ class TierCounters:
 
     demoted_pages: int = 0  # pool -> host
     promoted_pages: int = 0  # host -> pool
-    spilled_pages: int = 0  # host -> disk (queued)
+    spilled_pages: int = 0  # host (or pool, when dropped) -> disk (queued)
     disk_promoted_pages: int = 0  # disk -> pool
     dropped_host_pages: int = 0  # left the host tier with no disk tier below (or a drop)
     failed_promotions: int = 0  # no pool pages for a promotion: a normal miss

@@ -826,7 +826,34 @@ class Engine:
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
             spec_verify_rows=self.spec_rows,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, Any]:
+        """The KV tiers' fields of ``EngineStats`` (none when the tiers are off)."""
+        transfer, cache = self.kv_transfer, self.prefix_cache
+        if transfer is None or cache is None or cache.host is None:
+            return {}
+        t, m, disk = cache.tiers, transfer.stats, transfer.disk
+        return {
+            "kv_host_pages_total": cache.host.num_slots,
+            "kv_host_pages_used": cache.host.num_used,
+            "kv_disk_bytes_used": disk.used_bytes if disk else 0,
+            "kv_disk_records": disk.num_records if disk else 0,
+            "cache_hit_tokens_host": t.host_hit_tokens,
+            "cache_hit_tokens_disk": t.disk_hit_tokens,
+            "kv_demoted_pages": t.demoted_pages,
+            "kv_promoted_pages": t.promoted_pages,
+            "kv_spilled_pages": t.spilled_pages,
+            "kv_disk_promoted_pages": t.disk_promoted_pages,
+            "kv_failed_promotions": t.failed_promotions,
+            "kv_disk_read_failures": t.disk_read_failures,
+            "kv_tier_bytes_moved": m.host_bytes_in
+            + m.host_bytes_out
+            + m.disk_bytes_in
+            + m.disk_bytes_out,
+            "kv_tier_move_seconds": m.host_seconds + m.disk_seconds,
+        }
 
     def radix_summary(self, max_nodes: int = 256, max_depth: int = 8) -> RadixSummaryData:
         """A bounded summary of the prefix cache (empty without one); ``ValueError`` for

@@ -257,12 +257,13 @@ def test_disk_tier_found_by_prefix_hash_and_corrupt_records_are_misses():
     pool, cache, transfer = make_cache(8, 2, 1, disk=True)
     prompt = list(range(20, 30))  # 5 pages
     insert(pool, cache, transfer, prompt)
-    cache.evict(8)  # -> host (1 slot: cannot hold 5) -> dropped
+    cache.evict(8)  # -> host (1 slot: cannot hold 5) -> dropped, written to disk first
     cache.flush()
-    assert not transfer.disk  # nothing was on the host tier to spill
-    insert(pool, cache, transfer, prompt)
-    assert cache.persist() == 5
     keys = page_prefix_hashes(np.array(prompt), 2, 5)
+    assert sorted(transfer.disk) == sorted(keys) and cache.tiers.spilled_pages == 5
+    transfer.disk.clear()
+    insert(pool, cache, transfer, prompt)
+    assert cache.persist() == 5  # what the tree holds, written as is (a clean shutdown)
     assert sorted(transfer.disk) == sorted(keys)
     pool2 = PagePool(8, 2)
     cache2 = RadixCache(pool2, host=TierSlots(1), transfer=transfer)
