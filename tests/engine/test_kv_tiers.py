@@ -122,6 +122,18 @@ def test_restart_answers_from_disk_and_skips_corrupt_records(tiny_llama, tmp_pat
     assert out.token_ids == expected[0]
     assert second.engine.prefix_cache.tiers.disk_hit_tokens >= 64
     assert out.num_cached_tokens >= 64
+    stats = second.engine.stats()
+    assert stats.cache_hit_tokens_disk >= 64 and stats.kv_disk_promoted_pages >= 16
+    assert stats.kv_tier_bytes_moved >= 16 * 4 * TOKEN_BYTES and stats.kv_disk_records >= 68
+    from radixserve.serving.metrics import Metrics
+
+    text = Metrics(lambda: stats).render().decode()
+    assert (
+        f'radixserve_prefix_cache_tier_hits_total{{tier="disk"}} {float(stats.cache_hit_tokens_disk)}'
+        in text
+    )
+    assert 'radixserve_kv_tier_pages_total{direction="promote_disk_to_pool"}' in text
+    assert "radixserve_kv_tier_bytes_total" in text and "radixserve_kv_tier_seconds_total" in text
     second.engine.check_page_accounting()
     second.engine.close()
 
