@@ -805,6 +805,9 @@ class Engine:
         if self.prefix_cache is not None:
             assert self.prefix_cache.protected_pages == 0, "radix nodes still locked at idle"
             self.prefix_cache.reset()
+            host = self.prefix_cache.host
+            if host is not None:
+                assert host.num_free == host.num_slots, "host-tier slots leaked at idle"
         assert self.pool.num_free == self.pool.num_pages, "pages leaked at idle"
 
     # -- what the engine reports --------------------------------------------------------
