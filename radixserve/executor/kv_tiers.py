@@ -182,9 +182,13 @@ class DiskKVStore:
         return len(self._index)
 
     # -- write ----------------------------------------------------------------------------
-    def put(self, key: bytes, payload: bytes) -> None:
-        """Queue a record (``payload``: the page's bytes, owned by the store from now on)."""
+    def put(self, key: bytes, payload: bytes, block: bool = False) -> None:
+        """Queue a record (``payload``: the page's bytes, owned by the store from now on).
+        When the queue is full the record is dropped (a cache), or with ``block`` written
+        after the queue drains (a shutdown's ``persist``)."""
         size = self.record_bytes
+        if block and self._queued_bytes + size > _MAX_QUEUED_BYTES:
+            self.drain()
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
@@ -397,7 +401,7 @@ class TierTransfer:
             if disk.touch(key):
                 continue
             payload = self._page_bytes(store.k[:, slot].cpu(), store.v[:, slot].cpu())
-            disk.put(key, payload)
+            disk.put(key, payload, block=from_pool)
             self.stats.disk_bytes_in += len(payload)
 
     def disk_lookup(self, keys: list[bytes]) -> int:

@@ -303,3 +303,18 @@ def test_page_prefix_hashes_chain():
     other[5] = 99
     changed = page_prefix_hashes(other, 4, 3)
     assert changed[0] == full[0] and changed[1] != full[1] and changed[2] != full[2]
+
+
+def test_a_prefix_two_requests_share_is_promoted_once():
+    """Promotion is synchronous: the second request matching the same host-tier prefix
+    finds it in the pool already (no second copy, no second set of pages)."""
+    pool, cache, transfer = make_cache(12, 2, 12, disk=False)
+    insert(pool, cache, transfer, [1, 2, 3, 4, 5, 6])
+    cache.evict(12)
+    cache.flush()
+    first = check_match(pool, cache, transfer, [1, 2, 3, 4, 5, 6, 7])
+    promoted = cache.tiers.promoted_pages
+    second = check_match(pool, cache, transfer, [1, 2, 3, 4, 5, 6, 9])
+    assert promoted == 3 and cache.tiers.promoted_pages == promoted
+    assert np.array_equal(first.page_ids, second.page_ids)
+    check_accounting(pool, cache)
