@@ -52,9 +52,9 @@ def _chat(llm: LLM, starts, adds, max_tokens: int = 6) -> list[list[int]]:
 
 @pytest.mark.parametrize("page_size", [pytest.param(4, marks=pytest.mark.slow), 16])
 def test_multi_turn_same_tokens_tiers_on_and_off(tiny_llama, page_size):
-    """Conversations 5x the pool: without tiers every turn recomputes; with a host tier
+    """Conversations 4x the pool: without tiers every turn recomputes; with a host tier
     the history comes back from it (the pool demotes and promotes many times)."""
-    starts, adds = _conversations(page_size, sessions=5, first=45, turn=13, turns=3)
+    starts, adds = _conversations(page_size, sessions=4, first=45, turn=13, turns=3)
     pool = 160
     expected = _chat(_llm(tiny_llama, pool, page_size, disable_radix_cache=True), starts, adds)
     llm = _llm(tiny_llama, pool, page_size, kv_host_gb=_gb(2000))
