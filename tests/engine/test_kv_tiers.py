@@ -52,7 +52,7 @@ def _chat(llm: LLM, starts, adds, max_tokens: int = 6) -> list[list[int]]:
 
 @pytest.mark.parametrize("page_size", [pytest.param(4, marks=pytest.mark.slow), 16])
 def test_multi_turn_same_tokens_tiers_on_and_off(tiny_llama, page_size):
-    """Conversations 4x the pool: without tiers every turn recomputes; with a host tier
+    """Conversations about 3x the pool: without tiers every turn recomputes; with a host tier
     the history comes back from it (the pool demotes and promotes many times)."""
     starts, adds = _conversations(page_size, sessions=4, first=45, turn=13, turns=3)
     pool = 160
