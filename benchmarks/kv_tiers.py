@@ -5,8 +5,10 @@
 
 Sessions take turns (one request at a time, as users waiting for replies would): every turn
 appends the model's reply and a new user message (text from W1's prompts) to its
-conversation and sends the whole conversation again. The pool holds about a sixth of all
-conversations, so without tiers a session's history is evicted before it comes back.
+conversation and sends the whole conversation again. By default 6 sessions x 6 turns, a
+384-token first message, 64-token later ones, 4-token replies: the conversations end at
+5.7x the pool (768 tokens), so without tiers a session's history is evicted before it comes
+back. The off engine, reset, is the cold side of the restart scenario.
 
 Runs, all in this one invocation: tiers off, host tier (large enough for everything),
 host + disk (host tier about 1.5 pools, the rest on disk); then the restart scenario: a
@@ -163,9 +165,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--sessions", type=int, default=6)
-    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--first-tokens", type=int, default=384, help="first message")
-    parser.add_argument("--turn-tokens", type=int, default=96, help="each later message")
+    parser.add_argument("--turn-tokens", type=int, default=64, help="each later message")
     parser.add_argument("--max-tokens", type=int, default=4, help="reply length")
     parser.add_argument("--pool-tokens", type=int, default=768, help="KV pool size")
     parser.add_argument("--w1-runs", type=int, default=1, help="W1 runs per side (0: skip)")

@@ -356,7 +356,6 @@ class TierTransfer:
         layers = kv.k.shape[0]
         self._half = self.page_bytes // 2
         self._layers = layers
-        self._scratch = np.empty(self.page_bytes, dtype=np.uint8)
 
     @property
     def has_disk(self) -> bool:
@@ -385,24 +384,27 @@ class TierTransfer:
     def copy(self, src: int, dst: int) -> None:
         self.kv.copy_pages(torch.tensor([src]), torch.tensor([dst]))
 
-    def _page_bytes(self, k: torch.Tensor, v: torch.Tensor) -> bytes:
-        """One page's keys then values ([layers, heads, page, dim] each) as raw bytes."""
-        return (
-            k.contiguous().view(torch.uint8).numpy().tobytes()
-            + v.contiguous().view(torch.uint8).numpy().tobytes()
-        )
+    def _pages_bytes(self, store: KVCache | HostKVStore, ids: list[int]) -> np.ndarray:
+        """Pages ``ids`` of ``store`` as rows of raw bytes (each: its keys then values,
+        [layers, heads, page, dim] each), gathered in one copy per tensor."""
+        idx = torch.tensor(ids, dtype=torch.int64, device=store.k.device)
+        both = torch.stack(
+            [store.k[:, idx].transpose(0, 1), store.v[:, idx].transpose(0, 1)], dim=1
+        ).cpu()  # [n, 2, layers, heads, page, dim], contiguous
+        return both.view(torch.uint8).numpy().reshape(len(ids), self.page_bytes)
 
     def spill(self, slots: np.ndarray, keys: list[bytes], from_pool: bool = False) -> None:
         disk = self.disk
         if disk is None:
             return
-        store = self.kv if from_pool else self.host
-        for slot, key in zip(slots.tolist(), keys, strict=True):
-            if disk.touch(key):
-                continue
-            payload = self._page_bytes(store.k[:, slot].cpu(), store.v[:, slot].cpu())
-            disk.put(key, payload, block=from_pool)
-            self.stats.disk_bytes_in += len(payload)
+        todo = [(slot, key) for slot, key in zip(slots.tolist(), keys, strict=True)]
+        todo = [(slot, key) for slot, key in todo if not disk.touch(key)]
+        if not todo:
+            return
+        rows = self._pages_bytes(self.kv if from_pool else self.host, [s for s, _ in todo])
+        for row, (_, key) in zip(rows, todo, strict=True):
+            disk.put(key, row.tobytes(), block=from_pool)
+        self.stats.disk_bytes_in += len(todo) * self.page_bytes
 
     def disk_lookup(self, keys: list[bytes]) -> int:
         return 0 if self.disk is None else self.disk.lookup(keys)
@@ -412,20 +414,18 @@ class TierTransfer:
         if disk is None:
             return 0
         t0 = time.perf_counter()
-        buf = self._scratch
-        half = self._half
-        dtype = self.kv.k.dtype
-        shape = (self._layers, *self._page_shape)
+        n = min(len(keys), pool_pages.size)
+        buf = np.empty((n, self.page_bytes), dtype=np.uint8)
         loaded = 0
-        for key, page in zip(keys, pool_pages.tolist(), strict=False):
-            if not disk.read_into(key, buf):
-                break
-            data = torch.from_numpy(buf)
-            k = data[:half].view(dtype).reshape(shape)
-            v = data[half:].view(dtype).reshape(shape)
-            self.kv.k[:, page] = k.to(self.kv.k.device)
-            self.kv.v[:, page] = v.to(self.kv.v.device)
+        while loaded < n and disk.read_into(keys[loaded], buf[loaded]):
             loaded += 1
+        if loaded:
+            dtype = self.kv.k.dtype
+            data = torch.from_numpy(buf[:loaded]).view(dtype)
+            data = data.reshape(loaded, 2, self._layers, *self._page_shape)
+            idx = self._index(pool_pages[:loaded]).to(self.kv.k.device)
+            self.kv.k[:, idx] = data[:, 0].transpose(0, 1).to(self.kv.k.device)
+            self.kv.v[:, idx] = data[:, 1].transpose(0, 1).to(self.kv.v.device)
         self.stats.disk_bytes_out += loaded * self.page_bytes
         self.stats.disk_seconds += time.perf_counter() - t0
         return loaded
