@@ -26,6 +26,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV cache size in GiB")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument(
+        "--kv-host-gb",
+        type=float,
+        default=0.0,
+        help="host tier under the radix cache, GiB: evicted KV is kept here and promoted "
+        "back on a hit (0: off; docs/kv-tiers.md)",
+    )
+    g.add_argument(
+        "--kv-disk-gb", type=float, default=0.0, help="disk tier size, GiB (with --kv-cache-dir)"
+    )
+    g.add_argument(
+        "--kv-cache-dir",
+        default=None,
+        help="disk tier folder: KV pages leaving the host tier are written here and found "
+        "again after a restart (needs --kv-host-gb and --kv-disk-gb)",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument(
         "--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=256
@@ -296,6 +312,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "spec_auto_max_batch": args.spec_auto_max_batch,
         "spec_draft_model": args.spec_draft_model,
         "spec_draft_quantization": args.spec_draft_quantization,
+        "kv_host_gb": args.kv_host_gb,
+        "kv_disk_gb": args.kv_disk_gb,
+        "kv_cache_dir": args.kv_cache_dir,
     }
 
 

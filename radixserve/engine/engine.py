@@ -6,12 +6,14 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from radixserve.core.errors import InputError
+from radixserve.core.kv_tiers import TierSlots
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
@@ -50,6 +52,7 @@ from radixserve.executor.device import (
 )
 from radixserve.executor.distributed import DeviceLost, TensorParallelGroup, default_threads
 from radixserve.executor.grammar import GrammarService
+from radixserve.executor.kv_tiers import DiskKVStore, HostKVStore, TierTransfer, model_identity
 from radixserve.executor.loader import Checkpoint
 from radixserve.executor.loader.gguf_loader import read_metadata
 from radixserve.executor.loader.safetensors_loader import read_json
@@ -178,6 +181,9 @@ class Engine:
                 cuda_graph_max_bs=None if config.disable_cuda_graph else config.cuda_graph_max_bs,
                 tp=self.tp,
             )
+        self.kv_transfer: TierTransfer | None = None
+        if config.tiers:
+            self._init_tiers(config)
         self.overlap = config.overlap
         self.device = self._make_device(config)
         self._init_speculative(config)
@@ -192,6 +198,52 @@ class Engine:
             lambda: GrammarService(self.tokenizer, self.vocab_size, list(self.eos_token_ids)),
             config.grammar_compile_timeout_s,
         )
+
+    def _init_tiers(self, config: EngineConfig) -> None:
+        """The host tier (and the disk tier under it) below the radix cache."""
+        assert self.prefix_cache is not None and isinstance(self.runner, ModelRunner)
+        kv = self.runner.kv_cache
+        page_bytes = 2 * kv.k[:, 0].numel() * kv.k.element_size()
+        slots = int(config.kv_host_gb * 2**30) // page_bytes
+        if slots < 1:
+            raise ValueError(f"kv_host_gb {config.kv_host_gb} holds no KV page of {page_bytes} B")
+        host = HostKVStore(kv, slots)
+        disk = None
+        line = f"KV host tier {slots * page_bytes / 2**30:.3f} GiB ({slots} pages)"
+        if config.kv_cache_dir is not None:
+            layers, _, heads, _, head_dim = kv.k.shape
+            identity = model_identity(
+                self.source.path,
+                kv.k.dtype,
+                config.page_size,
+                layers,
+                heads,
+                head_dim,
+                extra=f"{self.source.kind}:{config.quantization}:{config.quantization_group_size}"
+                f":{config.load_format}",
+            )
+            disk = DiskKVStore(
+                Path(config.kv_cache_dir), identity, int(config.kv_disk_gb * 2**30), page_bytes
+            )
+            line += (
+                f"; disk tier {config.kv_disk_gb} GiB in {disk.folder} "
+                f"({disk.num_records} records found)"
+            )
+        self.kv_transfer = TierTransfer(kv, host, disk)
+        self.prefix_cache.host = TierSlots(slots)
+        self.prefix_cache.transfer = self.kv_transfer
+        logger.info("%s", line)
+        self.startup_line += "; " + line
+
+    def persist_cache(self) -> int:
+        """Write every full page the radix tree holds (pool and host tiers) to the disk
+        tier and wait for the writes; returns the pages queued (0 without a disk tier)."""
+        if self.kv_transfer is None or self.kv_transfer.disk is None:
+            return 0
+        assert self.prefix_cache is not None
+        queued = self.prefix_cache.persist()
+        self.kv_transfer.disk.drain()
+        return queued
 
     def _init_speculative(self, config: EngineConfig) -> None:
         """Speculative decoding (``config.speculative_mode``): the proposer and counters. A
@@ -297,6 +349,10 @@ class Engine:
         self.drain()
         self.device.close()
         self.grammars.close()
+        if self.kv_transfer is not None:
+            self.persist_cache()  # a restart of this model finds the tree's KV on disk
+            self.kv_transfer.close()
+            self.kv_transfer = None
         if self.tp is not None:
             self.tp.close()
             if self._threads_before is not None:  # the process may run other engines
@@ -838,6 +894,18 @@ class Engine:
         assert np.array_equal(expected, self.pool.refcount), "page refcounts != holders"
         free = self.pool.num_free
         assert free + int(np.count_nonzero(expected)) == self.pool.num_pages, "pages unaccounted"
+        if self.kv_transfer is not None:
+            self.check_tier_accounting()
+
+    def check_tier_accounting(self) -> None:
+        """Per tier: the tree's pool pages split into evictable + protected, each host slot
+        free or held by exactly one host-tier node, and (once queued writes are done) the
+        disk tier's index equal to its files and within its limit."""
+        assert self.prefix_cache is not None
+        self.prefix_cache.check_tiers()
+        if self.kv_transfer is not None and self.kv_transfer.disk is not None:
+            self.kv_transfer.disk.drain()
+            self.kv_transfer.disk.check()
 
     def check_idle(self) -> None:
         """At idle: no request left, accounting holds, and once the radix tree lets go of
@@ -848,6 +916,9 @@ class Engine:
         if self.prefix_cache is not None:
             assert self.prefix_cache.protected_pages == 0, "radix nodes still locked at idle"
             self.prefix_cache.reset()
+            host = self.prefix_cache.host
+            if host is not None:
+                assert host.num_free == host.num_slots, "host-tier slots leaked at idle"
         assert self.pool.num_free == self.pool.num_pages, "pages leaked at idle"
 
     # -- what the engine reports --------------------------------------------------------
@@ -869,7 +940,34 @@ class Engine:
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
             spec_verify_rows=self.spec_rows,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, Any]:
+        """The KV tiers' fields of ``EngineStats`` (none when the tiers are off)."""
+        transfer, cache = self.kv_transfer, self.prefix_cache
+        if transfer is None or cache is None or cache.host is None:
+            return {}
+        t, m, disk = cache.tiers, transfer.stats, transfer.disk
+        return {
+            "kv_host_pages_total": cache.host.num_slots,
+            "kv_host_pages_used": cache.host.num_used,
+            "kv_disk_bytes_used": disk.used_bytes if disk else 0,
+            "kv_disk_records": disk.num_records if disk else 0,
+            "cache_hit_tokens_host": t.host_hit_tokens,
+            "cache_hit_tokens_disk": t.disk_hit_tokens,
+            "kv_demoted_pages": t.demoted_pages,
+            "kv_promoted_pages": t.promoted_pages,
+            "kv_spilled_pages": t.spilled_pages,
+            "kv_disk_promoted_pages": t.disk_promoted_pages,
+            "kv_failed_promotions": t.failed_promotions,
+            "kv_disk_read_failures": t.disk_read_failures,
+            "kv_tier_bytes_moved": m.host_bytes_in
+            + m.host_bytes_out
+            + m.disk_bytes_in
+            + m.disk_bytes_out,
+            "kv_tier_move_seconds": m.host_seconds + m.disk_seconds,
+        }
 
     def radix_summary(self, max_nodes: int = 256, max_depth: int = 8) -> RadixSummaryData:
         """A bounded summary of the prefix cache (empty without one); ``ValueError`` for

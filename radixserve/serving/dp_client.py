@@ -38,6 +38,20 @@ _SUMMED = (
     "spec_proposed_tokens",
     "spec_accepted_tokens",
     "spec_verify_rows",
+    "kv_host_pages_total",
+    "kv_host_pages_used",
+    "kv_disk_bytes_used",
+    "kv_disk_records",
+    "cache_hit_tokens_host",
+    "cache_hit_tokens_disk",
+    "kv_demoted_pages",
+    "kv_promoted_pages",
+    "kv_spilled_pages",
+    "kv_disk_promoted_pages",
+    "kv_failed_promotions",
+    "kv_disk_read_failures",
+    "kv_tier_bytes_moved",
+    "kv_tier_move_seconds",
 )
 
 
@@ -69,6 +83,11 @@ class DataParallelClient:
             raise ValueError(f"data_parallel_size must be at least 1, got {size}")
         if size > 1 and config.nnodes > 1:
             raise ValueError("data_parallel_size > 1 runs on one node: nnodes must be 1")
+        if size > 1 and config.kv_cache_dir is not None:
+            raise ValueError(
+                "data_parallel_size > 1 with kv_cache_dir: the engines would share one disk "
+                "tier whose size limit each counts alone (not supported; host tiers are)"
+            )
         if size > 1 and config.tensor_parallel_size > 1 and config.master_port is not None:
             # every replica's TP group would listen on the same rendezvous port
             raise ValueError(

@@ -52,12 +52,54 @@ class _EngineCollector(Collector):
             "Requests that verified proposals in a step",
             s.spec_verify_rows,
         )
+        yield from _tier_metrics(s)
         mean = 1 + s.spec_accepted_tokens / s.spec_verify_rows if s.spec_verify_rows else 0.0
         yield GaugeMetricFamily(
             "radixserve_spec_mean_accepted_length",
             "Tokens emitted per verify row (1 + accepted proposals), since start",
             mean,
         )
+
+
+def _tier_metrics(s: EngineStats) -> Iterator:
+    """The KV tiers' counters (docs/kv-tiers.md): hits by tier, pages moved, bytes, time."""
+    hits = CounterMetricFamily(
+        "radixserve_prefix_cache_tier_hits",
+        "Prompt tokens found cached, by the tier their KV came from",
+        labels=["tier"],
+    )
+    host, disk = s.cache_hit_tokens_host, s.cache_hit_tokens_disk
+    hits.add_metric(["pool"], s.cache_hit_tokens - host - disk)
+    hits.add_metric(["host"], host)
+    hits.add_metric(["disk"], disk)
+    yield hits
+    moved = CounterMetricFamily(
+        "radixserve_kv_tier_pages", "KV pages moved between tiers", labels=["direction"]
+    )
+    moved.add_metric(["demote_pool_to_host"], s.kv_demoted_pages)
+    moved.add_metric(["promote_host_to_pool"], s.kv_promoted_pages)
+    moved.add_metric(["spill_host_to_disk"], s.kv_spilled_pages)
+    moved.add_metric(["promote_disk_to_pool"], s.kv_disk_promoted_pages)
+    yield moved
+    yield CounterMetricFamily(
+        "radixserve_kv_tier_promotions_failed",
+        "Promotions that got no pool pages or read a bad record (plain misses)",
+        s.kv_failed_promotions + s.kv_disk_read_failures,
+    )
+    yield CounterMetricFamily(
+        "radixserve_kv_tier_bytes", "Bytes moved between KV tiers", s.kv_tier_bytes_moved
+    )
+    yield CounterMetricFamily(
+        "radixserve_kv_tier_seconds",
+        "Seconds spent copying between tiers and reading disk records",
+        s.kv_tier_move_seconds,
+    )
+    yield GaugeMetricFamily(
+        "radixserve_kv_host_pages_used", "Host-tier pages holding KV", s.kv_host_pages_used
+    )
+    yield GaugeMetricFamily(
+        "radixserve_kv_disk_bytes_used", "Disk-tier bytes (records)", s.kv_disk_bytes_used
+    )
 
 
 class Metrics:

@@ -94,7 +94,7 @@ class RadixSummary(msgspec.Struct, tag="radix_summary"):
     ``cost_ms``: what building it cost the engine loop."""
 
     query_id: int
-    nodes: list[tuple[int, int, int, int, int, int, int, int, int, int, bytes]]
+    nodes: list[tuple[int, int, int, int, int, int, int, int, int, int, bytes, int]]
     namespaces: int
     total_nodes: int
     total_tokens: int
