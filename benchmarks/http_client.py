@@ -66,16 +66,48 @@ class Client:
         self._idle: list[Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
 
-    async def _acquire(self) -> Connection:
+    async def _acquire(self) -> tuple[Connection, bool]:
+        """A connection and whether it is a reused keep-alive one (a slot held)."""
         await self._slots.acquire()
         if self._idle:
-            return self._idle.pop()
+            return self._idle.pop(), True
         try:
-            reader, writer = await asyncio.open_connection(self.host, self.port, limit=2**22)
+            return await self._connect(), False
         except BaseException:
             self._slots.release()
             raise
+
+    async def _connect(self) -> Connection:
+        reader, writer = await asyncio.open_connection(self.host, self.port, limit=2**22)
         return Connection(reader, writer)
+
+    async def _start(self, raw: bytes) -> tuple[Connection, int, dict[bytes, bytes]]:
+        """Send ``raw`` and read the answer's head (a slot held, released on failure). A
+        reused keep-alive connection the server closed while it sat idle answers nothing
+        at all: the request goes once more on a new connection (llama-server closes the
+        connection after a streamed answer without saying so)."""
+        conn, reused = await self._acquire()
+        try:
+            conn.writer.write(raw)
+            status, headers = await conn._head()
+            return conn, status, headers
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            retry = reused and not (isinstance(exc, asyncio.IncompleteReadError) and exc.partial)
+            if not retry:
+                self._release(conn, False)
+                raise
+            conn.writer.close()
+        except BaseException:
+            self._release(conn, False)
+            raise
+        try:
+            conn = await self._connect()
+            conn.writer.write(raw)
+            status, headers = await conn._head()
+        except BaseException:
+            self._release(conn, False)
+            raise
+        return conn, status, headers
 
     def _release(self, conn: Connection, reusable: bool) -> None:
         if reusable:
@@ -93,11 +125,9 @@ class Client:
 
     async def request(self, method: str, path: str, body: object | None = None):
         """(status, body bytes) of one request."""
-        conn = await self._acquire()
+        conn, status, headers = await self._start(self._request(method, path, body))
         ok = False
         try:
-            conn.writer.write(self._request(method, path, body))
-            status, headers = await conn._head()
             data = b"".join([c async for c in conn._chunks(headers)])
             ok = headers.get(b"connection", b"").lower() != b"close"
             return status, data
@@ -107,14 +137,14 @@ class Client:
     async def events(self, path: str, body: object) -> AsyncIterator[tuple[float, bytes]]:
         """POST and yield (arrival time, data) of each server-sent event. A non-200 answer
         raises HTTPError with its body."""
-        conn = await self._acquire()
+        conn, status, headers = await self._start(self._request("POST", path, body))
         ok = False
         try:
-            conn.writer.write(self._request("POST", path, body))
-            status, headers = await conn._head()
+            # a server that ends the connection after this answer says so
+            keep = headers.get(b"connection", b"").lower() != b"close"
             if status != 200:
                 data = b"".join([c async for c in conn._chunks(headers)])
-                ok = True
+                ok = keep
                 raise HTTPError(f"HTTP {status}: {data[:200].decode(errors='replace')}")
             buffer = b""
             async for chunk in conn._chunks(headers):
@@ -126,7 +156,7 @@ class Client:
                         yield now, event[6:]
                     elif (at := event.find(b"\ndata: ")) >= 0:
                         yield now, event[at + 7 :]
-            ok = True
+            ok = keep
         finally:
             self._release(conn, ok)
 

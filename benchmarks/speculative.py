@@ -3,6 +3,8 @@
     VENV/bin/python benchmarks/speculative.py
     VENV/bin/python benchmarks/speculative.py --workloads DIR --quick
     VENV/bin/python benchmarks/speculative.py --dtype bfloat16
+    VENV/bin/python benchmarks/speculative.py --dtype bfloat16 --quantization none \
+        --draft-model MODEL.gguf --draft-quantization int4     # an int4 copy as the draft
 
 Workloads (from ``--workloads``, default ``../shared/workloads`` next to the repository):
 
@@ -22,7 +24,8 @@ loops on itself is not mistaken for a speedup.
 
 Prints a table, then one JSON line: ngram_speedup_bs1_grounded,
 ngram_speedup_bs16_grounded, ngram_ratio_w1 (throughput with auto vs off on W1),
-draft_speedup_bs1, greedy_identical, and the per-configuration figures.
+draft_speedup_bs1 (grounded) and draft_speedup_bs1_w3 (free generation), greedy_identical,
+and the per-configuration figures.
 """
 
 from __future__ import annotations
@@ -220,6 +223,21 @@ def main() -> None:
     ap.add_argument("--num-spec-tokens", type=int, default=4)
     ap.add_argument("--spec-auto-max-batch", type=int, default=None, help="auto's threshold")
     ap.add_argument("--draft-model", default=None, help="a draft for mode draft (same tokenizer)")
+    ap.add_argument(
+        "--draft-quantization",
+        default="auto",
+        help="how the draft runs (auto | none | int8 | int4): int4 with the target's own file "
+        "as --draft-model is an int4 copy of the target proposing for it",
+    )
+    ap.add_argument(
+        "--quantization", default="auto", help="the target's (auto | none | int8 | int4)"
+    )
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="which of off, ngram, auto to run (off always runs: the baseline); each engine "
+        "holds its own weights and KV cache",
+    )
     ap.add_argument("--grounded-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
@@ -231,12 +249,13 @@ def main() -> None:
 
     w1 = load(args.workloads / "w1_offline.jsonl")
     w3 = load(args.workloads / "w3_online.jsonl")
-    spec_kw = {"num_spec_tokens": args.num_spec_tokens}
+    spec_kw = {"num_spec_tokens": args.num_spec_tokens, "quantization": args.quantization}
     if args.spec_auto_max_batch is not None:
         spec_kw["spec_auto_max_batch"] = args.spec_auto_max_batch
+    modes = ["off", *(m for m in args.modes.split(",") if m in MODES and m != "off")]
     engines = {
         mode: LLM(args.model, dtype=args.dtype, speculative_mode=mode, **spec_kw).engine
-        for mode in MODES
+        for mode in modes
     }
     if args.draft_model is not None:
         engines["draft"] = LLM(
@@ -244,6 +263,7 @@ def main() -> None:
             dtype=args.dtype,
             speculative_mode="draft",
             spec_draft_model=args.draft_model,
+            spec_draft_quantization=args.draft_quantization,
             **spec_kw,
         ).engine
     off = engines["off"]
@@ -368,6 +388,7 @@ def main() -> None:
                 "ngram_speedup_bs16_grounded": speedup("grounded", 16, "ngram"),
                 "ngram_ratio_w1": speedup("w1", None, "auto"),
                 "draft_speedup_bs1": speedup("grounded", 1, "draft"),
+                "draft_speedup_bs1_w3": speedup("w3", 1, "draft"),
                 "auto_speedup_bs1_grounded": speedup("grounded", 1, "auto"),
                 "greedy_identical": identical,
                 "results": results,

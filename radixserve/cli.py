@@ -26,6 +26,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     g.add_argument("--kv-cache-memory", type=float, default=1.0, help="KV cache size in GiB")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument(
+        "--kv-host-gb",
+        type=float,
+        default=0.0,
+        help="host tier under the radix cache, GiB: evicted KV is kept here and promoted "
+        "back on a hit (0: off; docs/kv-tiers.md)",
+    )
+    g.add_argument(
+        "--kv-disk-gb", type=float, default=0.0, help="disk tier size, GiB (with --kv-cache-dir)"
+    )
+    g.add_argument(
+        "--kv-cache-dir",
+        default=None,
+        help="disk tier folder: KV pages leaving the host tier are written here and found "
+        "again after a restart (needs --kv-host-gb and --kv-disk-gb)",
+    )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument(
         "--max-num-seqs", "--max-running-requests", dest="max_num_seqs", type=int, default=256
@@ -117,6 +133,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     from radixserve.engine.config import SPECULATIVE_MODES
+    from radixserve.executor.quant import QUANTIZATIONS
 
     g = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     g.add_argument(
@@ -131,6 +148,13 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         "--spec-draft-model",
         default=None,
         help="HF folder or .gguf of the draft model (--speculative-mode draft)",
+    )
+    g.add_argument(
+        "--spec-draft-quantization",
+        default="auto",
+        choices=list(QUANTIZATIONS),
+        help="how the draft's layers run (as --quantization); int8/int4 run it in bfloat16, "
+        "so a model can take an int4 copy of itself as its draft",
     )
     g.add_argument("--num-spec-tokens", type=int, default=4, help="proposals per step")
     g.add_argument("--spec-ngram-max", type=int, default=4, help="longest suffix looked up")
@@ -287,6 +311,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "spec_ngram_min": args.spec_ngram_min,
         "spec_auto_max_batch": args.spec_auto_max_batch,
         "spec_draft_model": args.spec_draft_model,
+        "spec_draft_quantization": args.spec_draft_quantization,
+        "kv_host_gb": args.kv_host_gb,
+        "kv_disk_gb": args.kv_disk_gb,
+        "kv_cache_dir": args.kv_cache_dir,
     }
 
 
@@ -312,6 +340,14 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", action="append", default=[], help="repeatable")
+    srv.add_argument(
+        "--api-keys-file",
+        default=None,
+        metavar="PATH",
+        help="inference keys, one 'NAME:KEY [weight=W] [max_concurrency=N] "
+        "[subtenants=true]' a line, each naming its tenant (docs/many-users.md); "
+        "re-read on SIGHUP",
+    )
     srv.add_argument(
         "--admin-api-key",
         action="append",
@@ -356,6 +392,19 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
         default="hermes",
         choices=["hermes", "llama3_json"],
         help="how tool calls are read from chat output: <tool_call> tags or Llama 3 JSON",
+    )
+    srv.add_argument(
+        "--enable-embeddings",
+        action="store_true",
+        help="serve /v1/embeddings on a generative model: its final-norm hidden states, "
+        "pooled (an embedding model's are always served; otherwise it is a 400)",
+    )
+    srv.add_argument(
+        "--embedding-pooling",
+        default=None,
+        choices=["last", "mean"],
+        help="how /v1/embeddings pools the prompt's hidden states (default: the model's "
+        "own pooling if it is an embedding model, else the last token)",
     )
     srv.add_argument(
         "--grammar-compile-timeout",
@@ -577,6 +626,7 @@ def run_serve(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             api_keys=tuple(args.api_key),
             admin_api_keys=tuple(args.admin_api_key),
+            api_keys_file=args.api_keys_file,
             loopback_only=is_loopback(args.host),
             body_timeout_s=args.body_timeout or None,
             max_prompts_per_request=args.max_prompts_per_request,
@@ -591,6 +641,8 @@ def run_serve(args: argparse.Namespace) -> int:
             **dp_kwargs(args),
             supervision=supervision_config(args),
             enable_debug_endpoints=args.enable_debug_endpoints,
+            enable_embeddings=args.enable_embeddings,
+            embedding_pooling=args.embedding_pooling,
         ),
         host=args.host,
         port=args.port,

@@ -4,36 +4,69 @@ policy that keeps admin routes apart from inference."""
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from radixserve.api.tenants import KeyEntry, KeysFileError, load_keys_file
+
+log = logging.getLogger("radixserve.api")
+
 
 class ApiKeys:
-    """The keys a server accepts (``--api-key``, repeatable). Invariants: with no keys
-    every request is allowed; otherwise a request is allowed exactly when its
-    ``authorization`` value is ``Bearer <one of the keys>``, compared in constant time per
-    key with every key checked (the time does not tell which key came close)."""
+    """The keys a server accepts: ``--api-key`` ones (tenant ``default``) and those of the
+    keys file (each naming its tenant; ``replace_file_entries`` swaps them on a reload).
+    Invariants: with no keys every request is allowed; otherwise a request is allowed
+    exactly when its ``authorization`` value is ``Bearer <one of the keys>``, compared in
+    constant time per key with every key checked (the time does not tell which key came
+    close)."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._keys = [key.encode() for key in keys]
+    def __init__(self, keys: Iterable[str], entries: Iterable[KeyEntry] = ()) -> None:
+        self._flag_entries = [KeyEntry(key.encode()) for key in keys]
+        self._entries = [*self._flag_entries, *entries]
+
+    def replace_file_entries(self, entries: Iterable[KeyEntry]) -> None:
+        """The keys file's entries are now ``entries`` (one assignment: a request sees
+        the old set or the new one)."""
+        self._entries = [*self._flag_entries, *entries]
 
     def __bool__(self) -> bool:
-        return bool(self._keys)
+        return bool(self._entries)
 
-    def allows(self, authorization: str | None, api_key: str | None = None) -> bool:
-        """Whether an ``authorization`` header (or gRPC metadata) value carries a key, or
-        ``api_key`` (Anthropic's ``x-api-key`` header) is one."""
-        if not self._keys:
-            return True
+    def identify(self, authorization: str | None, api_key: str | None = None) -> KeyEntry | None:
+        """The entry of the key an ``authorization`` header (or gRPC metadata) value carries,
+        or of ``api_key`` (Anthropic's ``x-api-key`` header); None if neither is a key."""
         header = authorization or ""
         if header.lower().startswith("bearer "):
             token = header[7:].encode()
         else:
             token = (api_key or "").encode()
-        ok = False
-        for key in self._keys:  # every key checked
-            ok |= hmac.compare_digest(token, key)
-        return ok
+        found = None
+        for entry in self._entries:  # every key checked
+            if hmac.compare_digest(token, entry.key):
+                found = entry
+        return found
+
+    def allows(self, authorization: str | None, api_key: str | None = None) -> bool:
+        """Whether an ``authorization`` header (or gRPC metadata) value carries a key, or
+        ``api_key`` (Anthropic's ``x-api-key`` header) is one."""
+        if not self._entries:
+            return True
+        return self.identify(authorization, api_key) is not None
+
+
+def reload_keys_file(keys: ApiKeys, path: str) -> bool:
+    """Read the keys file at ``path`` again into ``keys`` (SIGHUP). A file that cannot be
+    used leaves the keys as they were and logs why; returns whether the new ones are in
+    use."""
+    try:
+        entries = load_keys_file(path)
+    except KeysFileError as exc:
+        log.error("keys file not reloaded, the previous keys stay in use: %s", exc)
+        return False
+    keys.replace_file_entries(entries)
+    log.warning("keys file %s reloaded: %d keys", path, len(entries))
+    return True
 
 
 MISSING_KEY_MESSAGE = "invalid or missing API key"

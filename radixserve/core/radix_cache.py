@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.core.page_pool import PagePool
+from radixserve.core.kv_tiers import (
+    TIER_HOST,
+    TIER_POOL,
+    KVTransfer,
+    TierSlots,
+    namespace_seed,
+    page_prefix_hashes,
+)
+from radixserve.core.page_pool import OutOfPages, PagePool
 
 _EMPTY_PAGES = np.zeros(0, dtype=np.int32)
 
@@ -21,7 +29,9 @@ class RadixNode:
     KV of tokens ``[i * page_size, (i + 1) * page_size)`` of ``key`` (the last page may be
     partly filled only in a leaf); a node starts at a page boundary; ``lock_count`` counts
     the running requests that use this node or a descendant; ``subtree_tokens`` is the
-    number of tokens on this edge and every edge below it.
+    number of tokens on this edge and every edge below it. ``tier`` says where ``pages``
+    live: pool page ids (``TIER_POOL``) or host-tier slot ids (``TIER_HOST``); a child's
+    tier is never below its parent's; ``pool_children`` counts the children in the pool.
     """
 
     __slots__ = (
@@ -32,7 +42,9 @@ class RadixNode:
         "lock_count",
         "pages",
         "parent",
+        "pool_children",
         "subtree_tokens",
+        "tier",
     )
 
     def __init__(self, key: np.ndarray, pages: np.ndarray, parent: RadixNode | None) -> None:
@@ -46,13 +58,18 @@ class RadixNode:
         self.lock_count = 0
         self.last_access = 0
         self.subtree_tokens = key.size
+        self.tier = TIER_POOL
+        self.pool_children = 0
 
     @property
     def is_leaf(self) -> bool:
         return not self.children
 
     def __repr__(self) -> str:
-        return f"RadixNode(len={self.key.size}, pages={self.pages.size}, locks={self.lock_count})"
+        return (
+            f"RadixNode(len={self.key.size}, pages={self.pages.size}, locks={self.lock_count}, "
+            f"tier={self.tier})"
+        )
 
 
 @dataclass
@@ -87,26 +104,42 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class RadixCache:
-    """Token-id radix tree with compressed edges, refcounted immutable pages and LRU eviction.
+    """Token-id radix tree with compressed edges, refcounted immutable pages and LRU eviction,
+    over up to three KV tiers (pool, host, disk).
 
     Invariants:
-      * the tree holds exactly one pool reference to each page in any node (pages waiting in
-        ``_pending_free`` are still counted as tree-held until ``flush``);
+      * the tree holds exactly one pool reference to each page of a pool-tier node (pages
+        waiting in ``_pending_free`` are still counted as tree-held until ``flush``), and
+        each host slot of a host-tier node is held (``host``) by that node alone;
       * children are keyed by their first page of tokens (their first token when page_size
         is 1), so siblings differ within their first page;
-      * ``evictable_pages + protected_pages`` = pages in the tree; a node's pages count as
-        protected while ``lock_count > 0``;
-      * every unlocked leaf has an entry in ``_heap`` stamped with its current
-        ``last_access`` (stale entries are skipped when popped), so evicting k leaves costs
-        O(k log n), never a rebuild over all leaves.
+      * ``evictable_pages + protected_pages`` = pool pages in the tree; a pool-tier node's
+        pages count as protected while ``lock_count > 0``;
+      * every unlocked pool-tier node with no pool-tier child has an entry in ``_heap``
+        stamped with its current ``last_access`` (stale entries are skipped when popped), and
+        every unlocked host-tier leaf one in ``_host_heap``, so evicting k nodes costs
+        O(k log n), never a rebuild over all nodes;
+      * with a host tier, evicting a pool node demotes it (its KV copied into host slots, the
+        node kept); a match promotes host nodes back (``promote``) before it can use them;
+        a host node evicted from a full host tier is written to the disk tier (if any) and
+        dropped from the tree; disk records are found again by page-prefix hash.
     """
 
-    def __init__(self, pool: PagePool, free_batch_pages: int = 256) -> None:
+    def __init__(
+        self,
+        pool: PagePool,
+        free_batch_pages: int = 256,
+        host: TierSlots | None = None,
+        transfer: KVTransfer | None = None,
+    ) -> None:
+        if (host is None) != (transfer is None):
+            raise ValueError("a host tier needs a transfer and a transfer needs a host tier")
         self.pool = pool
         self.page_size = pool.page_size
         self._roots: dict[Hashable, RadixNode] = {}
         self._clock = itertools.count(1)
         self._heap: list[tuple[int, int, RadixNode]] = []
+        self._host_heap: list[tuple[int, int, RadixNode]] = []
         self._heap_seq = itertools.count()
         self._pending_free: list[np.ndarray] = []
         self._num_pending_free = 0
@@ -117,6 +150,9 @@ class RadixCache:
         self.last_stamp = 0  # the latest ``last_access`` stamp handed out
         self.hit_tokens = 0
         self.queried_tokens = 0
+        self.host = host
+        self.transfer = transfer
+        self.tiers = TierCounters()
 
     # -- helpers --------------------------------------------------------------------------
     def _root(self, namespace: Hashable) -> RadixNode:
@@ -137,6 +173,22 @@ class RadixCache:
         if len(self._heap) > 4 * self.num_nodes + 1024:
             self._compact_heap()
 
+    def _push_host(self, node: RadixNode) -> None:
+        heapq.heappush(self._host_heap, (node.last_access, next(self._heap_seq), node))
+        if len(self._host_heap) > 4 * self.num_nodes + 1024:
+            self._host_heap = [e for e in self._host_heap if self._is_live_host(e)]
+            heapq.heapify(self._host_heap)
+
+    def _push_if_candidate(self, node: RadixNode) -> None:
+        """Queue ``node`` for eviction from its tier if it is now a candidate there."""
+        if node.parent is None or node.lock_count:
+            return
+        if node.tier == TIER_POOL:
+            if node.pool_children == 0:
+                self._push(node)
+        elif not node.children:
+            self._push_host(node)
+
     def _compact_heap(self) -> None:
         """Drop stale entries (amortised: runs when stale entries outnumber live ones 3:1)."""
         self._heap = [e for e in self._heap if self._is_live(e)]
@@ -147,9 +199,21 @@ class RadixCache:
         stamp, _, node = entry
         return (
             node.parent is not None
+            and node.pool_children == 0
+            and node.lock_count == 0
+            and node.last_access == stamp
+            and node.tier == TIER_POOL
+        )
+
+    @staticmethod
+    def _is_live_host(entry: tuple[int, int, RadixNode]) -> bool:
+        stamp, _, node = entry
+        return (
+            node.parent is not None
             and not node.children
             and node.lock_count == 0
             and node.last_access == stamp
+            and node.tier == TIER_HOST
         )
 
     def _touch(self, node: RadixNode) -> None:
@@ -159,15 +223,19 @@ class RadixCache:
         while node.parent is not None:
             node.last_access = now
             node = node.parent
-        if leaf.parent is not None and leaf.is_leaf and leaf.lock_count == 0:
-            self._push(leaf)
+        if leaf.parent is not None and leaf.pool_children == 0 and leaf.lock_count == 0:
+            if leaf.tier == TIER_POOL:
+                self._push(leaf)
+            elif not leaf.children:
+                self._push_host(leaf)
 
     # -- match ----------------------------------------------------------------------------
     def match_prefix(
         self, tokens: np.ndarray, namespace: Hashable = None, touch: bool = True
     ) -> MatchResult:
-        """Longest cached prefix of ``tokens``. Changes nothing other requests can see
-        (only recency, for LRU, and not even that with ``touch=False``)."""
+        """Longest prefix of ``tokens`` cached in the pool. Changes nothing other requests
+        can see (only recency, for LRU, and not even that with ``touch=False``). Host-tier
+        nodes end the match: ``promote`` brings them into the pool first."""
         tokens = np.asarray(tokens, dtype=np.int32)
         ps = self.page_size
         node = self._root(namespace)
@@ -177,7 +245,7 @@ class RadixCache:
         partial_page, partial_tokens = -1, 0
         while pos < n:
             child = node.children.get(self._child_key(tokens, pos)) if n - pos >= ps else None
-            if child is None:
+            if child is None or child.tier:
                 if ps > 1:
                     partial_page, partial_tokens = self._best_partial(node, tokens[pos:])
                 break
@@ -200,12 +268,15 @@ class RadixCache:
         return MatchResult(pages, pos, node, partial_page, partial_tokens)
 
     def _best_partial(self, node: RadixNode, rest: np.ndarray) -> tuple[int, int]:
-        """A child sharing the most tokens with ``rest`` within its first page (< page_size)."""
+        """A pool child sharing the most tokens with ``rest`` within its first page
+        (< page_size)."""
         best_page, best = -1, 0
         if int(rest[0]) not in node.first_tokens:
             return best_page, best
         window = rest[: self.page_size]
         for child in node.children.values():
+            if child.tier:
+                continue
             m = common_prefix_length(child.key[: self.page_size], window)
             m = min(m, self.page_size - 1, rest.size)
             if m > best:
@@ -220,7 +291,8 @@ class RadixCache:
 
         The tree takes its own reference to the pages it stores; the caller keeps its own.
         Returns (tokens that were already cached, the tree's pages for ``tokens`` — use
-        them instead of duplicates —, the node where ``tokens`` end).
+        them instead of duplicates —, the node where ``tokens`` end). A host-tier node on
+        the way takes the caller's pages back into the pool (its host slots are freed).
         """
         tokens = np.asarray(tokens, dtype=np.int32)
         pages = np.asarray(pages, dtype=np.int32)
@@ -248,6 +320,8 @@ class RadixCache:
                 break
             m = common_prefix_length(child.key, tokens[pos:])
             if m == child.key.size and (m % ps == 0 or pos + m == n):
+                if child.tier:
+                    self._adopt(child, pages[pos // ps : pos // ps + child.pages.size])
                 parts.append(child.pages)
                 pos += m
                 node = child
@@ -259,14 +333,40 @@ class RadixCache:
                 already = pos
                 break
             node = self._split(child, split)
+            if node.tier:
+                self._adopt(node, pages[pos // ps : pos // ps + node.pages.size])
             parts.append(node.pages)
             pos += split
         self._touch(node)
         tree_pages = np.concatenate(parts) if parts else _EMPTY_PAGES
         return min(already, n), tree_pages, node
 
+    def _adopt(self, node: RadixNode, pages: np.ndarray) -> None:
+        """A host-tier node whose tokens a caller holds in the pool: keep the caller's pages
+        (one more reference) and free the host copy. Its parent is in the pool already."""
+        assert node.parent is not None and node.parent.tier == TIER_POOL
+        assert self.host is not None
+        self.pool.incref(pages)
+        self.host.free(node.pages)
+        self._to_pool(node, pages.copy())
+
+    def _to_pool(self, node: RadixNode, pages: np.ndarray) -> None:
+        """Move a host-tier node to the pool tier (its new pool ``pages`` hold the KV)."""
+        node.pages = pages
+        node.tier = TIER_POOL
+        parent = node.parent
+        assert parent is not None
+        parent.pool_children += 1
+        if node.lock_count:
+            self.protected_pages += pages.size
+        else:
+            self.evictable_pages += pages.size
+            self._push_if_candidate(node)
+
     def _add_child(self, parent: RadixNode, key: Hashable, child: RadixNode) -> None:
         parent.children[key] = child
+        if child.tier == TIER_POOL:
+            parent.pool_children += 1
         if self.page_size > 1:
             first = int(child.key[0])
             parent.first_tokens[first] = parent.first_tokens.get(first, 0) + 1
@@ -287,6 +387,7 @@ class RadixCache:
         upper.lock_count = child.lock_count
         upper.last_access = child.last_access
         upper.subtree_tokens = child.subtree_tokens
+        upper.tier = child.tier
         child.subtree_tokens -= at
         parent.children[self._child_key(child.key, 0)] = upper
         child.key = child.key[at:]
@@ -299,7 +400,7 @@ class RadixCache:
     # -- locks ----------------------------------------------------------------------------
     def lock(self, node: RadixNode) -> None:
         while node.parent is not None:
-            if node.lock_count == 0:
+            if node.lock_count == 0 and node.tier == TIER_POOL:
                 self.evictable_pages -= node.pages.size
                 self.protected_pages += node.pages.size
             node.lock_count += 1
@@ -311,27 +412,110 @@ class RadixCache:
                 raise RuntimeError("unlock of an unlocked radix node")
             node.lock_count -= 1
             if node.lock_count == 0:
-                self.evictable_pages += node.pages.size
-                self.protected_pages -= node.pages.size
-                if node.is_leaf:
-                    self._push(node)
+                if node.tier == TIER_POOL:
+                    self.evictable_pages += node.pages.size
+                    self.protected_pages -= node.pages.size
+                    if node.pool_children == 0:
+                        self._push(node)
+                elif not node.children:
+                    self._push_host(node)
             node = node.parent
 
     # -- eviction -------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
-        """Evict least-recently-used unlocked leaves until ``num_pages`` pages are released
-        (or nothing evictable is left); returns the pages released. They reach the pool's
-        free list at the next ``flush``."""
+        """Evict least-recently-used unlocked pool nodes with no pool child until
+        ``num_pages`` pool pages are released (or nothing evictable is left); returns the
+        pages released. They reach the pool's free list at the next ``flush``. With a host
+        tier, a node is demoted (kept, its KV copied to host slots) where the host tier has
+        room or can make it; otherwise it is dropped with what hangs below it."""
         released = 0
         while released < num_pages and self._heap:
             entry = heapq.heappop(self._heap)
             if not self._is_live(entry):
                 continue
             node = entry[2]
-            released += self._remove_leaf(node)
+            if self.host is not None and self._demote(node):
+                released += node.pages.size
+            else:
+                released += self._drop_subtree(node)
         return released
 
-    def _remove_leaf(self, node: RadixNode) -> int:
+    def _demote(self, node: RadixNode) -> bool:
+        """Copy an evicted pool node's KV into host slots and keep it in the tree (tier 1);
+        False (nothing changed) when the host tier cannot make room."""
+        host, transfer = self.host, self.transfer
+        assert host is not None and transfer is not None
+        n = node.pages.size
+        if n > host.num_slots:
+            return False
+        while host.num_free < n:
+            if not self.evict_host(1):
+                return False
+        slots = host.alloc(n)
+        transfer.save(node.pages, slots)
+        self.tiers.demoted_pages += n
+        self.evictable_pages -= n
+        self._release_pool_pages(node.pages)
+        node.pages = slots
+        node.tier = TIER_HOST
+        parent = node.parent
+        assert parent is not None
+        parent.pool_children -= 1
+        self._push_if_candidate(parent)
+        if not node.children:
+            self._push_host(node)
+        return True
+
+    def evict_host(self, num_nodes: int) -> int:
+        """Drop up to ``num_nodes`` least-recently-used unlocked host-tier leaves, writing
+        their full pages to the disk tier first when there is one; returns slots freed."""
+        freed = 0
+        while num_nodes > 0 and self._host_heap:
+            entry = heapq.heappop(self._host_heap)
+            if not self._is_live_host(entry):
+                continue
+            node = entry[2]
+            transfer = self.transfer
+            if transfer is not None and transfer.has_disk:
+                self._spill(node)
+            freed += self._detach(node)
+            num_nodes -= 1
+        return freed
+
+    def _spill(self, node: RadixNode) -> None:
+        """Queue the full pages of a node leaving the tree for the disk tier (keyed by
+        prefix hash)."""
+        assert self.transfer is not None
+        ps = self.page_size
+        full = node.key.size // ps
+        if full == 0:
+            return
+        chain: list[np.ndarray] = []
+        up: RadixNode | None = node
+        namespace: Hashable = None
+        while up is not None and up.parent is not None:
+            chain.append(up.key)
+            up = up.parent
+        for name, root in self._roots.items():
+            if root is up:
+                namespace = name
+                break
+        prefix = np.concatenate(chain[::-1])
+        start = (prefix.size - node.key.size) // ps
+        keys = page_prefix_hashes(prefix, ps, start + full, namespace)[start:]
+        self.transfer.spill(node.pages[:full], keys, from_pool=node.tier == TIER_POOL)
+        self.tiers.spilled_pages += full
+
+    def _release_pool_pages(self, pages: np.ndarray) -> None:
+        self._pending_free.append(pages)
+        self._num_pending_free += pages.size
+        if self._num_pending_free >= self.free_batch_pages:
+            self.flush()
+
+    def _detach(self, node: RadixNode) -> int:
+        """Take a childless node out of the tree; its pool pages go to the pending frees,
+        its host slots back to the host tier. Returns how many it had."""
+        assert not node.children
         parent = node.parent
         assert parent is not None
         del parent.children[self._child_key(node.key, 0)]
@@ -344,14 +528,40 @@ class RadixCache:
         node.parent = None
         self._add_subtree_tokens(parent, -node.key.size)
         self.num_nodes -= 1
-        self.evictable_pages -= node.pages.size
-        self._pending_free.append(node.pages)
-        self._num_pending_free += node.pages.size
-        if self._num_pending_free >= self.free_batch_pages:
-            self.flush()
-        if parent.parent is not None and parent.is_leaf and parent.lock_count == 0:
-            self._push(parent)
+        if node.tier == TIER_POOL:
+            parent.pool_children -= 1
+            self.evictable_pages -= node.pages.size
+            self._release_pool_pages(node.pages)
+        else:
+            assert self.host is not None
+            self.host.free(node.pages)
+        self._push_if_candidate(parent)
         return node.pages.size
+
+    def _drop_subtree(self, node: RadixNode) -> int:
+        """Detach an unlocked node and every (host-tier) node below it; returns the pool
+        pages released. With a disk tier (and a host tier: not while ``reset``), their full
+        pages are written there first."""
+        transfer = self.transfer
+        spill = self.host is not None and transfer is not None and transfer.has_disk
+        if not node.children and not spill:
+            return self._detach(node)
+        order: list[RadixNode] = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        released = 0
+        for n in reversed(order):  # children before their parent
+            if spill:
+                self._spill(n)
+            size = self._detach(n)
+            if n.tier == TIER_POOL:
+                released += size
+            else:
+                self.tiers.dropped_host_pages += size
+        return released
 
     def flush(self) -> None:
         """Return the pages of evicted nodes to the pool, in one batch."""
@@ -359,6 +569,115 @@ class RadixCache:
             self.pool.decref(np.concatenate(self._pending_free))
             self._pending_free.clear()
             self._num_pending_free = 0
+
+    # -- promotion ------------------------------------------------------------------------
+    def promote(
+        self,
+        tokens: np.ndarray,
+        namespace: Hashable,
+        alloc: Callable[[int], np.ndarray],
+    ) -> int:
+        """Bring the host-tier nodes a match of ``tokens`` would use back into the pool
+        (pool pages from ``alloc``, which may evict other nodes), then, with a disk tier,
+        the full pages past the tree's match found on disk. Returns the tokens promoted. A
+        promotion that cannot get pages, or a disk record missing or corrupt, ends it
+        there: what follows is a normal miss."""
+        if self.host is None:
+            return 0
+        tokens = np.asarray(tokens, dtype=np.int32)
+        promoted = self._promote_host(tokens, namespace, alloc)
+        transfer = self.transfer
+        if transfer is not None and transfer.has_disk:
+            promoted += self._promote_disk(tokens, namespace, alloc)
+        return promoted
+
+    def _promote_host(
+        self, tokens: np.ndarray, namespace: Hashable, alloc: Callable[[int], np.ndarray]
+    ) -> int:
+        ps = self.page_size
+        node = self._root(namespace)
+        path: list[RadixNode] = []
+        pos, n = 0, tokens.size
+        while n - pos >= ps:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            m = common_prefix_length(child.key, tokens[pos:])
+            whole = m == child.key.size and m % ps == 0
+            if child.tier:
+                full = m // ps * ps
+                if full == 0:
+                    break
+                if full < child.key.size:
+                    child = self._split(child, full)
+                path.append(child)
+            if not whole:
+                break
+            pos += m
+            node = child
+        if not path:
+            return 0
+        deepest = path[-1]
+        self.lock(deepest)  # neither the path nor its ancestors are evicted meanwhile
+        try:
+            need = sum(int(c.pages.size) for c in path)
+            try:
+                pages = alloc(need)
+            except OutOfPages:
+                self.tiers.failed_promotions += 1
+                return 0
+            transfer, host = self.transfer, self.host
+            assert transfer is not None and host is not None
+            i = 0
+            for c in path:
+                k = c.pages.size
+                dst = pages[i : i + k]
+                transfer.load(c.pages, dst)
+                host.free(c.pages)
+                self._to_pool(c, dst)
+                i += k
+            self.tiers.promoted_pages += need
+            tokens_moved = sum(int(c.key.size) for c in path)
+            self.tiers.host_hit_tokens += tokens_moved
+            return tokens_moved
+        finally:
+            self.unlock(deepest)
+
+    def _promote_disk(
+        self, tokens: np.ndarray, namespace: Hashable, alloc: Callable[[int], np.ndarray]
+    ) -> int:
+        transfer = self.transfer
+        assert transfer is not None
+        ps = self.page_size
+        hit = self.match_prefix(tokens, namespace, touch=False)
+        first = hit.num_full_tokens // ps
+        total = tokens.size // ps
+        if total <= first:
+            return 0
+        keys = page_prefix_hashes(tokens, ps, total, namespace)[first:]
+        found = transfer.disk_lookup(keys)
+        if found == 0:
+            return 0
+        if hit.num_full_tokens:
+            self.lock(hit.node)
+        try:
+            try:
+                pages = alloc(found)
+            except OutOfPages:
+                self.tiers.failed_promotions += 1
+                return 0
+            got = transfer.disk_load(keys[:found], pages)
+            self.tiers.disk_read_failures += found - got
+            if got:
+                end = (first + got) * ps
+                self.insert(tokens[:end], np.concatenate([hit.page_ids, pages[:got]]), namespace)
+                self.tiers.disk_promoted_pages += got
+                self.tiers.disk_hit_tokens += got * ps
+            self.pool.decref(pages)  # the tree took its own reference to those it kept
+            return got * ps
+        finally:
+            if hit.num_full_tokens:
+                self.unlock(hit.node)
 
     # -- introspection --------------------------------------------------------------------
     def record(self, queried_tokens: int, hit_tokens: int) -> None:
@@ -374,17 +693,97 @@ class RadixCache:
     def num_pending_free(self) -> int:
         return self._num_pending_free
 
-    def held_page_ids(self) -> np.ndarray:
-        """Every page reference the tree holds (pending frees included), O(tree)."""
-        parts = list(self._pending_free)
+    def _nodes(self) -> list[RadixNode]:
+        out: list[RadixNode] = []
         stack = list(self._roots.values())
         while stack:
             node = stack.pop()
-            parts.append(node.pages)
+            out.append(node)
             stack.extend(node.children.values())
+        return out
+
+    def held_page_ids(self) -> np.ndarray:
+        """Every pool page reference the tree holds (pending frees included), O(tree)."""
+        parts = list(self._pending_free)
+        parts.extend(n.pages for n in self._nodes() if n.tier == TIER_POOL)
         return np.concatenate(parts) if parts else _EMPTY_PAGES
 
+    def held_host_slots(self) -> np.ndarray:
+        """Every host slot the tree's host-tier nodes hold (with repeats, if any), O(tree)."""
+        parts = [n.pages for n in self._nodes() if n.tier == TIER_HOST]
+        return np.concatenate(parts) if parts else _EMPTY_PAGES
+
+    def check_tiers(self) -> None:
+        """Per-tier accounting (O(tree)): the tier order along every edge, each pool node's
+        page count in evictable or protected, each host slot free or held by one node."""
+        pool_pages = 0
+        protected = 0
+        for node in self._nodes():
+            if node.parent is None:
+                continue
+            assert node.tier >= node.parent.tier, "a node's tier is above its parent's"
+            in_pool = sum(c.tier == TIER_POOL for c in node.children.values())
+            assert in_pool == node.pool_children, "pool_children is stale"
+            if node.tier == TIER_POOL:
+                pool_pages += node.pages.size
+                if node.lock_count:
+                    protected += node.pages.size
+            else:
+                assert self.host is not None, "a host-tier node without a host tier"
+        assert protected == self.protected_pages, "protected pages != locked pool pages"
+        assert pool_pages == self.evictable_pages + self.protected_pages, (
+            "evictable + protected != pool pages in the tree"
+        )
+        if self.host is not None:
+            self.host.check(self.held_host_slots())
+
+    def persist(self) -> int:
+        """Queue every full page of the tree (pool and host tiers) for the disk tier;
+        returns how many pages were offered (records already on disk are kept). O(tree)."""
+        transfer = self.transfer
+        if transfer is None or not transfer.has_disk:
+            return 0
+        ps = self.page_size
+        offered = 0
+        for name, root in self._roots.items():
+            stack = [(child, namespace_seed(name)) for child in root.children.values()]
+            while stack:
+                node, seed = stack.pop()
+                full = node.key.size // ps
+                if full == 0:
+                    continue
+                keys = page_prefix_hashes(node.key, ps, full, seed=seed)
+                transfer.spill(node.pages[:full], keys, from_pool=node.tier == TIER_POOL)
+                offered += full
+                if full * ps == node.key.size:
+                    stack.extend((child, keys[-1]) for child in node.children.values())
+        return offered
+
     def reset(self) -> None:
-        """Drop every unlocked node (e.g. between benchmark runs)."""
-        self.evict(self.evictable_pages + self.protected_pages + 1)
+        """Drop every unlocked node, in every tier, without demoting or writing anything
+        (e.g. between benchmark runs); the disk tier's records stay."""
+        while self._host_heap:
+            entry = heapq.heappop(self._host_heap)
+            if self._is_live_host(entry):
+                self._detach(entry[2])
+        host, self.host = self.host, None
+        try:
+            self.evict(self.evictable_pages + self.protected_pages + 1)
+        finally:
+            self.host = host
         self.flush()
+
+
+@dataclass
+class TierCounters:
+    """What moved between tiers, in pages (tokens for hits); counters only ever increase."""
+
+    demoted_pages: int = 0  # pool -> host
+    promoted_pages: int = 0  # host -> pool
+    spilled_pages: int = 0  # host (or pool, when dropped) -> disk (queued)
+    disk_promoted_pages: int = 0  # disk -> pool
+    dropped_host_pages: int = 0  # left the host tier with no disk tier below (or a drop)
+    failed_promotions: int = 0  # no pool pages for a promotion: a normal miss
+    disk_read_failures: int = 0  # records found by name but missing/corrupt when read
+    host_hit_tokens: int = 0  # tokens a match got from the host tier
+    disk_hit_tokens: int = 0  # tokens a match got from the disk tier

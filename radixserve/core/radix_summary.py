@@ -16,9 +16,9 @@ from radixserve.core.radix_cache import RadixCache, RadixNode
 
 # one reported node: (id, parent id (-1 for a root), namespace index, depth, edge tokens,
 # subtree tokens, pages, lock count, age (cache touches since its last use), children,
-# the first edge token ids as little-endian int32 bytes (empty for salted namespaces): one
-# object per row, not one per token)
-NodeRow = tuple[int, int, int, int, int, int, int, int, int, int, bytes]
+# the first edge token ids as little-endian int32 bytes (empty for salted namespaces), the
+# KV tier of its pages (0 pool, 1 host): one object per row, not one per token)
+NodeRow = tuple[int, int, int, int, int, int, int, int, int, int, bytes, int]
 
 
 @dataclass
@@ -73,7 +73,9 @@ def summarize(
             continue
         scanned += 1
         node_id = len(nodes)
-        nodes.append((node_id, -1, ns, 0, 0, root.subtree_tokens, 0, 0, 0, len(root.children), b""))
+        nodes.append(
+            (node_id, -1, ns, 0, 0, root.subtree_tokens, 0, 0, 0, len(root.children), b"", 0)
+        )
         heapq.heappush(heap, (-root.subtree_tokens, next(seq), root, node_id, ns, 0, name is None))
     while heap and len(nodes) < max_nodes:
         _, _, node, node_id, ns, depth, public = heapq.heappop(heap)
@@ -115,6 +117,7 @@ def summarize(
                     now - child.last_access,
                     len(child.children),
                     preview,
+                    child.tier,
                 )
             )
             heapq.heappush(

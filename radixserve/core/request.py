@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,6 +56,11 @@ _ALLOWED: dict[RequestState, frozenset[RequestState]] = {
 TERMINAL_STATES = frozenset({RequestState.FINISHED, RequestState.ABORTED})
 
 
+# How a pooling request (an embedding: prompt only, no sampling) reduces the final hidden
+# states of its prompt: the last token's, or the mean over every prompt token.
+POOLING_KINDS = ("last", "mean")
+
+
 class InvalidTransition(RuntimeError):
     pass
 
@@ -64,6 +70,28 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request is served for, as the ``fair`` schedule policy sees it: ``name``
+    (non-empty), its ``weight`` (> 0: a tenant of weight 2 is due twice the service of one
+    of weight 1) and ``max_running`` (its running requests at most; None: no cap)."""
+
+    name: str
+    weight: float = 1.0
+    max_running: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a tenant needs a name")
+        if not self.weight > 0:
+            raise ValueError(f"tenant {self.name!r}: weight must be > 0")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"tenant {self.name!r}: max_running must be >= 1")
+
+
+DEFAULT_TENANT = Tenant("default")
 
 
 class Request:
@@ -80,6 +108,10 @@ class Request:
       * ``table_row`` is set exactly while the request owns KV pages (PREFILL or DECODE).
       * while a launched step is not processed, ``token_ids[num_tokens - 1]`` may be a
         placeholder (negative); every token before it is real.
+      * ``pooling`` (one of ``POOLING_KINDS``) marks a pooling request: its
+        ``max_tokens`` is 1 and the step that computes its last prompt token samples nothing
+        for it (the slot after the prompt holds -1); the engine ends it there with the
+        pooled hidden state instead of a token.
     """
 
     __slots__ = (
@@ -100,6 +132,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "num_tokens",
+        "pooling",
         "priority",
         "probe_len",
         "probe_node",
@@ -109,6 +142,7 @@ class Request:
         "sampling_params",
         "state",
         "table_row",
+        "tenant",
         "token_ids",
     )
 
@@ -122,10 +156,18 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         deadline: float | None = None,
+        tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> None:
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
             raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
+        if pooling is not None:
+            if pooling not in POOLING_KINDS:
+                raise ValueError(f"pooling must be one of {', '.join(POOLING_KINDS)}")
+            if sampling_params.max_tokens != 1 or sampling_params.n != 1:
+                raise ValueError("a pooling request has max_tokens = 1 and n = 1")
+        self.pooling = pooling
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
         self.sampling_params = sampling_params
@@ -144,6 +186,7 @@ class Request:
         self.last_step = 0  # id of the latest launched step that contains it
         self.priority = priority  # lower runs first (policy "priority")
         self.deadline = deadline  # monotonic time after which it fails, in any state
+        self.tenant = DEFAULT_TENANT if tenant is None else tenant  # policy "fair"
         self.queue_key: tuple[int, int] = (0, 0)  # position in the waiting queue
         # cached-prefix estimate kept by prefix-aware policies while waiting
         self.probe_len = 0

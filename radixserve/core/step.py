@@ -24,7 +24,9 @@ class ScheduledBatch:
     the chunk reaches its last token (``starts[i] + num_new_tokens[i] == totals[i]``, the
     request's ``num_tokens`` when scheduled) and the step samples one new token for it, which
     lands at ``token_ids[totals[i]]`` — with ``num_spec[i]`` proposals verified in the same
-    chunk, 1 to ``num_spec[i] + 1`` tokens land from there.
+    chunk, 1 to ``num_spec[i] + 1`` tokens land from there. (A pooling request's last chunk
+    has ``sample[i]`` set too, but the runner samples nothing for it: -1 lands there and
+    the engine ends it with its pooled hidden state; see ``Request.pooling``.)
 
     Invariant: the arrays are aligned with ``requests`` and fixed once scheduled, so the
     executor can build the step's inputs from them while the scheduler moves on.

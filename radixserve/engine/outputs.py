@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 
 @dataclass
@@ -31,6 +32,9 @@ class SequenceDelta:
     # with the first output token, if asked: TokenLogprobs of prompt tokens 1.. (token 0
     # has none); only the sample that computed the prompt carries them
     prompt_logprobs: list[Any] | None = None
+    # a pooling request's finished delta: the pooled final hidden state (float32 numpy
+    # array, not normalised); None for generation
+    embedding: Any = None
 
 
 @dataclass
@@ -98,6 +102,23 @@ class EngineStats(msgspec.Struct):
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verify_rows: int = 0
+    # KV tiers (docs/kv-tiers.md); zeros when off. Hits: prompt tokens a match took from
+    # the host / disk tier (their pages promoted into the pool first); pages moved; bytes
+    # moved and the seconds spent copying (disk writes happen on a background thread).
+    kv_host_pages_total: int = 0
+    kv_host_pages_used: int = 0
+    kv_disk_bytes_used: int = 0
+    kv_disk_records: int = 0
+    cache_hit_tokens_host: int = 0
+    cache_hit_tokens_disk: int = 0
+    kv_demoted_pages: int = 0  # pool -> host
+    kv_promoted_pages: int = 0  # host -> pool
+    kv_spilled_pages: int = 0  # host -> disk (queued)
+    kv_disk_promoted_pages: int = 0  # disk -> pool
+    kv_failed_promotions: int = 0  # no pool pages for a promotion: a plain miss
+    kv_disk_read_failures: int = 0  # records missing, corrupt or another model's: a miss
+    kv_tier_bytes_moved: int = 0  # pool <-> host, disk -> pool, host -> disk
+    kv_tier_move_seconds: float = 0.0  # pool <-> host copies and disk reads
 
 
 @dataclass(frozen=True)
@@ -111,3 +132,10 @@ class CacheFlushResult:
     kv_pages_free: int
     radix_nodes_before: int
     error: str | None = None
+
+
+def l2_normalize(vec: np.ndarray) -> np.ndarray:
+    """``vec`` scaled to unit L2 norm (float32; a zero vector stays zero)."""
+    vec = np.asarray(vec, dtype=np.float32)
+    norm = float(np.linalg.norm(vec.astype(np.float64)))
+    return vec / np.float32(norm) if norm > 0 else vec

@@ -249,18 +249,16 @@ def _sentencepiece_from_gguf(
     )
     steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", not gemma))
-    if arch == "phi3":  # the prefix space from a normalizer (Phi-3's tokenizer.json)
+    if add_prefix or arch == "phi3":
+        # SentencePiece's dummy prefix: one space before every text, even one that starts
+        # with spaces (a Metaspace pre-tokenizer skips those, and so splits "  x" unlike
+        # SentencePiece and llama.cpp); after a special token too, as llama.cpp does
         tk.normalizer = normalizers.Sequence(
             [normalizers.Prepend(_SPM_SPACE), normalizers.Replace(" ", _SPM_SPACE)]
         )
-    elif add_prefix:
-        tk.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement=_SPM_SPACE, prepend_scheme="first", split=False
-        )
+        steps.append(decoders.Strip(content=" ", left=1))
     else:
         tk.normalizer = normalizers.Replace(" ", _SPM_SPACE)
-    if add_prefix or arch == "phi3":
-        steps.append(decoders.Strip(content=" ", left=1))
     tk.decoder = decoders.Sequence(steps)
     return tk, vocab
 

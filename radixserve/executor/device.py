@@ -34,6 +34,10 @@ class StepResult:
     # target's own; ``tokens[i]`` is the first) and their logprobs, by request id
     spec_tokens: dict[int, np.ndarray] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # pooling requests, by request id: (first prompt position of the chunk, its tokens, a
+    # float32 vector): the sum of the chunk's final hidden states (mean pooling), or the
+    # last prompt token's (last pooling, only from the chunk that ends the prompt)
+    pooled: dict[str, tuple[int, int, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass

@@ -44,9 +44,16 @@ class ForwardBatch:
 
     @classmethod
     def build(
-        cls, scheduled: ScheduledBatch, page_table: PageTable, page_size: int
+        cls,
+        scheduled: ScheduledBatch,
+        page_table: PageTable,
+        page_size: int,
+        sample: np.ndarray | None = None,
     ) -> ForwardBatch:
+        """``sample``: the rows that get logits (default ``scheduled.sample``; the runner
+        leaves out pooling requests, which sample nothing)."""
         reqs = scheduled.requests
+        sample = scheduled.sample if sample is None else sample
         q_lens = scheduled.num_new_tokens.astype(np.int64)
         starts = np.fromiter((r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs))
         rows = np.fromiter((r.table_row for r in reqs), dtype=np.int64, count=len(reqs))
@@ -80,10 +87,10 @@ class ForwardBatch:
         slot_mapping = (
             page_tables[token_req, positions // page_size] * page_size + positions % page_size
         )
-        ends = query_start_loc[1:][scheduled.sample]
+        ends = query_start_loc[1:][sample]
         if scheduled.has_spec:  # every verified position of a speculating request
             assert scheduled.num_spec is not None
-            rows = scheduled.num_spec[scheduled.sample].astype(np.int64) + 1
+            rows = scheduled.num_spec[sample].astype(np.int64) + 1
             first = np.repeat(ends - rows, rows)
             logits_indices = first + (
                 np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)

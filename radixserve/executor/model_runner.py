@@ -42,6 +42,19 @@ class _PromptLogprobsPlan:
 
 
 @dataclass
+class _PoolPlan:
+    """A pooling request's rows in this step: hidden rows ``first_row ..
+    first_row + num_rows`` are its prompt positions ``start ..``; ``kind`` "mean" sums them
+    (every chunk), "last" takes the one row of its last prompt token (final chunk only)."""
+
+    request_id: str
+    kind: str
+    start: int
+    first_row: int
+    num_rows: int
+
+
+@dataclass
 class _ModelInputs:
     """Everything ``run`` reads, fixed at launch: nothing on the device side looks at the
     requests, which the host keeps changing while the step runs."""
@@ -55,13 +68,16 @@ class _ModelInputs:
     slots: np.ndarray  # FutureTokens slots of the sampled rows
     prompt_logprobs: list[_PromptLogprobsPlan]
     spec: SpecPlan | None = None  # proposals verified this step (None: a plain step)
+    pooling: list[_PoolPlan] | None = None  # pooling requests' rows (None: there are none)
 
 
 class ModelRunner:
     """Executes batches; decides nothing about who runs.
 
     Invariant: a step's result has one token per scheduled request: the sampled token id
-    where ``batch.sample[i]`` is set, -1 elsewhere. ``prepare`` (host) reads the requests and
+    where ``batch.sample[i]`` is set and the request is not a pooling request, -1
+    elsewhere; a pooling request's rows give its pooled hidden state instead (no logits,
+    no sampling: ``StepResult.pooled``). ``prepare`` (host) reads the requests and
     builds every input; ``run`` (device) reads only those inputs, replaces placeholders of
     earlier steps' tokens from the ``FutureTokens`` buffer and publishes its own sampled
     tokens there. Pending page copies run before the forward, so copied pages are complete
@@ -114,11 +130,15 @@ class ModelRunner:
                 torch.tensor([c.src for c in batch.page_copies]),
                 torch.tensor([c.dst for c in batch.page_copies]),
             )
-        fb = ForwardBatch.build(batch, self.page_table, self.kv_cache.page_size)
-        sampled_reqs = [r for r, s in zip(batch.requests, batch.sample.tolist(), strict=True) if s]
+        pooled = np.fromiter(
+            (r.pooling is not None for r in batch.requests), dtype=bool, count=len(batch.requests)
+        )
+        sample = batch.sample & ~pooled if pooled.any() else batch.sample
+        fb = ForwardBatch.build(batch, self.page_table, self.kv_cache.page_size, sample)
+        sampled_reqs = [r for r, s in zip(batch.requests, sample.tolist(), strict=True) if s]
         slots = self.future.reserve(len(sampled_reqs))
         placeholders = np.full(len(batch.requests), -1, dtype=np.int64)
-        placeholders[batch.sample] = FutureTokens.placeholders(slots)
+        placeholders[sample] = FutureTokens.placeholders(slots)
         sampling = self.sampler.prepare(sampled_reqs) if sampled_reqs else None
         spec = None
         if batch.has_spec and sampling is not None:
@@ -127,8 +147,8 @@ class ModelRunner:
                 r.token_ids[t : t + k].copy()
                 for r, t, k in zip(
                     sampled_reqs,
-                    batch.totals[batch.sample].tolist(),
-                    batch.num_spec[batch.sample].tolist(),
+                    batch.totals[sample].tolist(),
+                    batch.num_spec[sample].tolist(),
                     strict=True,
                 )
             ]
@@ -137,14 +157,29 @@ class ModelRunner:
             forward_batch=fb,
             meta=self.attention.prepare(fb),
             copies=copies,
-            sample=batch.sample.copy(),
+            sample=sample.copy(),
             sampled_ids=[r.request_id for r in sampled_reqs],
             sampling=sampling,
             slots=slots,
             prompt_logprobs=self._prompt_logprobs_plan(batch, fb),
             spec=spec,
+            pooling=self._pool_plan(batch, fb, pooled) if pooled.any() else None,
         )
         return PreparedStep(placeholders, inputs=inputs)
+
+    @staticmethod
+    def _pool_plan(batch: ScheduledBatch, fb: ForwardBatch, pooled: np.ndarray) -> list[_PoolPlan]:
+        """The hidden rows each pooling request of ``batch`` needs from this step."""
+        plans: list[_PoolPlan] = []
+        for i in np.flatnonzero(pooled).tolist():
+            req = batch.requests[i]
+            start, n = int(batch.starts[i]), int(batch.num_new_tokens[i])
+            first = int(fb.query_start_loc[i])
+            if req.pooling == "mean":
+                plans.append(_PoolPlan(req.request_id, "mean", start, first, n))
+            elif batch.sample[i]:  # the chunk that ends the prompt: its last row
+                plans.append(_PoolPlan(req.request_id, "last", start + n - 1, first + n - 1, 1))
+        return plans
 
     @staticmethod
     def _prompt_logprobs_plan(batch: ScheduledBatch, fb: ForwardBatch) -> list[_PromptLogprobsPlan]:
@@ -171,11 +206,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult:
         inputs: _ModelInputs = step.inputs
-        logits, prompt_logprobs = self._compute(inputs)
+        logits, prompt_logprobs, pooled = self._compute(inputs)
         if inputs.spec is not None:
-            return self._verify(inputs, logits, prompt_logprobs)
-        tokens, logprobs = self._sample(inputs, logits)
-        return StepResult(tokens, logprobs, prompt_logprobs)
+            result = self._verify(inputs, logits, prompt_logprobs)
+        else:
+            tokens, logprobs = self._sample(inputs, logits)
+            result = StepResult(tokens, logprobs, prompt_logprobs)
+        result.pooled = pooled
+        return result
 
     def _verify(
         self,
@@ -201,10 +239,15 @@ class ModelRunner:
 
     def _compute(
         self, inputs: _ModelInputs
-    ) -> tuple[torch.Tensor | None, dict[str, tuple[int, list[TokenLogprobs]]]]:
-        """Page copies, the forward, the sampled rows' logits and the prompt logprobs: all
-        the model work of a step (under tensor parallelism, every collective of the step
-        happens in here, before anything that could fail on this rank alone)."""
+    ) -> tuple[
+        torch.Tensor | None,
+        dict[str, tuple[int, list[TokenLogprobs]]],
+        dict[str, tuple[int, int, np.ndarray]],
+    ]:
+        """Page copies, the forward, the sampled rows' logits, the prompt logprobs and the
+        pooled hidden states: all the model work of a step (under tensor parallelism, every
+        collective of the step happens in here, before anything that could fail on this
+        rank alone; pooling reads the final hidden states, the same on every rank)."""
         fb = inputs.forward_batch
         sampling = inputs.sampling
         input_ids = self.future.resolve(fb.input_ids)
@@ -221,9 +264,23 @@ class ModelRunner:
             graph_ok=sampling is not None
             and inputs.spec is None
             and bool(inputs.sample.all())
-            and not inputs.prompt_logprobs,
+            and not inputs.prompt_logprobs
+            and inputs.pooling is None,
         )
-        return logits, self._prompt_logprobs(inputs, hidden)
+        return logits, self._prompt_logprobs(inputs, hidden), self._pool(inputs, hidden)
+
+    @staticmethod
+    def _pool(
+        inputs: _ModelInputs, hidden: torch.Tensor | None
+    ) -> dict[str, tuple[int, int, np.ndarray]]:
+        """Each pooling request's part of this step (``StepResult.pooled``), in float32."""
+        out: dict[str, tuple[int, int, np.ndarray]] = {}
+        for plan in inputs.pooling or ():
+            assert hidden is not None
+            rows = hidden[plan.first_row : plan.first_row + plan.num_rows].float()
+            vec = rows.sum(dim=0) if plan.kind == "mean" else rows[-1]
+            out[plan.request_id] = (plan.start, plan.num_rows, vec.cpu().numpy())
+        return out
 
     def forward_step(
         self,

@@ -48,7 +48,7 @@ class TensorParallelRunner:
         try:
             resolved = runner.future.resolve(fb.input_ids)
             self.tp.send(*encode_step(fb, resolved, inputs.copies, plans))
-            logits, prompt_logprobs = runner._compute(inputs)
+            logits, prompt_logprobs, pooled = runner._compute(inputs)
         except DeviceLost as exc:
             self.tp.fail_after(exc)
             raise self.tp.lost from None  # type: ignore[misc]
@@ -56,7 +56,7 @@ class TensorParallelRunner:
             self.tp.fail(f"rank 0 failed inside a step ({type(exc).__name__}: {exc})")
             raise self.tp.lost from exc  # type: ignore[misc]
         tokens, logprobs = runner._sample(inputs, logits)
-        return StepResult(tokens, logprobs, prompt_logprobs)
+        return StepResult(tokens, logprobs, prompt_logprobs, pooled=pooled)
 
 
 class TPModelRunner(TensorParallelRunner, ModelRunner):

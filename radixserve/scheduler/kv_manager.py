@@ -62,14 +62,18 @@ class KVManager:
     # -- attach: a row and the reusable prefix --------------------------------------------
     def match(self, request: Request) -> MatchResult | None:
         """The cached prefix of ``request``'s tokens but the last (always computed). None
-        for requests that want prompt logprobs: every prompt token must be computed."""
+        for requests that need every prompt token's hidden state: prompt logprobs, and
+        mean pooling (last-token pooling reuses a prefix: its last token is computed)."""
         if (
             self.cache is None
             or request.num_tokens < 2
             or request.sampling_params.prompt_logprobs is not None
+            or request.pooling == "mean"
         ):
             return None
         tokens = request.token_ids[: request.num_tokens - 1]
+        if self.cache.host is not None:  # KV tiers: host/disk pages into the pool first
+            self.cache.promote(tokens, request.cache_salt, self._alloc)
         hit = self.cache.match_prefix(tokens, request.cache_salt)
         return hit if hit.num_tokens else None
 
@@ -110,7 +114,12 @@ class KVManager:
             dst = self._alloc(1)
         except OutOfPages:
             return False  # recompute those few tokens instead
-        self.pending_copies.append(PageCopy(partial_page, int(dst[0])))
+        if self.cache is not None and self.cache.transfer is not None:
+            # KV tiers move pages at once (demotions and promotions copy while scheduling):
+            # copy now, before a later allocation of this step can reuse partial_page
+            self.cache.transfer.copy(partial_page, int(dst[0]))
+        else:
+            self.pending_copies.append(PageCopy(partial_page, int(dst[0])))
         self.page_table.set_pages(request.table_row, request.num_pages, dst)
         request.num_pages += 1
         return True

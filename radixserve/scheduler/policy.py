@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from radixserve.core.radix_cache import RadixCache, RadixNode
 from radixserve.core.request import Request
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "priority")
+POLICIES = ("fcfs", "lpm", "dfs-weight", "priority", "fair")
 
 
 class WaitingQueue:
@@ -66,7 +66,7 @@ class SchedulePolicy(Protocol):
 
     name: str
 
-    def order(self, waiting: WaitingQueue) -> list[Request]: ...
+    def order(self, waiting: WaitingQueue) -> Iterable[Request]: ...
 
 
 class FCFSPolicy:
@@ -176,4 +176,6 @@ def make_policy(name: str, cache: RadixCache | None) -> SchedulePolicy:
         if cache is None:
             raise ValueError(f"schedule policy {name!r} needs the radix cache (it is disabled)")
         return LongestPrefixPolicy(cache) if name == "lpm" else DFSWeightPolicy(cache)
+    if name == "fair":
+        raise ValueError("schedule policy 'fair' keeps its own queue: the scheduler makes it")
     return FCFSPolicy(name)

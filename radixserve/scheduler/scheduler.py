@@ -14,8 +14,15 @@ import numpy as np
 
 from radixserve.core.request import FinishReason, Request, RequestState
 from radixserve.core.step import ScheduledBatch
+from radixserve.scheduler.fair import (
+    DEFAULT_OUTPUT_WEIGHT,
+    DEFAULT_PROMPT_WEIGHT,
+    FairPolicy,
+    FairQueue,
+    VirtualTokenCounter,
+)
 from radixserve.scheduler.kv_manager import KVManager
-from radixserve.scheduler.policy import POLICIES, WaitingQueue, make_policy
+from radixserve.scheduler.policy import POLICIES, SchedulePolicy, WaitingQueue, make_policy
 
 # In-batch prefix sharing: a waiting request whose next this many uncached tokens equal
 # those a running request is prefilling right now waits for that KV instead of
@@ -45,6 +52,9 @@ class SchedulerConfig:
     reserve_ratio_init: float = 0.7
     reserve_ratio_min: float = 0.1
     reserve_ratio_decay_steps: int = 600
+    # policy "fair": service charged per prompt token computed and per output token
+    fair_prompt_weight: float = DEFAULT_PROMPT_WEIGHT
+    fair_output_weight: float = DEFAULT_OUTPUT_WEIGHT
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -90,7 +100,9 @@ class Scheduler:
         (``finish`` / ``abort`` / a failure listed in a batch's ``failed``);
       * running requests hold pages (``table_row >= 0``); waiting ones hold none;
       * a running request is scheduled every step while the budget lasts (decodes first),
-        so no prefill, however long, delays a decode by more than one chunk;
+        so no prefill, however long, delays a decode by more than one chunk (policy fair:
+        after the decodes, prefill chunks go by tenant counter with the admissions among
+        them, and a chunk that cannot grow without preempting waits for the next step);
       * admission keeps free + evictable pages >= the uncached prompt pages of every running
         request + a decode reserve that adapts (``reserve_ratio``) to observed preemptions;
       * steps are launched (``begin_step``) and processed (``end_step``) in order, at most a
@@ -109,9 +121,16 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.clock = clock
-        self.policy = make_policy(config.policy, kv.cache)
-        self.waiting = WaitingQueue(use_priority=config.policy == "priority")
         self.running: list[Request] = []
+        self._fair: FairPolicy | None = None
+        if config.policy == "fair":
+            vtc = VirtualTokenCounter(config.fair_prompt_weight, config.fair_output_weight)
+            self.waiting: WaitingQueue = FairQueue(vtc)
+            self._fair = FairPolicy(self.waiting, lambda: self.running, kv.cache)
+            self.policy: SchedulePolicy = self._fair
+        else:
+            self.policy = make_policy(config.policy, kv.cache)
+            self.waiting = WaitingQueue(use_priority=config.policy == "priority")
         self._held: dict[str, list[Request]] = {}  # group leader id -> siblings
         self._fork_source: dict[str, Request] = {}  # sibling id -> leader to share from
         self._requests: dict[str, Request] = {}
@@ -184,6 +203,10 @@ class Scheduler:
 
         if self.config.policy == "priority":  # higher priority gets budget and pages first
             self.running.sort(key=lambda r: (r.priority, r.admit_seq))
+        # policy fair: decodes first, then prefill chunks and admissions by tenant counter
+        # (prefill chunks are ``held`` until after the decodes)
+        hold = self._fair is not None
+        held: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -191,6 +214,10 @@ class Scheduler:
                 i += 1  # its last token is not processed yet; it ends without another step
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            if hold and n > 1:
+                held.append(req)
+                i += 1
+                continue
             if not self._grow_or_preempt(i, req.num_computed_tokens + n, failed):
                 continue  # req itself was preempted or failed; running[i] is now the next one
             k = 0
@@ -214,8 +241,15 @@ class Scheduler:
                 self.config.reserve_ratio_min,
                 self.reserve_ratio - span / self.config.reserve_ratio_decay_steps,
             )
-            if budget > 0 and self.waiting and not self._batch_wait_pending():
-                self._admit_waiting(budget, cap, scheduled, counts, failed, spec)
+            admit = budget > 0 and self.waiting and not self._batch_wait_pending()
+            if held:  # (fair) prefills of tenants served less than the next admission's
+                held, later = self._fair.split_held(held)
+                budget = self._schedule_held(held, budget, cap, scheduled, counts, failed)
+                held = later
+            if admit:
+                budget = self._admit_waiting(budget, cap, scheduled, counts, failed, spec)
+        if held:
+            budget = self._schedule_held(held, budget, cap, scheduled, counts, failed)
 
         num_new = np.asarray(counts, dtype=np.int32)
         starts = np.fromiter(
@@ -231,6 +265,8 @@ class Scheduler:
         sample = starts + num_new == totals
         if num_spec is not None:
             sample = starts + num_new - num_spec == totals
+        if self._fair is not None:
+            self._fair.charge_outputs(scheduled, sample.tolist())
         return ScheduledBatch(
             requests=scheduled,
             num_new_tokens=num_new,
@@ -241,6 +277,36 @@ class Scheduler:
             failed=failed,
             num_spec=num_spec,
         )
+
+    def _schedule_held(
+        self,
+        held: list[Request],
+        budget: int,
+        cap: int,
+        scheduled: list[Request],
+        counts: list[int],
+        failed: list[Request],
+    ) -> int:
+        """Prefill chunks held back by policy fair, in order, with the budget left (never
+        preempting: the growing is done). Returns the budget left."""
+        for req in held:
+            if budget <= 0:
+                break
+            if req.state is not RequestState.PREFILL:
+                continue  # preempted meanwhile (to make room for an earlier one here)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            grown = self.kv.grow(req, req.num_computed_tokens + n)
+            if not grown and not scheduled:
+                # nothing else runs this step: make room as the running loop would (the
+                # batch is empty, so no victim is in it)
+                grown = self._grow_or_preempt(
+                    self.running.index(req), req.num_computed_tokens + n, failed
+                )
+            if grown:
+                scheduled.append(req)
+                counts.append(n)
+                budget -= n
+        return budget
 
     def _take_proposals(self, req: Request, draft: np.ndarray, room: int, others: int) -> int:
         """Put up to ``room`` proposals after ``req``'s last token (in ``token_ids`` past
@@ -283,10 +349,10 @@ class Scheduler:
         counts: list[int],
         failed: list[Request],
         spec: list[int] | None = None,
-    ) -> None:
+    ) -> int:
         """Admit waiting requests in policy order; ``spec`` (proposals per scheduled decode,
         aligned with the first ``len(spec)`` of ``scheduled``) loses the entry of a victim
-        taken out of the batch."""
+        taken out of the batch. Returns the budget left."""
         committed = self._committed_pages()
         prefilling = self._prefilling_keys()
         deferrals_left = _MAX_DEFERRALS_PER_STEP
@@ -335,6 +401,7 @@ class Scheduler:
                 prefilling.add(key)
             if preempted_for_it:
                 break  # the room was made for this request, not for those behind it
+        return budget
 
     def _reserve_tokens(self, req: Request) -> float:
         remaining = req.sampling_params.max_tokens - req.num_output_tokens

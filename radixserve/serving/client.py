@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
+from radixserve.core.request import Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving import protocol as p
 
@@ -31,8 +32,11 @@ class EngineClient(Protocol):
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[p.Delta]:
-        """The deltas of ``params.n`` samples, with their text, until all have finished."""
+        """The deltas of ``params.n`` samples, with their text, until all have finished;
+        with ``pooling``, a pooling request's one finished delta (with ``embedding``)."""
         ...
 
     def generate_batches(
@@ -42,6 +46,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[list[p.Delta]]:
         """As ``generate``, every delta that has arrived at once (a slow reader's batch)."""
         ...

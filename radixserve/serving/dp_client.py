@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.core.request import Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.parallel import replica_environments
@@ -37,6 +38,20 @@ _SUMMED = (
     "spec_proposed_tokens",
     "spec_accepted_tokens",
     "spec_verify_rows",
+    "kv_host_pages_total",
+    "kv_host_pages_used",
+    "kv_disk_bytes_used",
+    "kv_disk_records",
+    "cache_hit_tokens_host",
+    "cache_hit_tokens_disk",
+    "kv_demoted_pages",
+    "kv_promoted_pages",
+    "kv_spilled_pages",
+    "kv_disk_promoted_pages",
+    "kv_failed_promotions",
+    "kv_disk_read_failures",
+    "kv_tier_bytes_moved",
+    "kv_tier_move_seconds",
 )
 
 
@@ -68,6 +83,11 @@ class DataParallelClient:
             raise ValueError(f"data_parallel_size must be at least 1, got {size}")
         if size > 1 and config.nnodes > 1:
             raise ValueError("data_parallel_size > 1 runs on one node: nnodes must be 1")
+        if size > 1 and config.kv_cache_dir is not None:
+            raise ValueError(
+                "data_parallel_size > 1 with kv_cache_dir: the engines would share one disk "
+                "tier whose size limit each counts alone (not supported; host tiers are)"
+            )
         if size > 1 and config.tensor_parallel_size > 1 and config.master_port is not None:
             # every replica's TP group would listen on the same rendezvous port
             raise ValueError(
@@ -192,8 +212,12 @@ class DataParallelClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[p.Delta]:
-        return self._routed("generate", request_id, prompt_token_ids, params, cache_salt, priority)
+        return self._routed(
+            "generate", request_id, prompt_token_ids, params, cache_salt, priority, tenant, pooling
+        )
 
     def generate_batches(
         self,
@@ -202,9 +226,10 @@ class DataParallelClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[list[p.Delta]]:
         return self._routed(
-            "generate_batches", request_id, prompt_token_ids, params, cache_salt, priority
+            "generate_batches", request_id, prompt_token_ids, params, cache_salt, priority, tenant
         )
 
     async def _routed(
@@ -215,12 +240,15 @@ class DataParallelClient:
         params: SamplingParams,
         cache_salt: str | None,
         priority: int,
+        tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[Any]:
         """The chosen engine's ``method`` (an async generator), counted in its load until the
         caller is done with it."""
         worker = self._pick(request_id, prompt_token_ids, cache_salt)
+        extra = {} if pooling is None else {"pooling": pooling}
         gen = getattr(self.clients[worker], method)(
-            request_id, prompt_token_ids, params, cache_salt, priority
+            request_id, prompt_token_ids, params, cache_salt, priority, tenant, **extra
         )
         try:
             async for item in gen:

@@ -21,6 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from radixserve.core.request import Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.serving import protocol as p
@@ -370,10 +371,15 @@ class EngineProcessClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[p.Delta]:
         """Yield the deltas of ``params.n`` samples, with their text, until all have finished.
-        Cancelling (client gone) aborts the request in the engine."""
-        outputs, pending = self._start(request_id, prompt_token_ids, params, cache_salt, priority)
+        Cancelling (client gone) aborts the request in the engine. ``pooling``: a pooling
+        request instead (``params.n`` must be 1): one finished delta with ``embedding``."""
+        outputs, pending = self._start(
+            request_id, prompt_token_ids, params, cache_salt, priority, tenant, pooling
+        )
         finished = False
         try:
             while pending.remaining:
@@ -396,11 +402,14 @@ class EngineProcessClient:
         params: SamplingParams,
         cache_salt: str | None = None,
         priority: int = 0,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[list[p.Delta]]:
         """As ``generate``, but each item is every delta that had arrived by the time the
         caller asked for more (one or more, in order): a caller slower than the engine (a
         gRPC stream waiting on its writes) takes them in one go instead of one per turn."""
-        outputs, pending = self._start(request_id, prompt_token_ids, params, cache_salt, priority)
+        outputs, pending = self._start(
+            request_id, prompt_token_ids, params, cache_salt, priority, tenant
+        )
         finished = False
         try:
             while pending.remaining:
@@ -450,6 +459,8 @@ class EngineProcessClient:
         params: SamplingParams,
         cache_salt: str | None,
         priority: int,
+        tenant: Tenant | None = None,
+        pooling: str | None = None,
     ) -> tuple[RequestOutputProcessor, _Pending]:
         """Register the request (and with the tracker) and send it to the engine."""
         if not self.alive:
@@ -461,7 +472,11 @@ class EngineProcessClient:
             self._watch.work_started()  # the hang clock starts with the engine's work
         self._owed += n
         self._pending[request_id] = pending
-        self._send(p.GenerateRequest(request_id, prompt_token_ids, params, cache_salt, priority))
+        self._send(
+            p.GenerateRequest(
+                request_id, prompt_token_ids, params, cache_salt, priority, tenant, pooling
+            )
+        )
         self.tracker.start(request_id, len(prompt_token_ids), n)
         return outputs, pending
 

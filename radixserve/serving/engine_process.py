@@ -93,6 +93,9 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> int:
                 engine.vocab_size,
                 engine.max_model_len,
                 engine.inputs.defaults,
+                engine.model_pooling,
+                engine.model_config.hidden_size if engine.model_config is not None else 0,
+                engine.matryoshka_dimensions,
             )
         )
     )
@@ -141,12 +144,23 @@ def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
         push.send(p.encoder.encode(flush_cache(engine, msg.query_id)))
         return
     try:
+        if msg.pooling is not None:
+            engine.add_pooling_request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.pooling,
+                cache_salt=msg.cache_salt,
+                priority=msg.priority,
+                tenant=msg.tenant,
+            )
+            return
         engine.add_request(
             msg.request_id,
             msg.prompt_token_ids,
             msg.params,
             cache_salt=msg.cache_salt,
             priority=msg.priority,
+            tenant=msg.tenant,
         )
     except EngineOverloaded as exc:
         push.send(p.encoder.encode(p.Rejected(msg.request_id, str(exc), overloaded=True)))
@@ -170,6 +184,7 @@ def wire_delta(d) -> p.Delta:
         [(lp.token_id, lp.logprob, lp.top) for lp in d.prompt_logprobs]
         if d.prompt_logprobs
         else None,
+        embedding=None if d.embedding is None else d.embedding.astype("<f4").tobytes(),
     )
 
 

@@ -17,10 +17,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.core.request import Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.inputs import InputProcessor
 from radixserve.engine.tokenizer import load_model_tokenizer
+from radixserve.serving import tenancy
 from radixserve.serving.client import EngineClient
 from radixserve.serving.dp_client import DataParallelClient
 from radixserve.serving.engine_client import EngineProcessClient
@@ -138,10 +140,10 @@ class Frontend:
         return text
 
     # -- outputs ------------------------------------------------------------------------
-    def observe(self, delta: Delta) -> None:
+    def observe(self, delta: Delta, label: str = "default") -> None:
         """Per-request engine timings (once per prompt: its first sample)."""
         if delta.finished and delta.index == 0 and delta.queue_time_s is not None:
-            self.metrics.queue_time.observe(delta.queue_time_s)
+            self.metrics.queue_time.labels(label).observe(delta.queue_time_s)
 
     async def run(
         self,
@@ -150,14 +152,20 @@ class Frontend:
         cache_salt: str | None = None,
         priority: int = 0,
         request_id: str | None = None,
+        pooling: str | None = None,
     ) -> AsyncIterator[tuple[int, Delta]]:
-        """Yield (prompt index, delta) for all prompts' ``params.n`` samples, as they come."""
+        """Yield (prompt index, delta) for all prompts' ``params.n`` samples, as they come;
+        with ``pooling`` (``params.n`` 1), each prompt's one pooling delta (``embedding``).
+        They run for the tenant the transport set (``tenancy.current``)."""
         base = request_id or uuid.uuid4().hex
+        tag = tenancy.current.get()
+        tenant: Tenant | None = None if tag is tenancy.DEFAULT_TAG else tag.tenant
+        extra = {} if pooling is None else {"pooling": pooling}
         if len(prompts) == 1:  # the common case: no fan-in queue, no extra tasks
             async for delta in self.client.generate(
-                f"{base}-0", prompts[0], params, cache_salt, priority
+                f"{base}-0", prompts[0], params, cache_salt, priority, tenant, **extra
             ):
-                self.observe(delta)
+                self.observe(delta, tag.label)
                 yield 0, delta
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -165,7 +173,7 @@ class Frontend:
         async def pump(i: int, ids: list[int]) -> None:
             try:
                 async for delta in self.client.generate(
-                    f"{base}-{i}", ids, params, cache_salt, priority
+                    f"{base}-{i}", ids, params, cache_salt, priority, tenant, **extra
                 ):
                     await queue.put((i, delta))
             except BaseException as exc:
@@ -182,7 +190,7 @@ class Frontend:
                     raise item
                 if item.finished:
                     remaining -= 1
-                self.observe(item)
+                self.observe(item, tag.label)
                 yield i, item
         finally:
             for t in tasks:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.serving import tenancy
 from radixserve.serving.protocol import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -51,12 +52,54 @@ class _EngineCollector(Collector):
             "Requests that verified proposals in a step",
             s.spec_verify_rows,
         )
+        yield from _tier_metrics(s)
         mean = 1 + s.spec_accepted_tokens / s.spec_verify_rows if s.spec_verify_rows else 0.0
         yield GaugeMetricFamily(
             "radixserve_spec_mean_accepted_length",
             "Tokens emitted per verify row (1 + accepted proposals), since start",
             mean,
         )
+
+
+def _tier_metrics(s: EngineStats) -> Iterator:
+    """The KV tiers' counters (docs/kv-tiers.md): hits by tier, pages moved, bytes, time."""
+    hits = CounterMetricFamily(
+        "radixserve_prefix_cache_tier_hits",
+        "Prompt tokens found cached, by the tier their KV came from",
+        labels=["tier"],
+    )
+    host, disk = s.cache_hit_tokens_host, s.cache_hit_tokens_disk
+    hits.add_metric(["pool"], s.cache_hit_tokens - host - disk)
+    hits.add_metric(["host"], host)
+    hits.add_metric(["disk"], disk)
+    yield hits
+    moved = CounterMetricFamily(
+        "radixserve_kv_tier_pages", "KV pages moved between tiers", labels=["direction"]
+    )
+    moved.add_metric(["demote_pool_to_host"], s.kv_demoted_pages)
+    moved.add_metric(["promote_host_to_pool"], s.kv_promoted_pages)
+    moved.add_metric(["spill_host_to_disk"], s.kv_spilled_pages)
+    moved.add_metric(["promote_disk_to_pool"], s.kv_disk_promoted_pages)
+    yield moved
+    yield CounterMetricFamily(
+        "radixserve_kv_tier_promotions_failed",
+        "Promotions that got no pool pages or read a bad record (plain misses)",
+        s.kv_failed_promotions + s.kv_disk_read_failures,
+    )
+    yield CounterMetricFamily(
+        "radixserve_kv_tier_bytes", "Bytes moved between KV tiers", s.kv_tier_bytes_moved
+    )
+    yield CounterMetricFamily(
+        "radixserve_kv_tier_seconds",
+        "Seconds spent copying between tiers and reading disk records",
+        s.kv_tier_move_seconds,
+    )
+    yield GaugeMetricFamily(
+        "radixserve_kv_host_pages_used", "Host-tier pages holding KV", s.kv_host_pages_used
+    )
+    yield GaugeMetricFamily(
+        "radixserve_kv_disk_bytes_used", "Disk-tier bytes (records)", s.kv_disk_bytes_used
+    )
 
 
 class Metrics:
@@ -66,36 +109,48 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine_stats))
         r = self.registry
+        # request, token and latency series carry the tenant's label (tenancy.TenantTag:
+        # "default" or a keys-file name, so bounded)
         self.prompt_tokens = Counter(
-            "radixserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+            "radixserve_prompt_tokens",
+            "Prompt tokens of finished requests",
+            ["tenant"],
+            registry=r,
         )
         self.generation_tokens = Counter(
-            "radixserve_generation_tokens", "Generated tokens", registry=r
+            "radixserve_generation_tokens", "Generated tokens", ["tenant"], registry=r
         )
         self.request_success = Counter(
             "radixserve_request_success",
             "Finished requests by finish reason",
-            ["finished_reason"],
+            ["finished_reason", "tenant"],
             registry=r,
         )
         self.ttft = Histogram(
-            "radixserve_time_to_first_token_seconds", "TTFT", buckets=_LATENCY_BUCKETS, registry=r
+            "radixserve_time_to_first_token_seconds",
+            "TTFT",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
             "radixserve_inter_token_latency_seconds",
             "Time between tokens",
+            ["tenant"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_time = Histogram(
             "radixserve_request_queue_time_seconds",
             "Time from arrival at the engine to first admission",
+            ["tenant"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             "radixserve_e2e_request_latency_seconds",
             "End-to-end latency",
+            ["tenant"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -108,10 +163,12 @@ class RequestTimer:
     """Timings and token counts of one streamed request, into ``Metrics`` (shared by the
     HTTP and gRPC frontends). Invariants: TTFT is observed once, at the first token of any
     sample; ITL between consecutive token-bearing deltas of one sample; one success count
-    per finished sample; e2e and token totals once, at ``finish``."""
+    per finished sample; e2e and token totals once, at ``finish``; every series under the
+    tenant label current when it was made (``tenancy.current``)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+        self.label = tenancy.current.get().label
         self.started = time.monotonic()
         self.first: float | None = None
         self.last: dict[Hashable, float] = {}
@@ -123,16 +180,16 @@ class RequestTimer:
             now = time.monotonic()
             if self.first is None:
                 self.first = now
-                self.metrics.ttft.observe(now - self.started)
+                self.metrics.ttft.labels(self.label).observe(now - self.started)
             elif sample in self.last:
-                self.metrics.itl.observe(now - self.last[sample])
+                self.metrics.itl.labels(self.label).observe(now - self.last[sample])
             self.last[sample] = now
         self.tokens += len(d.token_ids)
         if d.finished:
-            self.metrics.request_success.labels(d.finish_reason or "unknown").inc()
+            self.metrics.request_success.labels(d.finish_reason or "unknown", self.label).inc()
 
     def finish(self, prompt_tokens: int) -> None:
         """The request ended normally: its latency and token counts."""
-        self.metrics.e2e.observe(time.monotonic() - self.started)
-        self.metrics.generation_tokens.inc(self.tokens)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.e2e.labels(self.label).observe(time.monotonic() - self.started)
+        self.metrics.generation_tokens.labels(self.label).inc(self.tokens)
+        self.metrics.prompt_tokens.labels(self.label).inc(prompt_tokens)

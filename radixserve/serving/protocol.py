@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from radixserve.core.request import Tenant
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.outputs import EngineStats
 
@@ -22,6 +23,10 @@ class GenerateRequest(msgspec.Struct, tag="generate"):
     params: SamplingParams  # made and checked by the frontend (engine.inputs)
     cache_salt: str | None = None
     priority: int = 0
+    tenant: Tenant | None = None  # who it is served for (policy "fair"; None: "default")
+    # a pooling request (an embedding: ``Engine.add_pooling_request``): "last" or "mean";
+    # ``params`` is then ignored (the engine makes its own)
+    pooling: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -64,6 +69,9 @@ class Delta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     # set by the frontend when a stop string ended the sample: that string
     stop_str: str | None = None
+    # a pooling request's finished delta: the pooled final hidden state, not normalised,
+    # as little-endian float32 bytes
+    embedding: bytes | None = None
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
@@ -86,7 +94,7 @@ class RadixSummary(msgspec.Struct, tag="radix_summary"):
     ``cost_ms``: what building it cost the engine loop."""
 
     query_id: int
-    nodes: list[tuple[int, int, int, int, int, int, int, int, int, int, bytes]]
+    nodes: list[tuple[int, int, int, int, int, int, int, int, int, int, bytes, int]]
     namespaces: int
     total_nodes: int
     total_tokens: int
@@ -119,6 +127,12 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     max_model_len: int
     sampling_defaults: dict[str, Any] = {}
+    # embeddings: the model's own pooling ("last" / "mean") if it is an embedding model;
+    # the size of a pooled vector (0: no model, a simulated device); the sizes a Matryoshka
+    # model may be truncated to ([]: any; None: not a Matryoshka model)
+    model_pooling: str | None = None
+    hidden_size: int = 0
+    matryoshka_dimensions: list[int] | None = None
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import numpy as np
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
-from radixserve.core.request import FinishReason, Request
+from radixserve.core.request import FinishReason, Request, Tenant
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.step import ScheduledBatch
 from radixserve.executor.simulated import CostModel, SimulatedRunner, VirtualClock
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -24,12 +26,15 @@ class TraceRequest:
     prompt: np.ndarray
     max_tokens: int
     priority: int = 0
+    tenant: Tenant | None = None
 
 
 def load_trace(path: Path, vocab_size: int = 32000) -> list[TraceRequest]:
     """JSONL, one request a line: ``arrival`` (s), ``output_tokens``, and either
     ``prompt_ids`` or ``prompt_tokens`` (random ids) with optional ``prefix_group`` and
-    ``prefix_tokens`` (requests of a group share their first ``prefix_tokens`` ids)."""
+    ``prefix_tokens`` (requests of a group share their first ``prefix_tokens`` ids);
+    optional ``priority``, and ``tenant`` (a name) with ``weight`` and ``max_concurrency``
+    (policy ``fair``)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"trace file {path} does not exist")
@@ -52,12 +57,21 @@ def load_trace(path: Path, vocab_size: int = 32000) -> list[TraceRequest]:
                 head = prefixes[group][:shared] if group is not None else np.zeros(0, np.int32)
                 tail = rng.integers(0, vocab_size, total - head.size, dtype=np.int32)
                 prompt = np.concatenate([head, tail])
+            tenant = None
+            if "tenant" in item:
+                cap = item.get("max_concurrency")
+                tenant = Tenant(
+                    str(item["tenant"]),
+                    float(item.get("weight", 1.0)),
+                    None if cap is None else int(cap),
+                )
             trace.append(
                 TraceRequest(
                     float(item.get("arrival", 0.0)),
                     prompt,
                     int(item["output_tokens"]),
                     int(item.get("priority", 0)),
+                    tenant,
                 )
             )
         except (KeyError, ValueError, TypeError) as exc:
@@ -103,6 +117,7 @@ class SimulationResult:
     hit_rate: float = 0.0
     preemptions: int = 0
     steps: int = 0
+    ttft_by_tenant: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def output_tok_s(self) -> float:
@@ -127,6 +142,11 @@ class SimulationResult:
             "hit_rate": round(self.hit_rate, 4),
             "preemptions": self.preemptions,
             "steps": self.steps,
+            **{
+                f"ttft_p99_s[{name}]": round(pct(values, 99), 4)
+                for name, values in sorted(self.ttft_by_tenant.items())
+                if len(self.ttft_by_tenant) > 1
+            },
         }
 
 
@@ -155,7 +175,14 @@ class Simulator:
         self.scheduler = Scheduler(scheduler_config, self.kv, clock=self.clock)
         self.runner = SimulatedRunner(cost, clock=self.clock)
 
-    def run(self, trace: list[TraceRequest], max_steps: int = 10_000_000) -> SimulationResult:
+    def run(
+        self,
+        trace: list[TraceRequest],
+        max_steps: int = 10_000_000,
+        on_step: Callable[[ScheduledBatch, list[Request]], None] | None = None,
+    ) -> SimulationResult:
+        """Run ``trace`` to its end. ``on_step(batch, received)``, if given, sees every
+        step after it ran: its batch and the requests that received a token."""
         pending = sorted(trace, key=lambda t: t.arrival_s)
         first_token: dict[str, float] = {}
         last_token: dict[str, float] = {}
@@ -167,7 +194,14 @@ class Simulator:
                 t = pending[next_idx]
                 rid = f"sim-{next_idx}"
                 params = SamplingParams(max_tokens=t.max_tokens, ignore_eos=True)
-                req = Request(rid, t.prompt, params, arrival_time=t.arrival_s, priority=t.priority)
+                req = Request(
+                    rid,
+                    t.prompt,
+                    params,
+                    arrival_time=t.arrival_s,
+                    priority=t.priority,
+                    tenant=t.tenant,
+                )
                 self.scheduler.add_request(req)
                 arrival[rid] = t.arrival_s
                 next_idx += 1
@@ -190,11 +224,16 @@ class Simulator:
             result.steps += 1
             tokens = self.runner.execute(batch).tokens
             now = self.clock.now
-            for req in self.scheduler.update_after_step(batch, tokens):
+            received = self.scheduler.update_after_step(batch, tokens)
+            if on_step is not None:
+                on_step(batch, received)
+            for req in received:
                 rid = req.request_id
                 if rid not in first_token:
                     first_token[rid] = now
                     result.ttft_s.append(now - arrival[rid])
+                    ttfts = result.ttft_by_tenant.setdefault(req.tenant.name, [])
+                    ttfts.append(now - arrival[rid])
                 else:
                     result.itl_s.append(now - last_token[rid])
                 last_token[rid] = now

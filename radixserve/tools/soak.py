@@ -753,6 +753,9 @@ def add_soak_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --url: the server injects faults (their 5xx are expected)",
     )
+    from radixserve.tools.tenant_soak import add_tenant_soak_args
+
+    add_tenant_soak_args(parser)
     parser.add_argument(
         "serve_args", nargs=argparse.REMAINDER, help="after --: flags for radixserve serve"
     )
@@ -763,6 +766,10 @@ def run_soak(args: argparse.Namespace) -> int:
         args.duration = 90.0
     if args.serve_args and args.serve_args[0] == "--":
         args.serve_args = args.serve_args[1:]
+    if args.tenants:
+        from radixserve.tools.tenant_soak import run_tenant_soak
+
+        return run_tenant_soak(args)
     if args.warmup is None:
         args.warmup = args.duration / 3
     if args.faults:

@@ -135,6 +135,7 @@ def test_radix_summary_holds_the_shared_prefix(server, client):
     r = httpx.get(server.url + "/v1/engine/radix?max_nodes=512&max_depth=64", headers=AUTH)
     body = r.json()
     nodes = {n["id"]: n for n in body["nodes"]}
+    assert all(n["tier"] == 0 for n in body["nodes"])  # no KV tiers: all in the pool
     shared = [
         n
         for n in body["nodes"]

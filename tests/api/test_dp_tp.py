@@ -44,7 +44,8 @@ from radixserve import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", page_size=4, kv_cache_memory_gb=0.02)
 params = SamplingParams(temperature=0, max_tokens=int(sys.argv[2]), ignore_eos=True)
 outs = llm.generate(json.loads(sys.argv[3]), params, use_tqdm=False)
-print(json.dumps([o.outputs[0].text for o in outs]))
+vecs = llm.embed(json.loads(sys.argv[3]), "last")
+print(json.dumps([[o.outputs[0].text for o in outs], [v.tolist() for v in vecs]]))
 """
 
 
@@ -58,10 +59,12 @@ def test_dp2_tp2_serve_equals_tp1_greedy(tiny_llama):
         timeout=120,
         check=True,
     )
-    expected = json.loads(tp1.stdout.strip().splitlines()[-1])
+    expected, embeddings = json.loads(tp1.stdout.strip().splitlines()[-1])
     assert all(expected) and len(set(expected)) == len(expected)
 
-    server = ServerProcess("--model", str(tiny_llama), *_ARGS, "-dp", "2", "-tp", "2")
+    server = ServerProcess(
+        "--model", str(tiny_llama), *_ARGS, "-dp", "2", "-tp", "2", "--enable-embeddings"
+    )
     try:
         engines = [pid for pid in _children(server.proc.pid) if b"engine_process" in _cmdline(pid)]
         assert len(engines) == 2
@@ -94,5 +97,15 @@ def test_dp2_tp2_serve_equals_tp1_greedy(tiny_llama):
         }
         assert set(per_engine) == {"0", "1"} and all(v >= 1 for v in per_engine.values())
         assert sum(per_engine.values()) == 2 + len(_PROMPTS)
+        # pooling requests through both replicas' TP groups: TP=1's embeddings
+        with ThreadPoolExecutor(4) as pool:
+            got = list(
+                pool.map(
+                    lambda p: client.embeddings.create(model=model, input=p).data[0].embedding,
+                    _PROMPTS,
+                )
+            )
+        for g, w in zip(got, embeddings, strict=True):
+            assert max(abs(a - b) for a, b in zip(g, w, strict=True)) < 1e-4
     finally:
         server.stop()

@@ -31,6 +31,7 @@ def fuzz_server(tiny_llama):
         "4",
         "--max-body-mb",
         "0.01",
+        "--enable-embeddings",
     )
     yield srv
     srv.stop()
@@ -53,6 +54,7 @@ FUZZED_OPERATIONS = {
     "POST /v1/responses",
     "GET /v1/responses/{response_id}",
     "DELETE /v1/responses/{response_id}",
+    "POST /v1/embeddings",
 }
 EXAMPLES_PER_OPERATION = 25
 

@@ -329,14 +329,16 @@ def test_metrics_parse_and_move(server, client):
         extra_body={"ignore_eos": True},
     )
     after = scrape()
-    key = "radixserve_generation_tokens_total[]"
+    key = "radixserve_generation_tokens_total[('tenant', 'default')]"
     assert after[key] - before.get(key, 0) == 3
     assert any(k.startswith("radixserve_num_requests_running") for k in after)
     assert any(k.startswith("radixserve_time_to_first_token_seconds_count") for k in after)
     for histogram in ("request_queue_time", "e2e_request_latency", "time_to_first_token"):
-        count = f"radixserve_{histogram}_seconds_count[]"
+        count = f"radixserve_{histogram}_seconds_count[('tenant', 'default')]"
         assert after[count] - before.get(count, 0) == 1, histogram
-    reason = "radixserve_request_success_total[('finished_reason', 'length')]"
+    reason = (
+        "radixserve_request_success_total[('finished_reason', 'length'), ('tenant', 'default')]"
+    )
     assert after[reason] - before.get(reason, 0) == 1
 
 

@@ -23,7 +23,7 @@ def _insert(cache: RadixCache, tokens: list[int], namespace=None) -> None:
 
 def _rows(summary):
     keys = ("id", "parent", "ns", "depth", "tokens", "subtree", "pages", "locks", "age", "kids")
-    rows = [dict(zip((*keys, "preview"), row, strict=True)) for row in summary.nodes]
+    rows = [dict(zip((*keys, "preview", "tier"), row, strict=True)) for row in summary.nodes]
     for r in rows:
         r["preview"] = np.frombuffer(r["preview"], dtype="<i4").tolist()
     return rows
@@ -103,3 +103,19 @@ def test_salted_namespaces_show_no_tokens():
 def test_bad_bounds_are_value_errors():
     with pytest.raises(ValueError):
         summarize(_cache(), max_nodes=0)
+
+
+def test_rows_show_the_kv_tier():
+    """A node demoted to the host tier is reported with tier 1, its parent with tier 0."""
+    from radixserve.core.kv_tiers import TierSlots
+    from tests.core.test_kv_tiers import FakeTransfer
+
+    pool = PagePool(16, 2)
+    cache = RadixCache(pool, host=TierSlots(8), transfer=FakeTransfer(16, 8, disk=False))
+    _insert(cache, [1, 2, 3, 4, 5, 6])
+    _insert(cache, [1, 2, 3, 4, 7, 8])
+    cache.evict(1)  # the least recently used leaf: [5, 6]
+    cache.flush()
+    rows = {tuple(r["preview"]): r for r in _rows(summarize(cache))}
+    assert rows[(1, 2, 3, 4)]["tier"] == 0 and rows[(7, 8)]["tier"] == 0
+    assert rows[(5, 6)]["tier"] == 1 and rows[(5, 6)]["pages"] == 1

@@ -13,7 +13,7 @@ from radixserve import SamplingParams
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
-from radixserve.core.request import FinishReason, Request
+from radixserve.core.request import FinishReason, Request, Tenant
 from radixserve.core.step import ScheduledBatch
 from radixserve.executor.simulated import CostModel, SimulatedRunner, VirtualClock
 from radixserve.scheduler.kv_manager import KVManager
@@ -25,9 +25,25 @@ NUM_REQUESTS = 5000
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
 @pytest.mark.parametrize("policy", ["fcfs", "lpm", "priority"])
 def test_five_thousand_requests_end_exactly_once(policy, overlap):
+    run_stress(policy, overlap)
+
+
+def run_stress(
+    policy: str,
+    overlap: bool,
+    num_requests: int = NUM_REQUESTS,
+    tenants: int = 0,
+    num_pages: int = 600,
+):
+    """The stress itself; ``tenants`` > 0: requests come from that many tenants, of
+    random weights, some capped in running requests."""
     rng = random.Random(policy)
+    tenant_list = [
+        Tenant(f"t{i}", rng.choice([0.5, 1.0, 3.0]), rng.choice([None, None, 6]))
+        for i in range(tenants)
+    ]
     clock = VirtualClock()
-    pool = PagePool(600, 8)  # 4,800 tokens of KV: preemption and eviction are constant
+    pool = PagePool(num_pages, 8)  # 600: 4,800 tokens of KV, preemption and eviction constant
     table = PageTable(64, 128)
     kv = KVManager(pool, table, RadixCache(pool))
     sched = Scheduler(
@@ -54,11 +70,11 @@ def test_five_thousand_requests_end_exactly_once(policy, overlap):
     in_flight: tuple[ScheduledBatch, np.ndarray] | None = None
     next_id = 0
     steps = 0
-    while next_id < NUM_REQUESTS or sched.has_unfinished() or in_flight is not None:
+    while next_id < num_requests or sched.has_unfinished() or in_flight is not None:
         steps += 1
         assert steps < 200_000, "no progress: a deadlock"
         for _ in range(rng.randrange(0, 4)):  # arrivals
-            if next_id == NUM_REQUESTS:
+            if next_id == num_requests:
                 break
             prompt = rng.choice(prefixes)[: rng.randrange(1, 300)] + [
                 rng.randrange(1000) for _ in range(rng.randrange(1, 40))
@@ -70,6 +86,7 @@ def test_five_thousand_requests_end_exactly_once(policy, overlap):
                 arrival_time=clock.now,
                 priority=rng.randrange(3),
                 deadline=clock.now + rng.uniform(5, 400) if rng.random() < 0.05 else None,
+                tenant=rng.choice(tenant_list) if tenant_list else None,
             )
             sched.add_request(req)
             live[req.request_id] = req
@@ -80,6 +97,9 @@ def test_five_thousand_requests_end_exactly_once(policy, overlap):
                 ends[victim.request_id] += 1
                 del live[victim.request_id]
         batch = sched.schedule()
+        if tenant_list:  # each tenant's running requests within its cap
+            running = Counter(r.tenant for r in sched.running)
+            assert all(t.max_running is None or n <= t.max_running for t, n in running.items())
         for req in batch.failed:
             ends[req.request_id] += 1
             live.pop(req.request_id, None)
@@ -111,7 +131,7 @@ def test_five_thousand_requests_end_exactly_once(policy, overlap):
         if steps % 500 == 0:
             held = kv.held_page_ids(sched.running)
             assert np.array_equal(np.bincount(held, minlength=pool.num_pages), pool.refcount)
-    assert len(ends) == NUM_REQUESTS and set(ends.values()) == {1}
+    assert len(ends) == num_requests and set(ends.values()) == {1}
     assert not live and not sched.running and not sched.waiting
     assert sched.stats.num_preemptions > 0 and sched.stats.num_aborted > 0
     assert (sched.stats.num_discarded_tokens > 0) == overlap

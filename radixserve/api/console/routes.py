@@ -150,6 +150,7 @@ def register_console(
             age,
             children,
             raw,
+            tier,
         ) in s.nodes:
             preview = np.frombuffer(raw, dtype="<i4").tolist() if readable else []
             node = {
@@ -163,6 +164,7 @@ def register_console(
                 "lock_count": locks,
                 "age": age,
                 "children": children,
+                "tier": tier,  # where its KV pages are: 0 the pool, 1 the host tier
                 "preview_ids": preview if readable else None,
                 "preview_text": decode(preview) if preview else None,
             }

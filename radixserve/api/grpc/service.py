@@ -31,6 +31,7 @@ from radixserve.api.openai import converter as cv
 from radixserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.api.openai.server import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving import tenancy
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 
@@ -154,16 +155,21 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self._count = itertools.count()
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        """``authorization: Bearer KEY`` metadata (``api.auth``, as for HTTP)."""
+        """``authorization: Bearer KEY`` metadata (``api.auth``, as for HTTP); sets the
+        call's tenant from its key, refined by ``x-tenant`` metadata when the key allows."""
         keys = self.server.keys
         if not keys:
             return
-        header = ""
+        metadata: dict[str, str] = {}
         for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and isinstance(value, str):
-                header = value
-        if not keys.allows(header):
+            if key in ("authorization", "x-tenant") and isinstance(value, str):
+                metadata[key] = value
+        if not keys.allows(metadata.get("authorization")):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, auth.MISSING_KEY_MESSAGE)
+        try:
+            self.server.set_tenant(metadata)
+        except APIError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
 
     async def _fail(
         self, context: grpc.aio.ServicerContext, error: APIError, input_name: str = "input"
@@ -250,12 +256,14 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             completion: dict[int, int] = {}
             # one message per sample for everything that arrived while the last one was
             # being written: a stream that keeps up gets a message per engine step
+            tag = tenancy.current.get()  # (set by _authorize)
+            tenant = None if tag is tenancy.DEFAULT_TAG else tag.tenant
             async for batch in frontend.client.generate_batches(
-                engine_id, ids, params, request.cache_salt or None, request.priority
+                engine_id, ids, params, request.cache_salt or None, request.priority, tenant
             ):
                 outs: dict[int, pb.GenerateResponse] = {}
                 for d in batch:
-                    frontend.observe(d)
+                    frontend.observe(d, tag.label)
                     timer.delta(d.index, d)
                     out = outs.get(d.index)
                     if out is None:

@@ -145,10 +145,14 @@ def sampling_params(
 
 # -- per-request limits ---------------------------------------------------------------------
 def check_request_size(
-    config: ServerConfig, prompts: list[list[int]], params: SamplingParams
+    config: ServerConfig,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    prompt_param: str = "prompt",
 ) -> None:
     """One request may not take the engine from everyone else: a 400 naming the limit
-    (and its flag) when it carries too many prompts, samples or tokens."""
+    (and its flag) when it carries too many prompts, samples or tokens (``prompt_param``:
+    the request's name for its prompts)."""
     n, count = params.n, len(prompts)
     limits = [
         (count, config.max_prompts_per_request, "prompts", "--max-prompts-per-request"),
@@ -177,7 +181,7 @@ def check_request_size(
                 400,
                 f"this request asks for {value} {what}; this server allows at most {limit} "
                 f"per request ({flag})",
-                param="prompt" if what.startswith("prompt") else "max_tokens",
+                param=prompt_param if what.startswith("prompt") else "max_tokens",
                 code="request_too_large",
             )
 
@@ -191,15 +195,16 @@ def check_prompt(frontend: Frontend, ids: list[int], max_tokens: int) -> list[in
 
 
 async def completion_prompts(
-    frontend: Frontend, prompt: Any, max_prompts: int
+    frontend: Frontend, prompt: Any, max_prompts: int, param: str = "prompt"
 ) -> tuple[list[str | None], list[list[int]]]:
-    """(texts, token ids) of a completions ``prompt``: a string, strings, token ids or
-    lists of them (texts are None for token-id prompts); strings encoded in one batch.
-    More than ``max_prompts`` prompts is a 400 before any is tokenized."""
+    """(texts, token ids) of a completions ``prompt`` (or an embeddings ``input``:
+    ``param`` names the field): a string, strings, token ids or lists of them (texts are
+    None for token-id prompts); strings encoded in one batch. More than ``max_prompts``
+    prompts is a 400 before any is tokenized."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise APIError(400, "the prompt must not be empty", param="prompt")
+        raise APIError(400, f"the {param} must not be empty", param=param)
     if all(isinstance(x, int) for x in prompt):
         return [None], [list(prompt)]
     if len(prompt) > max_prompts:
@@ -207,18 +212,18 @@ async def completion_prompts(
             400,
             f"this request has {len(prompt)} prompts; this server allows at most "
             f"{max_prompts} per request (--max-prompts-per-request)",
-            param="prompt",
+            param=param,
             code="request_too_large",
         )
     if all(isinstance(x, str) for x in prompt):
         if any(x == "" for x in prompt):
-            raise APIError(400, "the prompt must not be empty", param="prompt")
+            raise APIError(400, f"the {param} must not be empty", param=param)
         encoded = await frontend.tokenize.encode_many(list(prompt))  # one batched call
         return list(prompt), [list(ids) for ids in encoded]
     if all(isinstance(x, list) for x in prompt):
         return [None] * len(prompt), [list(x) for x in prompt]
     raise APIError(
-        400, "prompt must be a string, strings, token ids or lists of them", param="prompt"
+        400, f"{param} must be a string, strings, token ids or lists of them", param=param
     )
 
 

@@ -13,6 +13,7 @@ import orjson
 from radixserve.api.asgi import APIError
 from radixserve.api.openai.converter import engine_error
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving import tenancy
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.protocol import Delta
@@ -93,14 +94,14 @@ async def collect(
     if errors:
         raise APIError(500, errors[0] or "generation failed", type_="internal_error")
     total = sum(o.tokens for o in outs.values())
-    metrics = frontend.metrics
+    metrics, label = frontend.metrics, tenancy.current.get().label
     for o in outs.values():
-        metrics.request_success.labels(o.reason or "unknown").inc()
-    metrics.e2e.observe(time.monotonic() - started)
+        metrics.request_success.labels(o.reason or "unknown", label).inc()
+    metrics.e2e.labels(label).observe(time.monotonic() - started)
     if first is not None:
-        metrics.ttft.observe(first - started)
-    metrics.generation_tokens.inc(total)
-    metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
+        metrics.ttft.labels(label).observe(first - started)
+    metrics.generation_tokens.labels(label).inc(total)
+    metrics.prompt_tokens.labels(label).inc(sum(len(p) for p in prompts))
     return Collected(dict(sorted(outs.items())), prompt_lps, sum(cached.values()), total)
 
 

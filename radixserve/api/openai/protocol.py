@@ -168,3 +168,23 @@ class ResponsesRequest(BaseModel):
     seed: StrictInt | None = None
     priority: StrictInt = 0
     cache_salt: str | None = None
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings body (``POST /v1/embeddings``), with vLLM's extras that change
+    the result (``normalize``, ``truncate_prompt_tokens``, ``priority``) and the cache salt;
+    undeclared fields are a 400 naming them (see ``_Sampling``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: str | None = None
+    # extras (vLLM's)
+    normalize: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=1)
+    priority: StrictInt = 0
+    cache_salt: str | None = None
+    request_id: str | None = None

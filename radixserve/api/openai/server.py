@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API: one ``OpenAIServer`` over the serving frontend, its
-route families (``completions``, ``chat``, ``native``), the console, health, metrics and
+route families (``completions``, ``chat``, ``responses``, ``embeddings``, ``native``), the console, health, metrics and
 the OpenAPI document."""
 
 from __future__ import annotations
 
+import logging
 import re
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
@@ -24,10 +26,12 @@ from radixserve.api.asgi import (
 )
 from radixserve.api.console.debug import add_debug_routes
 from radixserve.api.console.routes import register_console
-from radixserve.api.openai import chat, completions, native, responses
+from radixserve.api.openai import chat, completions, embeddings, native, responses
 from radixserve.api.openai.converter import parse_body
 from radixserve.api.openai.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
+from radixserve.api.tenants import load_keys_file, tenant_tag
 from radixserve.core.version import __version__
+from radixserve.serving import tenancy
 from radixserve.serving.frontend import EngineConfig, Frontend, ServingConfig
 from radixserve.serving.supervisor import SupervisorConfig
 
@@ -47,6 +51,10 @@ class ServerConfig:
     dp_balance: Any = None  # serving.balancer.BalanceConfig (None: its defaults)
     supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
     enable_debug_endpoints: bool = False  # /debug/* (see console/debug.py)
+    # /v1/embeddings on a generative model (an embedding model is always served); pooling:
+    # "last" | "mean" (None: the model's own, else last-token)
+    enable_embeddings: bool = False
+    embedding_pooling: str | None = None
     max_stored_responses: int = DEFAULT_MAX_RESPONSES  # the Responses API's store
     # per-request limits (a 400 naming the limit): prompts, prompts x n, prompt tokens in
     # all, completion tokens asked for in all (max_tokens x n x prompts)
@@ -59,6 +67,8 @@ class ServerConfig:
     # any they are served only when the server listens on loopback
     admin_api_keys: tuple[str, ...] = ()
     loopback_only: bool = True
+    # inference keys naming their tenants (api/tenants.py), re-read on SIGHUP
+    api_keys_file: str | None = None
 
     def serving(self) -> ServingConfig:
         """The transport-independent part, for the serving frontend."""
@@ -80,13 +90,22 @@ class OpenAIServer:
 
     def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
         self.config = config
+        file_entries = () if config.api_keys_file is None else load_keys_file(config.api_keys_file)
         self.frontend = Frontend(engine_config, config.serving())
-        self.keys = auth.ApiKeys(config.api_keys)
+        self.keys = auth.ApiKeys(config.api_keys, file_entries)
         self.admin_keys = auth.ApiKeys(config.admin_api_keys)
         self.responses = ResponseStore(config.max_stored_responses)  # /v1/responses
 
+    def reload_keys(self) -> bool:
+        """Read the keys file again (SIGHUP). A file that cannot be used leaves the keys as
+        they were and logs why; returns whether the new keys are in use."""
+        path = self.config.api_keys_file
+        return path is not None and auth.reload_keys_file(self.keys, path)
+
     def parse(self, request: HTTPRequest, model: type[BaseModel]) -> Any:
-        """The JSON body of ``request`` validated as ``model`` (400 naming the field)."""
+        """The JSON body of ``request`` validated as ``model`` (400 naming the field); sets
+        the tenant the request runs for (``tenancy.current``: its key's, refined by
+        ``X-Tenant`` or ``user`` when the key allows sub-tenants)."""
         content_type = request.headers.get("content-type", "")
         if "application/json" not in content_type:
             raise APIError(400, "Content-Type must be application/json")
@@ -94,7 +113,17 @@ class OpenAIServer:
             data = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
             raise APIError(400, f"could not parse the JSON body: {exc}") from None
-        return parse_body(model, data)
+        body = parse_body(model, data)
+        self.set_tenant(request.headers, getattr(body, "user", None))
+        return body
+
+    def set_tenant(self, headers: dict[str, str], user: Any = None) -> None:
+        """Identify the request's tenant from its key (a 400 for a bad sub-tenant)."""
+        entry = self.keys.identify(headers.get("authorization"), headers.get("x-api-key"))
+        tag = tenant_tag(entry, headers, user if isinstance(user, str) else None)
+        if isinstance(tag, str):
+            raise APIError(400, tag, param=None if "x-tenant" in headers else "user")
+        tenancy.current.set(tag)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.frontend.model_name:
@@ -105,6 +134,20 @@ class OpenAIServer:
                 param="model",
                 code="model_not_found",
             )
+
+
+log = logging.getLogger("radixserve.api")
+
+
+def _watch_sighup(server: OpenAIServer) -> None:
+    """SIGHUP re-reads the keys file (main thread's loop only: an app run elsewhere, as in
+    tests, reloads through ``OpenAIServer.reload_keys``)."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload_keys)
+    except (RuntimeError, ValueError, NotImplementedError) as exc:
+        log.warning("SIGHUP not watched (%s): the keys file is read once", exc)
 
 
 _PROTECTED_PREFIXES = ("/v1/", "/debug/")  # (/v1/messages takes x-api-key too)
@@ -130,10 +173,15 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         denied = policy.check(request.path, request.headers)
         return None if denied is None else APIError(denied.status, denied.message, denied.type)
 
+    async def start() -> None:
+        if config.api_keys_file is not None:
+            _watch_sighup(server)
+        await frontend.start()
+
     app = ASGIApp(
         config.max_body_bytes,
         authorize,
-        frontend.start,
+        start,
         frontend.shutdown,
         body_timeout_s=config.body_timeout_s,
     )
@@ -185,6 +233,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     completions.add_routes(app, server)
     chat.add_routes(app, server)
     responses.add_routes(app, server)
+    embeddings.add_routes(app, server)
     messages.add_routes(app, server)  # Anthropic's Messages API
     return app
 

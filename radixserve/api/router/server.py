@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 # the routes that run a model, and so are routed by their prompt
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 # request headers passed on to the worker (it checks API keys itself)
-_FORWARDED = ("authorization", "content-type", "accept")
+_FORWARDED = ("authorization", "content-type", "accept", "x-tenant")
 _DONE = b"data: [DONE]\n\n"
 
 

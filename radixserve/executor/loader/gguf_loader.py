@@ -352,7 +352,7 @@ def _rope_scaling(
     kind = meta.get(f"{arch}.rope.scaling.type")
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if arch == "phi3" and "rope_factors_long.weight" in names:
-        raise ValueError(f"{path}: Phi-3 LongRoPE GGUF files are not supported yet")
+        return _phi3_longrope(meta, path)
     if "rope_freqs.weight" in names:
         # the factors themselves are the tensor's values: load_gguf fills them in
         return {"rope_type": "freq_factors", "factors": None}
@@ -361,6 +361,35 @@ def _rope_scaling(
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
     raise ValueError(f"{path}: GGUF rope scaling {kind!r} is not supported (linear, llama3)")
+
+
+def _phi3_longrope(meta: dict[str, Any], path: Path) -> dict[str, Any]:
+    """LongRoPE as llama.cpp's converter stores it for Phi-3 (128k) files: the short and long
+    per-frequency factors as the tensors ``rope_factors_short/long.weight``, the original
+    context length and the attention factor in the metadata."""
+    original = meta.get("phi3.rope.scaling.original_context_length")
+    if not original:
+        raise ValueError(
+            f"{path}: Phi-3 LongRoPE factors without phi3.rope.scaling.original_context_length"
+        )
+    gguf_file = GGUFFile(path)
+    factors = {
+        t.name: gguf_file.dequantize(t).reshape(-1).astype(float).tolist()
+        for t in gguf_file.tensors
+        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")
+    }
+    if len(factors) != 2:
+        raise ValueError(f"{path}: Phi-3 LongRoPE needs both rope_factors_long and _short")
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": factors["rope_factors_long.weight"],
+        "short_factor": factors["rope_factors_short.weight"],
+        "original_max_position_embeddings": int(original),
+    }
+    attn_factor = meta.get("phi3.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        scaling["attention_factor"] = float(attn_factor)
+    return scaling
 
 
 def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:

@@ -12,9 +12,6 @@ from radixserve.core.request import Request
 from radixserve.executor.attention import TorchNativeAttention
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.kv_cache import KVCache, bytes_per_page
-from radixserve.executor.loader import load_checkpoint
-from radixserve.executor.model_config import ModelConfig
-from radixserve.executor.models.registry import model_class
 
 
 class DraftProposer:
@@ -42,16 +39,28 @@ class DraftProposer:
         page_table: PageTable,
         dtype: torch.dtype,
         vocab_size: int,
+        quantization: str = "auto",
     ) -> None:
-        checkpoint = load_checkpoint(kind, path)
-        self.config = mc = ModelConfig.from_hf_dict(checkpoint.hf_config)
+        from radixserve.executor.builder import load_model  # (builder imports the runner)
+
+        if quantization in ("int8", "int4"):
+            dtype = torch.bfloat16  # the quantized kernels' activations, whatever the target's
+        loaded = load_model(
+            kind,
+            path,
+            device=torch.device("cpu"),
+            dtype=str(dtype).removeprefix("torch."),
+            quantization=quantization,
+        )
+        self.config = mc = loaded.config
         if mc.vocab_size != vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary ({mc.vocab_size}) is not the target's "
                 f"({vocab_size}): a draft must share the tokenizer"
             )
-        self.model = model_class(mc.architecture)(mc, checkpoint.weights, dtype)
-        del checkpoint
+        self.model = loaded.model
+        self.scheme = loaded.scheme  # None: the draft runs in ``dtype`` unquantized
+        self.dtype = dtype
         self.kv_cache = KVCache(
             mc.num_hidden_layers,
             num_pages,

@@ -84,6 +84,38 @@ def test_greedy_equals_cpu_path_with_cuda_graphs(tiny_models, arch):
     _compare(tiny_models, arch, 16, "cuda", graphs=8)
 
 
+@pytest.mark.slow  # interpreted Triton kernels (CI runs it)
+def test_pooling_equals_cpu_path(tiny_models):
+    """Pooling requests through the CUDA runner (last and mean, chunked, a prefix hit, a
+    generation in the same steps) give the CPU runner's embeddings and tokens."""
+    import numpy as np
+
+    kwargs = dict(dtype="float32", page_size=4, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def run(llm: LLM) -> tuple[list, list]:
+        vecs = [*llm.embed(PROMPTS, "last", normalize=False), *llm.embed(PROMPTS, "mean")]
+        eng = llm.engine
+        eng.add_request("g", PROMPTS[3], params)
+        eng.add_pooling_request("e", PROMPTS[2], "mean")
+        tokens = []
+        while eng.has_unfinished():
+            for d in eng.step():
+                tokens.extend(d.new_token_ids)
+                if d.request_id == "e" and d.finished:
+                    vecs.append(d.embedding)
+        eng.check_idle()
+        return vecs, tokens
+
+    want, want_tokens = run(LLM(str(tiny_models["llama"]), device="cpu", **kwargs))
+    llm = LLM(str(tiny_models["llama"]), device="cpu", **kwargs)
+    _swap_in_cuda_runner(llm, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    got, tokens = run(llm)
+    assert tokens == want_tokens
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_device_sampler_seeded_rows_do_not_depend_on_the_batch(tiny_models):
     llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32")
     _swap_in_cuda_runner(llm, torch.device("cuda" if torch.cuda.is_available() else "cpu"))

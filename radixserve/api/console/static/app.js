@@ -530,6 +530,7 @@
               `${n.tokens} tok`,
               `${n.subtree_tokens} in subtree`,
               `${n.pages} pages`,
+              n.tier === 1 ? "host tier" : "pool",
               `locks ${n.lock_count}`,
               `used ${n.age} cache ops ago`,
               `${n.children} children`,

@@ -1,0 +1,120 @@
+"""Two tenants on the simulated device: one floods long prompts, one sends short ones now
+and then. The light tenant's TTFT with the flood present, under ``fair`` and ``fcfs``,
+against the light tenant alone; the real scheduler, radix cache and page pool on a
+virtual clock (``tools/simulator.py``), so the figures are deterministic and need no model.
+
+    python benchmarks/tenant_fairness.py            # ~20 s
+    python benchmarks/tenant_fairness.py --duration 120
+
+Prints a table and, last, one JSON line with light_tenant_ttft_p99_ratio (light tenant's
+p99 TTFT with the flooder present / alone, policy fair), the same with fcfs
+(light_tenant_ttft_p99_ratio_fcfs), and heavy_share_fair (the heavy tenant's share of the
+output tokens under fair).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from radixserve.core.request import Tenant
+from radixserve.executor.simulated import CostModel
+from radixserve.scheduler.scheduler import SchedulerConfig
+from radixserve.tools.simulator import Simulator, TraceRequest
+
+
+def trace(args: argparse.Namespace, flood: bool) -> list[TraceRequest]:
+    heavy, light = Tenant("heavy", max_running=args.heavy_cap), Tenant("light")
+    rng = np.random.default_rng(args.seed)
+    out: list[TraceRequest] = []
+    if flood:
+        t = 0.0
+        while t < args.duration:
+            prompt = rng.integers(0, 32000, args.heavy_prompt, dtype=np.int32)
+            out.append(TraceRequest(t, prompt, args.heavy_output, tenant=heavy))
+            t += rng.exponential(1.0 / args.heavy_rate)
+    t = 0.5
+    while t < args.duration:
+        prompt = rng.integers(0, 32000, args.light_prompt, dtype=np.int32)
+        out.append(TraceRequest(t, prompt, args.light_output, tenant=light))
+        t += rng.exponential(1.0 / args.light_rate)
+    return out
+
+
+def simulate(args: argparse.Namespace, policy: str, flood: bool) -> dict:
+    config = SchedulerConfig(
+        max_num_batched_tokens=args.budget,
+        max_num_seqs=args.max_seqs,
+        long_prefill_threshold=args.chunk,
+        policy=policy,
+    )
+    sim = Simulator(config, num_pages=args.pages, page_size=16, cost=CostModel())
+    outputs: dict[str, int] = {"heavy": 0, "light": 0}
+
+    def on_step(_batch, received):
+        for req in received:
+            outputs[req.tenant.name] += 1
+
+    result = sim.run(trace(args, flood), on_step=on_step)
+    sim.check_pages()
+    light = result.ttft_by_tenant["light"]
+    heavy = result.ttft_by_tenant.get("heavy", [])
+    total = sum(outputs.values())
+    return {
+        "policy": policy,
+        "flood": flood,
+        "light_requests": len(light),
+        "light_ttft_p50_s": float(np.percentile(light, 50)),
+        "light_ttft_p99_s": float(np.percentile(light, 99)),
+        "heavy_ttft_p50_s": float(np.percentile(heavy, 50)) if heavy else None,
+        "heavy_share": outputs["heavy"] / total if total else 0.0,
+        "preemptions": result.preemptions,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
+    parser.add_argument("--heavy-rate", type=float, default=8.0, help="requests/s")
+    parser.add_argument("--heavy-prompt", type=int, default=1024)
+    parser.add_argument("--heavy-output", type=int, default=64)
+    parser.add_argument(
+        "--heavy-cap", type=int, default=None, help="the heavy tenant's max_concurrency"
+    )
+    parser.add_argument("--light-rate", type=float, default=0.5, help="requests/s")
+    parser.add_argument("--light-prompt", type=int, default=128)
+    parser.add_argument("--light-output", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--max-seqs", type=int, default=32)
+    parser.add_argument("--pages", type=int, default=2048, help="16-token KV pages")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    alone = simulate(args, "fcfs", flood=False)
+    rows = [alone, simulate(args, "fair", flood=True), simulate(args, "fcfs", flood=True)]
+    print(f"{'policy':8} {'flood':6} {'light p50 s':>12} {'light p99 s':>12} "
+          f"{'heavy p50 s':>12} {'heavy share':>12} {'preempt':>8}")  # fmt: skip
+    for r in rows:
+        heavy = "-" if r["heavy_ttft_p50_s"] is None else f"{r['heavy_ttft_p50_s']:.3f}"
+        print(
+            f"{r['policy']:8} {r['flood']!s:6} {r['light_ttft_p50_s']:12.3f} "
+            f"{r['light_ttft_p99_s']:12.3f} {heavy:>12} {r['heavy_share']:12.3f} "
+            f"{r['preemptions']:8d}"
+        )
+    base = alone["light_ttft_p99_s"]
+    print(
+        json.dumps(
+            {
+                "light_tenant_ttft_p99_ratio": round(rows[1]["light_ttft_p99_s"] / base, 3),
+                "light_tenant_ttft_p99_ratio_fcfs": round(rows[2]["light_ttft_p99_s"] / base, 3),
+                "heavy_share_fair": round(rows[1]["heavy_share"], 3),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Policy ``fair``: a virtual token counter per tenant, after "Fairness in Serving Large
+Language Models" (Sheng et al., OSDI '24, VTC).
+
+Each tenant's counter grows by the weighted tokens it is served, divided by its weight:
+``prompt_weight`` per prompt token it makes the engine compute (charged when the request is
+first admitted; a prefix found in the radix cache is not computed, so not charged; a
+preempted request that is admitted again is not charged twice) and ``output_weight`` per
+output token (charged when the step that samples it is scheduled). Admission takes the
+backlogged tenant (one with waiting requests) with the least counter; inside a tenant the
+request with the longest cached prefix among its oldest ``window`` waiting ones (arrival
+order without the radix cache). Within a step, decodes come first, then prefill chunks
+of running requests in tenant-counter order, with the admissions placed after the chunks
+of tenants served less than the tenant to admit (and its own): a light tenant's new
+request, or its prompt half done, does not wait behind a heavy tenant's long prefills. A tenant that becomes backlogged again after idling has its
+counter lifted to the least counter among the backlogged tenants (to the last admitted
+one's if none), never left behind: idling earns no credit. A tenant at its ``max_running``
+cap is passed over until one of its requests ends.
+
+Cost per admission: O(backlogged tenants + window); per step O(running) to count each
+tenant's running requests, O(p log p) to order the p prefill chunks. Nothing of this runs under the other policies.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from radixserve.core.radix_cache import RadixCache
+from radixserve.core.request import Request, RequestState, Tenant
+from radixserve.scheduler.policy import WaitingQueue
+
+DEFAULT_PROMPT_WEIGHT = 1.0
+DEFAULT_OUTPUT_WEIGHT = 2.0
+_WINDOW = 8  # requests of one tenant looked at for the longest cached prefix
+
+
+class VirtualTokenCounter:
+    """The service each tenant has received, in weighted tokens divided by its weight.
+
+    Invariants: a counter never decreases; ``floor`` is the counter of the latest tenant
+    admitted, and the least counter of the backlogged tenants never drops below the floor
+    at the time they became backlogged; tenants not backlogged whose counter is at or under
+    the floor may be forgotten (lifting would put them back at least there), so the table
+    stays bounded by the tenants that matter.
+    """
+
+    def __init__(self, prompt_weight: float, output_weight: float) -> None:
+        if prompt_weight < 0 or output_weight < 0 or prompt_weight + output_weight <= 0:
+            raise ValueError("fair policy: token weights must be >= 0, not both 0")
+        self.prompt_weight = prompt_weight
+        self.output_weight = output_weight
+        self.counters: dict[str, float] = {}
+        self.tenants: dict[str, Tenant] = {}  # the latest settings seen for each name
+        self.floor = 0.0
+
+    def value(self, name: str) -> float:
+        return self.counters.get(name, self.floor)
+
+    def charge(self, tenant: Tenant, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
+        cost = self.prompt_weight * prompt_tokens + self.output_weight * output_tokens
+        self.counters[tenant.name] = self.value(tenant.name) + cost / tenant.weight
+
+    def lift(self, name: str, least_backlogged: float | None) -> None:
+        """``name`` has just become backlogged: it starts no lower than the others."""
+        base = self.floor if least_backlogged is None else least_backlogged
+        self.counters[name] = max(self.value(name), base)
+
+    def forget_idle(self, keep: set[str]) -> None:
+        """Drop counters at or under the floor of tenants not in ``keep``."""
+        for name in [n for n, c in self.counters.items() if c <= self.floor and n not in keep]:
+            del self.counters[name]
+            self.tenants.pop(name, None)
+
+
+class FairQueue(WaitingQueue):
+    """The waiting queue, also kept per tenant. Invariants (on top of ``WaitingQueue``'s):
+    ``by_tenant[name]`` holds exactly the waiting requests of tenant ``name``, sorted by
+    ``queue_key``, and is absent when there are none; a tenant's counter is lifted when its
+    list goes from empty to non-empty."""
+
+    def __init__(self, vtc: VirtualTokenCounter) -> None:
+        super().__init__(use_priority=False)
+        self.vtc = vtc
+        self.by_tenant: dict[str, tuple[list[tuple[int, int]], list[Request]]] = {}
+
+    def push(self, req: Request, front: bool = False) -> None:
+        super().push(req, front)
+        tenant = req.tenant
+        self.vtc.tenants[tenant.name] = tenant
+        entry = self.by_tenant.get(tenant.name)
+        if entry is None:
+            least = min((self.vtc.value(n) for n in self.by_tenant), default=None)
+            self.vtc.lift(tenant.name, least)
+            entry = self.by_tenant[tenant.name] = ([], [])
+        keys, items = entry
+        i = bisect.bisect_right(keys, req.queue_key)
+        keys.insert(i, req.queue_key)
+        items.insert(i, req)
+
+    def remove(self, req: Request) -> None:
+        super().remove(req)
+        name = req.tenant.name
+        keys, items = self.by_tenant[name]
+        i = bisect.bisect_left(keys, req.queue_key)
+        assert items[i] is req, "tenant queue out of order"
+        del keys[i]
+        del items[i]
+        if not items:
+            del self.by_tenant[name]
+
+
+class FairPolicy:
+    """Admission order of policy ``fair`` (see the module docstring). ``order`` is lazy: it
+    picks the next tenant only when the scheduler asks for the next request, and charges a
+    request's prompt when it finds it admitted, so admissions within one step take turns
+    between tenants as the counters move."""
+
+    name = "fair"
+
+    def __init__(
+        self,
+        queue: FairQueue,
+        running: Callable[[], list[Request]],
+        cache: RadixCache | None,
+        window: int = _WINDOW,
+    ) -> None:
+        self.queue = queue
+        self.vtc = queue.vtc
+        self._running = running
+        self.cache = cache
+        self.window = window
+        self._stamp = itertools.count(1)
+
+    def order(self, waiting: WaitingQueue) -> Iterator[Request]:
+        assert waiting is self.queue
+        running = Counter(r.tenant.name for r in self._running())
+        stamp = next(self._stamp)
+        tried: set[str] = set()  # offered this step and still waiting (deferred)
+        done: set[str] = set()  # tenants with nothing more to offer this step
+        while True:
+            name = self._least_tenant(running, done)
+            if name is None:
+                return
+            req = self._pick(name, tried, stamp)
+            if req is None:
+                done.add(name)
+                continue
+            yield req
+            if req.state is RequestState.PREFILL:  # admitted
+                running[name] += 1
+                if req.num_preemptions == 0:
+                    self.vtc.charge(
+                        req.tenant, prompt_tokens=req.num_tokens - req.num_cached_tokens
+                    )
+                self.vtc.floor = max(self.vtc.floor, self.vtc.value(name))
+            elif not req.is_finished:
+                tried.add(req.request_id)
+        # (unreachable: the loop returns)
+
+    def split_held(self, held: list[Request]) -> tuple[list[Request], list[Request]]:
+        """Held prefill chunks (all of a step's, in fair mode) in tenant-counter order,
+        split into those to schedule before the admissions (tenants served less than the
+        next tenant to admit, and that tenant's own) and those after."""
+        vtc = self.vtc
+        held.sort(key=lambda r: (vtc.value(r.tenant.name), r.admit_seq))
+        running = Counter(r.tenant.name for r in self._running())
+        least = self._least_tenant(running, set())
+        if least is None:
+            return held, []
+        floor = vtc.value(least)
+        first = [r for r in held if r.tenant.name == least or vtc.value(r.tenant.name) < floor]
+        if len(first) == len(held):
+            return held, []
+        ids = {id(r) for r in first}
+        return first, [r for r in held if id(r) not in ids]
+
+    def _least_tenant(self, running: Counter, done: set[str]) -> str | None:
+        """The backlogged tenant below its cap with the least counter; on a tie the one
+        with fewer running requests, then the one waiting longest."""
+        best: tuple[float, int, tuple[int, int]] | None = None
+        best_name = None
+        vtc = self.vtc
+        for name, (keys, _) in self.queue.by_tenant.items():
+            if name in done:
+                continue
+            cap = vtc.tenants[name].max_running
+            if cap is not None and running[name] >= cap:
+                continue
+            key = (vtc.value(name), running[name], keys[0])
+            if best is None or key < best:
+                best, best_name = key, name
+        return best_name
+
+    def _pick(self, name: str, tried: set[str], stamp: int) -> Request | None:
+        """The tenant's request to offer: the longest cached prefix among its oldest
+        ``window`` requests not yet offered this step (the oldest on ties)."""
+        _, items = self.queue.by_tenant[name]
+        best: Request | None = None
+        seen = 0
+        for req in items:
+            if req.request_id in tried:
+                continue
+            if self.cache is None:
+                return req
+            if req.probe_stamp != stamp:
+                self._probe(req, stamp)
+            if best is None or req.probe_len > best.probe_len:
+                best = req
+            seen += 1
+            if seen == self.window:
+                break
+        return best
+
+    def _probe(self, req: Request, stamp: int) -> None:
+        assert self.cache is not None
+        if req.num_tokens < 2:
+            req.probe_len, req.probe_node = 0, None
+        else:
+            hit = self.cache.match_prefix(
+                req.token_ids[: req.num_tokens - 1], req.cache_salt, touch=False
+            )
+            req.probe_len, req.probe_node = hit.num_tokens, hit.node
+        req.probe_stamp = stamp
+
+    def charge_outputs(self, requests: list[Request], sample: list[bool]) -> None:
+        """A step was scheduled: each sampled row is one output token of its tenant."""
+        for req, do_sample in zip(requests, sample, strict=True):
+            if do_sample:
+                self.vtc.charge(req.tenant, output_tokens=1)
+        if len(self.vtc.counters) > 4 * len(self.queue.by_tenant) + 256:
+            keep = set(self.queue.by_tenant) | {r.tenant.name for r in self._running()}
+            self.vtc.forget_idle(keep)

@@ -1,0 +1,288 @@
+"""Policy ``fair`` (virtual token counters per tenant) on the simulated device: bounded
+service gaps, a light tenant's bounded TTFT under a flood, weights, caps, no starvation,
+page accounting at the end of every scenario. No model."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+
+import numpy as np
+import pytest
+
+from radixserve import SamplingParams
+from radixserve.core.request import Request, RequestState, Tenant
+from radixserve.executor.simulated import CostModel
+from radixserve.scheduler.fair import DEFAULT_OUTPUT_WEIGHT as W_O
+from radixserve.scheduler.fair import DEFAULT_PROMPT_WEIGHT as W_P
+from radixserve.scheduler.scheduler import SchedulerConfig
+from radixserve.tools.simulator import Simulator, TraceRequest
+from tests.scheduler.test_scheduler import apply, check_accounting, make, run
+
+COST = CostModel(step_s=0.01, token_s=1e-4, kv_token_s=1e-7)
+
+
+def _prompts(rng: np.random.Generator, length: int):
+    return rng.integers(0, 32000, length, dtype=np.int32)
+
+
+def _sim(policy: str, max_seqs: int, budget: int, chunk: int, pages: int, cache=False):
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        long_prefill_threshold=chunk,
+        policy=policy,
+    )
+    return Simulator(config, num_pages=pages, page_size=16, cost=COST, enable_cache=cache)
+
+
+class ServiceMeter:
+    """Service per tenant measured from outside the policy: uncached prompt tokens when a
+    request is first seen in a batch (its admission), output tokens as they arrive; each
+    weighted (``W_P``, ``W_O``) and divided by the tenant's weight."""
+
+    def __init__(self) -> None:
+        self.service: dict[str, float] = defaultdict(float)
+        self.seen: set[str] = set()
+        self.max_running: Counter[str] = Counter()
+
+    def step(self, batch, received, scheduler) -> None:
+        for req in batch.requests:
+            if req.request_id not in self.seen:
+                self.seen.add(req.request_id)
+                prompt = req.num_prompt_tokens - req.num_cached_tokens
+                self.service[req.tenant.name] += W_P * prompt / req.tenant.weight
+        for req in received:
+            self.service[req.tenant.name] += W_O / req.tenant.weight
+        running = Counter(r.tenant.name for r in scheduler.running)
+        for name, n in running.items():
+            self.max_running[name] = max(self.max_running[name], n)
+
+    def backlogged(self, scheduler) -> set[str]:
+        return {r.tenant.name for r in scheduler.waiting}
+
+
+def _run_gap(policy: str, weights: tuple[float, float]):
+    """Two tenants, both backlogged from t=0: "a" sends long prompts, "b" short ones,
+    interleaved. Returns (largest counter gap while both are backlogged, its bound,
+    service by tenant when the first of them stopped being backlogged, the simulator)."""
+    rng = np.random.default_rng(1)
+    a, b = Tenant("a", weights[0]), Tenant("b", weights[1])
+    shapes = {"a": (512, 32), "b": (64, 16)}
+    trace = []
+    for i in range(150):
+        for tenant in (a, b):
+            prompt_len, out = shapes[tenant.name]
+            trace.append(TraceRequest(i * 1e-3, _prompts(rng, prompt_len), out, tenant=tenant))
+    max_seqs = 8
+    sim = _sim(policy, max_seqs=max_seqs, budget=2048, chunk=256, pages=2048)
+    meter = ServiceMeter()
+    gaps: list[float] = []
+    at_end: dict[str, float] = {}
+
+    def on_step(batch, received):
+        meter.step(batch, received, sim.scheduler)
+        if sim.clock.now < 0.2:  # every request arrived by then
+            return
+        if meter.backlogged(sim.scheduler) == {"a", "b"}:
+            gaps.append(abs(meter.service["a"] - meter.service["b"]))
+        elif not at_end:
+            at_end.update(meter.service)
+
+    result = sim.run(trace, on_step=on_step)
+    assert result.num_finished == len(trace) and result.num_failed == 0
+    sim.check_pages()
+    # Bound (see docs/many-users.md): while both are backlogged, a tenant admitted at time s
+    # had the least counter then; after s its counter grows by at most that request's
+    # prompt (W_P * L_in) plus the outputs of its running requests (W_O * L_out each, at
+    # most max_seqs of them); the other's counter never decreases. Divided by the weight.
+    bound = max(
+        (W_P * shapes[t.name][0] + W_O * shapes[t.name][1] * max_seqs) / t.weight for t in (a, b)
+    )
+    return max(gaps), bound, at_end, sim
+
+
+def test_service_gap_between_backlogged_tenants_stays_bounded():
+    gap, bound, at_end, sim = _run_gap("fair", (1.0, 1.0))
+    assert sim.scheduler.stats.num_preemptions == 0
+    assert gap <= bound, (gap, bound)
+    # the same trace first come first served: service follows request size, unbounded
+    fcfs_gap, _, _, _ = _run_gap("fcfs", (1.0, 1.0))
+    assert fcfs_gap > 3 * bound, (fcfs_gap, bound)
+    assert at_end["a"] > 5 * bound and at_end["b"] > 5 * bound  # (a long test window)
+
+
+def test_weight_two_tenant_gets_twice_the_service():
+    gap, bound, at_end, _ = _run_gap("fair", (2.0, 1.0))
+    assert gap <= bound, (gap, bound)
+    # at_end holds service / weight: equal up to the bound, so raw service is ~2:1
+    raw_a, raw_b = 2.0 * at_end["a"], at_end["b"]
+    assert 1.8 <= raw_a / raw_b <= 2.2, raw_a / raw_b
+
+
+def _flood(policy: str, cap: int | None = None, duration_s: float = 20.0):
+    """ "heavy" sends 1,024-token prompts far faster than they can be served; "light" one
+    64-token prompt every 0.5 s. Returns (simulation result, meter, bound in seconds)."""
+    rng = np.random.default_rng(2)
+    heavy, light = Tenant("heavy", max_running=cap), Tenant("light")
+    h_in, h_out, l_in, l_out = 1024, 32, 64, 8
+    trace = [
+        TraceRequest(t, _prompts(rng, h_in), h_out, tenant=heavy)
+        for t in np.arange(0.0, duration_s, 0.05)  # 20 req/s x 1,056 tokens
+    ]
+    trace += [
+        TraceRequest(t, _prompts(rng, l_in), l_out, tenant=light)
+        for t in np.arange(0.01, duration_s, 0.5)
+    ]
+    max_seqs, chunk = 8, 256
+    budget = max_seqs * chunk  # every running request gets a full chunk or a token each step
+    pages = max_seqs * math.ceil((h_in + h_out) / 16) + 64  # memory never binds: no preemption
+    sim = _sim(policy, max_seqs, budget, chunk, pages)
+    meter = ServiceMeter()
+    result = sim.run(trace, on_step=lambda batch, got: meter.step(batch, got, sim.scheduler))
+    assert result.num_finished == len(trace) and result.num_failed == 0  # nothing starves
+    assert sim.scheduler.stats.num_preemptions == 0  # (the bound's premise)
+    sim.check_pages()
+    # Bound: every running request is served a full chunk (or its decode token) each step,
+    # so a heavy request ends P = ceil(h_in / chunk) + h_out steps after its admission, and
+    # a row frees at least every P steps. An arriving light request is lifted to heavy's
+    # counter: at most one heavy admission (a tie) goes before it, so it is admitted within
+    # 2P steps, and samples its first token ceil(l_in / chunk) steps later; +1 for arriving
+    # mid-step. Time: each of those steps costs step_s plus at most all rows' KV; the tokens
+    # computed meanwhile are at most those of the max_seqs heavy requests running, the two
+    # admitted after them and the light prompt (the cost model is linear in tokens).
+    steps = 2 * (math.ceil(h_in / chunk) + h_out) + math.ceil(l_in / chunk) + 1
+    per_step = COST.step_s + COST.kv_token_s * max_seqs * (h_in + h_out)
+    tokens = (max_seqs + 2) * (h_in + h_out) + l_in
+    return result, meter, steps * per_step + COST.token_s * tokens
+
+
+def test_light_tenant_ttft_stays_bounded_under_a_flood():
+    result, meter, bound = _flood("fair")
+    light = result.ttft_by_tenant["light"]
+    assert max(light) <= bound, (max(light), bound)
+    assert meter.service["heavy"] > 10 * meter.service["light"]  # heavy is served too
+    # first come first served: the light tenant queues behind the whole backlog
+    fcfs, _, _ = _flood("fcfs")
+    assert max(fcfs.ttft_by_tenant["light"]) > 5 * bound
+
+
+def test_concurrency_cap_is_honoured_and_leaves_rows_to_others():
+    result, meter, bound = _flood("fair", cap=3)
+    assert meter.max_running["heavy"] == 3
+    assert max(result.ttft_by_tenant["light"]) <= bound
+
+
+def test_a_returning_tenant_starts_at_the_least_counter_not_zero():
+    s = make(num_pages=512, page_size=4, budget=64, max_seqs=2, policy="fair")
+    a, b = Tenant("a"), Tenant("b")
+    for i in range(4):
+        s.add_request(Request(f"a{i}", list(range(10, 40)), SamplingParams(max_tokens=4), tenant=a))
+    run(s)
+    vtc = s.waiting.vtc
+    served = vtc.value("a")
+    assert served == 4 * (30 * W_P + 4 * W_O)
+    # "a" is idle now; "b" arrives with nothing served: it starts at the floor, not 0
+    s.add_request(Request("b0", list(range(10, 40)), SamplingParams(max_tokens=4), tenant=b))
+    assert vtc.value("b") == vtc.floor > 0
+    # both backlogged: "a" (returning) is lifted to "b"'s counter
+    s.add_request(Request("a9", list(range(50, 80)), SamplingParams(max_tokens=4), tenant=a))
+    assert vtc.value("a") == served  # already above: never lowered
+    run(s)
+    assert not s.waiting.by_tenant and not s.running
+    check_accounting(s)
+
+
+def test_admissions_in_one_step_alternate_between_tenants_by_counter():
+    s = make(num_pages=1024, page_size=4, budget=1024, max_seqs=16, policy="fair")
+    a, b = Tenant("a"), Tenant("b", weight=3.0)
+    for i in range(6):  # a's requests all arrive first
+        s.add_request(Request(f"a{i}", [1] * 40, SamplingParams(max_tokens=2), tenant=a))
+    for i in range(6):
+        s.add_request(Request(f"b{i}", [2] * 40, SamplingParams(max_tokens=2), tenant=b))
+    batch = s.schedule()
+    names = [r.request_id for r in batch.requests]
+    # each admission charges 40 / weight: b (weight 3) is admitted three times per a
+    assert names[:8] == ["a0", "b0", "b1", "b2", "a1", "b3", "b4", "b5"], names
+    apply(s, batch, [])
+    run(s)
+    check_accounting(s)
+
+
+def test_cache_aware_inside_a_tenant():
+    s = make(num_pages=512, page_size=4, budget=512, cache=True, policy="fair")
+    t = Tenant("t")
+    base = list(range(100, 164))
+    s.add_request(Request("warm", base, SamplingParams(max_tokens=1), tenant=t))
+    run(s)
+    s.add_request(Request("none", list(range(500, 560)), SamplingParams(max_tokens=1), tenant=t))
+    s.add_request(Request("long", [*base[:60], 7, 8], SamplingParams(max_tokens=1), tenant=t))
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["long", "none"]
+    assert batch.requests[0].num_cached_tokens == 60
+    apply(s, batch, [])
+    run(s)
+    check_accounting(s)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fair_survives_the_randomised_stress(overlap):
+    """Aborts, deadlines, preemption, n>1 groups and many tenants: every request ends once
+    and the pages add up (the stress of test_stress, with the fair policy)."""
+    from tests.scheduler.test_stress import run_stress
+
+    run_stress("fair", overlap, num_requests=1500, tenants=6, num_pages=300)
+
+
+def test_waiting_request_states_are_consistent_with_tenant_queues():
+    s = make(num_pages=64, page_size=4, budget=32, max_seqs=2, policy="fair")
+    reqs = [
+        Request(f"r{i}", [i + 1] * 20, SamplingParams(max_tokens=3), tenant=Tenant(f"t{i % 3}"))
+        for i in range(9)
+    ]
+    for r in reqs:
+        s.add_request(r)
+    s.abort("r4")
+    ended = run(s)
+    assert {r.request_id for r in ended} == {r.request_id for r in reqs} - {"r4"}
+    assert all(r.state is RequestState.FINISHED for r in ended)
+    assert not s.waiting.by_tenant and not s.waiting
+    check_accounting(s)
+
+
+def test_a_new_light_request_goes_before_running_heavy_prefills():
+    s = make(num_pages=1024, page_size=4, budget=64, max_seqs=8, threshold=32, policy="fair")
+    heavy, light = Tenant("heavy"), Tenant("light")
+    for i in range(2):
+        s.add_request(Request(f"h{i}", [3] * 200, SamplingParams(max_tokens=2), tenant=heavy))
+    first = s.schedule()
+    assert [r.request_id for r in first.requests] == ["h0", "h1"]
+    apply(s, first, [])
+    s.add_request(Request("l0", [5] * 40, SamplingParams(max_tokens=2), tenant=light))
+    batch = s.schedule()
+    # fcfs would give the whole budget to the two running prefills
+    assert [r.request_id for r in batch.requests] == ["l0", "h0"]
+    assert batch.num_new_tokens.tolist() == [32, 32]
+    apply(s, batch, [])
+    run(s)
+    check_accounting(s)
+
+
+def test_a_trace_file_names_tenants_and_the_summary_reports_each(tmp_path):
+    from radixserve.tools.simulator import load_trace
+
+    lines = [
+        '{"arrival": 0.0, "prompt_tokens": 600, "output_tokens": 8, "tenant": "heavy", '
+        '"max_concurrency": 2}'
+    ] * 20 + [
+        '{"arrival": 0.1, "prompt_tokens": 20, "output_tokens": 4, "tenant": "light", "weight": 2}'
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines))
+    trace = load_trace(path)
+    assert trace[-1].tenant == Tenant("light", 2.0) and trace[0].tenant.max_running == 2
+    sim = _sim("fair", max_seqs=8, budget=512, chunk=256, pages=1024)
+    summary = sim.run(trace).summary()
+    sim.check_pages()
+    assert summary["finished"] == 21
+    assert summary["ttft_p99_s[light]"] < summary["ttft_p99_s[heavy]"]
