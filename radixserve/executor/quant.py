@@ -539,10 +539,13 @@ def from_panels(
 
 # -- group-wise int8 (GGUF's 5-, 6- and 8-bit types from their codes) -----------------------------
 # Rows from which an Int8GroupLinear dequantizes to bfloat16 and runs oneDNN's GEMM instead
-# of the panel kernel (float32 multiply-adds). The panel kernel is for one row (decode at
-# one request): a first, contended run of benchmarks/quantized.py --gguf had 16 running
-# requests 4-5x slower through it than through the dequantized file, on both models.
-INT8_PANEL_DEQUANT_ROWS = 2
+# of the panel kernel (float32 multiply-adds). Decode steps of up to 31 requests stay in the
+# panel kernel: dequantizing every step's weights (Gemma 3's 262k-row int8 LM head above
+# all) costs more than the kernel's multiply-adds. Measured at 16 running requests, same
+# machine, one process per setting (benchmarks/gguf_decode_ab.py; docs/benchmarks.md, "GGUF
+# types executed from their codes"): Gemma 3 270M Q4_K_M 261 tok/s with the cut at 32 against 128 with it at 2;
+# SmolLM2 Q4_1 399 against 352.
+INT8_PANEL_DEQUANT_ROWS = 32
 
 
 def _int8_panel_lib() -> Any:
