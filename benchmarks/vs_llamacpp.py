@@ -194,7 +194,14 @@ def gguf_facts(path: Path) -> dict[str, Any]:
     for t in tensors.values():
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
     vocab = int(embd.shape[-1]) if embd.shape[0] < embd.shape[-1] else int(embd.shape[0])
-    return {"vocab_size": vocab, "tied": tied, "bytes_per_token": per_token, "types": types}
+    hidden = int(embd.shape[0]) if embd.shape[0] < embd.shape[-1] else int(embd.shape[-1])
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "tied": tied,
+        "bytes_per_token": per_token,
+        "types": types,
+    }
 
 
 def random_ids(seed: int, count: int, length: int, vocab: int) -> list[list[int]]:
@@ -437,8 +444,13 @@ def bench_model(
         try:
             info["radixserve_startup"] = worker.info["startup"]
             w = worker.info["weight_bytes"]
-            # the tied LM head reads its oneDNN copy (or the table), the embedding one row
-            info["radixserve_bytes_per_token"] = sum(w.values()) - w.get("onednn_copy", 0)
+            # the tied LM head reads its oneDNN copy (or the table), the embedding one row;
+            # an LM head run from the file's codes (int8/int4) is its own copy: then the
+            # bfloat16 embedding table is read one row per token, not whole
+            per_token = sum(w.values()) - w.get("onednn_copy", 0)
+            if "LM head int" in worker.info["startup"]:
+                per_token -= facts["vocab_size"] * facts["hidden_size"] * 2
+            info["radixserve_bytes_per_token"] = per_token
             print(f"{name}: radixserve {worker.info['startup']}", flush=True)
             worker.run("prefill", random_ids(seed - 1, 1, 512, vocab)[0], 1)  # warm-up
             worker.run("decode", random_ids(seed - 2, 1, 1, vocab)[0], 17)
