@@ -21,7 +21,7 @@ from tests.api.server_helpers import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
 
-_WORKER_ARGS = ("--dtype", "float32", "--page-size", "4")
+_WORKER_ARGS = ("--dtype", "float32", "--page-size", "4", "--enable-embeddings")
 _PREFIX = "The quick brown fox jumps over the lazy dog. " * 6
 
 
@@ -146,6 +146,45 @@ def test_router_answers_equal_direct_requests(workers, router):
         routed.completions.create(model=model, prompt="hi", max_tokens=0)
     assert info.value.body["param"] == "max_tokens"
     assert httpx.post(router.url + "/tokenize", json={"prompt": "hi"}).json()["count"] > 0
+
+
+def test_messages_and_embeddings_through_the_router(workers, router):
+    """Anthropic's Messages API (its client, its x-api-key header, its stream events) and
+    embeddings go through the router and answer as a worker does directly; a request the
+    worker refuses keeps the Messages API's error shape."""
+    import anthropic
+
+    def claude(url: str) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
+
+    model = _client(workers[0].url).models.list().data[0].id
+    kwargs = dict(
+        model=model,
+        max_tokens=8,
+        temperature=0,
+        system="Answer briefly.",
+        messages=[{"role": "user", "content": "Name a colour."}],
+    )
+    want = claude(workers[0].url).messages.create(**kwargs)
+    got = claude(router.url).messages.create(**kwargs)
+    assert got.content[0].text == want.content[0].text
+    assert got.usage.input_tokens == want.usage.input_tokens
+    with claude(router.url).messages.stream(**kwargs) as stream:
+        assert "".join(stream.text_stream) == want.content[0].text
+    counted = claude(router.url).messages.count_tokens(
+        model=model, messages=kwargs["messages"], system=kwargs["system"]
+    )
+    assert counted.input_tokens == want.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude(router.url).messages.create(**{**kwargs, "max_tokens": 0})
+    assert info.value.body["type"] == "error"
+    # embeddings: the same vector from the router as from a worker
+    texts = ["Paris is the capital", "Numbers 0123456789"]
+    direct = _client(workers[1].url).embeddings.create(model=model, input=texts)
+    routed = _client(router.url).embeddings.create(model=model, input=texts)
+    for a, b in zip(direct.data, routed.data, strict=True):
+        assert a.embedding == pytest.approx(b.embedding, abs=1e-6)
+    assert routed.usage.prompt_tokens == direct.usage.prompt_tokens
 
 
 def test_cache_aware_sends_a_shared_prefix_to_one_worker(workers, router):

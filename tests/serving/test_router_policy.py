@@ -171,6 +171,14 @@ def test_routing_keys():
     assert routing_key("/v1/completions", None) == ""
     assert routing_key("/v1/completions", {"prompt": [-1]}) == ""
     assert token_key([1, 2], "salt") != token_key([1, 2])
+    # Anthropic's Messages: the system prompt (a string or text blocks) leads, as in chat
+    messages = {"system": [{"type": "text", "text": "be brief"}], "messages": chat["messages"][1:]}
+    assert routing_key("/v1/messages", messages) == key
+    assert routing_key("/v1/messages", {**messages, "system": "be brief"}) == key
+    # embeddings: the first input, text or token ids
+    assert routing_key("/v1/embeddings", {"input": "hello"}) == "hello"
+    assert routing_key("/v1/embeddings", {"input": ["a", "b"]}) == "a"
+    assert routing_key("/v1/embeddings", {"input": [[7, 8], [9]]}) == token_key([7, 8])
 
 
 def test_cli_flags():

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.api.anthropic.messages import PREFIX as MESSAGES_PATH
+from radixserve.api.anthropic.messages import anthropic_error
 from radixserve.api.asgi import (
     APIError,
     ASGIApp,
@@ -30,9 +32,24 @@ from radixserve.serving.balancer import BalanceConfig, Balancer, NoWorkerAvailab
 log = logging.getLogger(__name__)
 
 # the routes that run a model, and so are routed by their prompt
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
-# request headers passed on to the worker (it checks API keys itself)
-_FORWARDED = ("authorization", "content-type", "accept", "x-tenant")
+GENERATION_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/generate",
+    MESSAGES_PATH,
+    "/v1/embeddings",
+)
+# request headers passed on to the worker (it checks API keys itself; Anthropic's clients
+# send theirs as x-api-key)
+_FORWARDED = (
+    "authorization",
+    "content-type",
+    "accept",
+    "x-tenant",
+    "x-api-key",
+    "anthropic-version",
+    "anthropic-beta",
+)
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -67,8 +84,13 @@ def routing_key(path: str, body: Any) -> str:
     its messages in order). Malformed bodies give "" (the worker answers them 400)."""
     if not isinstance(body, dict):
         return ""
-    if path == "/v1/chat/completions":
+    if path in ("/v1/chat/completions", MESSAGES_PATH):
         parts = []
+        system = body.get("system") if path == MESSAGES_PATH else None
+        if isinstance(system, list):
+            system = "".join(x.get("text", "") for x in system if isinstance(x, dict))
+        if isinstance(system, str):
+            parts.append(f"<system>{system}")
         for m in body.get("messages") or ():
             if isinstance(m, dict):
                 content = m.get("content")
@@ -76,7 +98,8 @@ def routing_key(path: str, body: Any) -> str:
                     content = "".join(x.get("text", "") for x in content if isinstance(x, dict))
                 parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else ''}")
         return "".join(parts)
-    prompt = body.get("prompt") if path == "/v1/completions" else body.get("text")
+    field_name = {"/v1/completions": "prompt", "/v1/embeddings": "input"}.get(path, "text")
+    prompt = body.get(field_name)
     if path == "/generate" and prompt is None:
         prompt = body.get("input_ids")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -320,7 +343,7 @@ class Router:
             self.routing.labels(url, decision.outcome).inc()
             flight = self._launch(worker, "POST", request.path, request)
             try:
-                answer = await self._first_output(flight)
+                answer = await self._first_output(flight, request.path)
             except BaseException:
                 self._finish(flight)
                 raise
@@ -335,7 +358,7 @@ class Router:
                 continue
             return answer
 
-    async def _first_output(self, flight: _Flight) -> Response | StreamResponse | _Retry:
+    async def _first_output(self, flight: _Flight, path: str) -> Response | StreamResponse | _Retry:
         """The worker's answer once its first output is in: a whole response, or a stream
         whose first complete event is there; ``_Retry`` if it failed before any."""
         kind, value = await flight.queue.get()
@@ -363,7 +386,7 @@ class Router:
                 return _Retry(
                     f"the worker's engine failed: {first[6:200].decode(errors='replace')}"
                 )
-            return StreamResponse(_Frames(self, flight, buffer))
+            return StreamResponse(_Frames(self, flight, buffer, path == MESSAGES_PATH))
 
     async def _whole(self, flight: _Flight, status: int, content_type: str | None) -> Response:
         chunks: list[bytes] = []
@@ -412,7 +435,8 @@ class Router:
         app = ASGIApp(self.config.max_body_bytes, lambda _: None, self.start, self.shutdown)
         for path in GENERATION_PATHS:
             app.route("POST", path, watch_disconnect=True)(self.proxy_generation)
-        for path in ("/tokenize", "/detokenize"):
+        app.error_shapes[MESSAGES_PATH] = anthropic_error  # the router's own 502/503s too
+        for path in ("/tokenize", "/detokenize", f"{MESSAGES_PATH}/count_tokens"):
             app.route("POST", path)(self.forward_any)
         app.route("GET", "/v1/models")(self.forward_any)
 
@@ -454,13 +478,18 @@ class Router:
 class _Frames:
     """The SSE frames of a streamed answer, whole events only (a partial event held back
     until its end arrives). If the worker fails mid-stream the stream ends with an
-    OpenAI-shaped error event and ``[DONE]``. ``aclose`` (the client left, or the answer
+    OpenAI-shaped error event and ``[DONE]`` (a Messages stream: Anthropic's ``error``
+    event). ``aclose`` (the client left, or the answer
     ended) stops reading the worker, which aborts the request there."""
 
-    def __init__(self, router: Router, flight: _Flight, buffer: bytes = b"") -> None:
-        """``buffer``: what the worker sent already (whole events come out first)."""
+    def __init__(
+        self, router: Router, flight: _Flight, buffer: bytes = b"", anthropic: bool = False
+    ) -> None:
+        """``buffer``: what the worker sent already (whole events come out first);
+        ``anthropic``: a Messages stream (its error event has Anthropic's shape)."""
         self.router, self.flight = router, flight
         self.buffer = buffer
+        self.anthropic = anthropic
         self.done = False
 
     def __aiter__(self) -> _Frames:
@@ -490,6 +519,8 @@ class _Frames:
                     return self.buffer
                 raise StopAsyncIteration
             error = self.router._failure(self.flight, value)
+            if self.anthropic:
+                return b"event: error\ndata: " + anthropic_error(error).body + b"\n\n"
             return b"data: " + orjson.dumps(error.body()) + b"\n\n" + _DONE
 
     async def aclose(self) -> None:
