@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from radixserve.api.anthropic.errors import PREFIX, anthropic_error
 from radixserve.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from radixserve.api.asgi import (
     APIError,
@@ -47,33 +48,8 @@ from radixserve.serving.metrics import RequestTimer
 if TYPE_CHECKING:
     from radixserve.api.openai.server import OpenAIServer
 
-PREFIX = "/v1/messages"
 # fields Anthropic's API has that this server does not implement: a 400 naming them
 _REFUSED = ("thinking", "container", "mcp_servers", "context_management")
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-}
-
-
-def anthropic_error(error: APIError) -> Response:
-    """An error in Anthropic's shape (overload is its 529 ``overloaded_error``)."""
-    status = error.status
-    if error.code == "overloaded":
-        status, kind = 529, "overloaded_error"
-    elif status == 503:
-        kind = "api_error"
-    else:
-        kind = _ERROR_TYPES.get(status, "api_error")
-    message = error.message
-    if error.param and not message.startswith(error.param):
-        message = f"{error.param}: {message}"
-    return json_response({"type": "error", "error": {"type": kind, "message": message}}, status)
 
 
 # -- request conversion -------------------------------------------------------------------

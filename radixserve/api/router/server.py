@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from radixserve.api.anthropic.messages import PREFIX as MESSAGES_PATH
-from radixserve.api.anthropic.messages import anthropic_error
+from radixserve.api.anthropic.errors import PREFIX as MESSAGES_PATH
+from radixserve.api.anthropic.errors import anthropic_error
 from radixserve.api.asgi import (
     APIError,
     ASGIApp,
