@@ -40,3 +40,20 @@ def generate_ids(llm: LLM, prompts, params) -> list[list[int]]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.check_idle()
     return [o.token_ids for o in outs]
+
+
+def write_gguf_vocab(writer, tok) -> None:
+    """Write a tiny test model's byte-level BPE tokenizer into a GGUF writer as llama.cpp's
+    converter does (``gpt2`` model, merges, ``<|...|>`` tokens as control, BOS 1, EOS 2)."""
+    import json
+
+    vocab = tok.backend_tokenizer.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)

@@ -12,7 +12,7 @@ import pytest
 from radixserve import LLM
 from tests.conftest import build_tiny_model
 from tests.executor.test_models_vs_hf import NEW_TOKENS, _prompts
-from tests.helpers import generate_ids, greedy, hf_greedy
+from tests.helpers import generate_ids, greedy, hf_greedy, write_gguf_vocab
 
 _NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -50,18 +50,7 @@ def write_gemma3_gguf(folder: Path, out: Path) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_sliding_window(config.sliding_window)
-    vocab = tok.backend_tokenizer.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    import json
-
-    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    write_gguf_vocab(writer, tok)
     for name, tensor in load_file(str(folder / "model.safetensors")).items():
         array = tensor.float().numpy()
         if name.endswith("norm.weight"):

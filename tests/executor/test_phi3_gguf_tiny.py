@@ -5,7 +5,6 @@ and compared with transformers on the Hugging Face folder it came from."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from radixserve.executor.loader.safetensors_loader import read_hf_config
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.rotary import RotaryEmbedding
 from tests.executor.test_models_vs_hf import NEW_TOKENS, _prompts
-from tests.helpers import generate_ids, greedy, hf_greedy
+from tests.helpers import generate_ids, greedy, hf_greedy, write_gguf_vocab
 
 _NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -54,16 +53,7 @@ def write_phi3_gguf(folder: Path, out: Path) -> None:
     scale = config.max_position_embeddings / original
     writer.add_rope_scaling_orig_ctx_len(original)
     writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
-    vocab = tok.backend_tokenizer.get_vocab()
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    write_gguf_vocab(writer, tok)
     for kind in ("long", "short"):
         factors = np.asarray(scaling[f"{kind}_factor"], dtype=np.float32)
         writer.add_tensor(f"rope_factors_{kind}.weight", factors)
