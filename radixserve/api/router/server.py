@@ -405,15 +405,23 @@ class Router:
         return Response(b"".join(chunks), status, headers)
 
     async def forward_any(self, request: HTTPRequest) -> Response:
-        """A request any worker can answer (models, tokenization): the next healthy one."""
+        """A request any worker can answer (models, tokenization): the next healthy one.
+        These requests change nothing, so one whose worker failed before answering (it
+        refused the connection, or was taken out while the request was on its way) goes
+        to another healthy worker."""
+        tried: set[int] = set()
+        last_failure: APIError | None = None
         while True:
-            healthy = [i for i, w in enumerate(self.workers) if w.healthy]
+            healthy = [i for i, w in enumerate(self.workers) if w.healthy and i not in tried]
             if not healthy:
+                if last_failure is not None:
+                    raise last_failure
                 raise APIError(
                     503, "no healthy worker", "service_unavailable_error", code="no_healthy_worker"
                 )
             self._rr += 1
             i = healthy[self._rr % len(healthy)]
+            tried.add(i)
             self.balancer.load[i] += 1  # released by _finish
             flight = self._launch(i, request.method, request.path, request)
             try:
@@ -421,14 +429,15 @@ class Router:
             except BaseException:
                 self._finish(flight)
                 raise
+            if kind == "head":
+                return await self._whole(flight, *value)
+            self._finish(flight)
             if kind == "connect":  # nothing reached it: take it out, ask another
-                self._finish(flight)
                 self.take_out(i, "refused a connection")
-                continue
-            if kind != "head":
-                self._finish(flight)
-                raise self._failure(flight, value)
-            return await self._whole(flight, *value)
+            else:  # failed before its answer began (not a failed request yet): ask another
+                asyncio.get_running_loop().create_task(self._check(i))
+                last_failure = APIError(502, value, type_="worker_error", code="worker_failed")
+            self.retried.labels(self.workers[i].url).inc()
 
     # -- routes ---------------------------------------------------------------------------
     def _build_app(self) -> ASGIApp:
