@@ -2,16 +2,19 @@
 
 * perplexity of the W1 prompts (teacher-forced prompt log-probs, ``prompt_logprobs``);
 * decode tokens/s with 1 and with 64 running requests;
-* the weight memory of a Llama-3.2-1B-shaped model with random weights in each precision.
+* a Llama-3.2-1B-shaped model with random weights in each precision: its weight memory
+  and its decode tokens/s with 1 and 16 running requests.
 
 The shipped SmolLM2 file is Q4_1: "bf16" runs it dequantized to bfloat16 (``--quantization
 none``), "int4" re-quantizes it to int4 g32 with zero points (the file's own codes), "int8"
 to int8 per channel (from the dequantized Q4_1 values).
 
     python benchmarks/quantized.py [--prompts 64] [--decode-tokens 32] [--skip-1b | --only-1b]
+        [--decode-tokens-1b 16]
 
 Last line: JSON with ppl_bf16, ppl_int8, ppl_int4, decode_ratio_int8_bs1,
-decode_ratio_int4_bs1 (and _bs64), tokens/s and weights_gib_1b_* keys.
+decode_ratio_int4_bs1 (and _bs64), tokens/s, weights_gib_1b_*, tokens_per_s_1b_<precision>_bs{1,16}
+and decode_ratio_1b_{int8,int4}_bs{1,16} keys.
 
 GGUF files as they come (``--gguf LABEL=PATH``, repeatable; ``smollm2`` alone is the
 shipped file): ``auto`` (each tensor at its own type's precision, from its codes) against
@@ -86,7 +89,12 @@ def decode_tokens_per_s(llm, prompts: list[list[int]], tokens: int) -> float:
     return len(prompts) * (tokens - 1) / max(tn - t1, 1e-9)
 
 
-def weights_gib_1b(quantization: str) -> dict[str, float]:
+def llama_1b(quantization: str, decode_tokens: int) -> tuple[dict[str, float], dict[int, float]]:
+    """A Llama-3.2-1B-shaped model with random weights in one precision: its weight memory
+    (GiB per kind) and its decode tokens/s with 1 and 16 running requests (random 32-token
+    prompts; ``decode_tokens`` 0 skips the timing)."""
+    import random
+
     from radixserve import LLM
 
     with tempfile.TemporaryDirectory() as folder:
@@ -96,15 +104,22 @@ def weights_gib_1b(quantization: str) -> dict[str, float]:
             load_format="dummy",
             quantization=quantization,
             quantization_group_size=128,
-            kv_cache_memory_gb=0.01,
+            kv_cache_memory_gb=0.25,
             max_model_len=256,
+            max_num_seqs=16,
         )
         sizes = {k: v / 2**30 for k, v in llm.engine.weight_bytes.items()}
         print(f"1B-shaped, {quantization}: {llm.engine.startup_line}", flush=True)
+        rates: dict[int, float] = {}
+        if decode_tokens:
+            rng = random.Random(0)
+            prompts = [[rng.randrange(1000, 100000) for _ in range(32)] for _ in range(16)]
+            for bs in (1, 16):
+                rates[bs] = decode_tokens_per_s(llm, prompts[:bs], decode_tokens)
         llm.engine.close()
         del llm
         gc.collect()
-    return sizes
+    return sizes, rates
 
 
 def gguf_files(specs: list[str], prompts_n: int, decode_tokens: int) -> None:
@@ -159,7 +174,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64, help="W1 prompts for the perplexity")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--skip-1b", action="store_true", help="no 1B-shaped weight memory")
-    ap.add_argument("--only-1b", action="store_true", help="only the 1B-shaped weight memory")
+    ap.add_argument(
+        "--only-1b", action="store_true", help="only the 1B-shaped model (memory, decode)"
+    )
+    ap.add_argument(
+        "--decode-tokens-1b",
+        type=int,
+        default=16,
+        help="output tokens per request timed on the 1B-shaped model (0: memory only)",
+    )
     args = ap.parse_args()
     if args.gguf:
         gguf_files(args.gguf, args.prompts, args.decode_tokens)
@@ -199,11 +222,21 @@ def main() -> None:
         change = 100 * (result[f"ppl_{name}"] / result["ppl_bf16"] - 1)
         result[f"ppl_change_{name}_pct"] = round(change, 3)
     if not args.skip_1b:
+        print(f"{'1B-shaped':<10}{'GiB':>10}{'tok/s bs1':>12}{'tok/s bs16':>12}")
+        rates_1b: dict[str, dict[int, float]] = {}
         for name, quantization in PRECISIONS.items():
-            sizes = weights_gib_1b(quantization)
+            sizes, rates_1b[name] = llama_1b(quantization, args.decode_tokens_1b)
             copy = sizes.pop("onednn_copy", 0.0)  # the tied LM head's reordered copy
             result[f"weights_gib_1b_{name}"] = round(sum(sizes.values()), 3)
             result[f"onednn_copy_gib_1b_{name}"] = round(copy, 3)
+            for bs, rate in rates_1b[name].items():
+                result[f"tokens_per_s_1b_{name}_bs{bs}"] = round(rate, 1)
+            shown = [f"{rates_1b[name].get(bs, float('nan')):>12.1f}" for bs in (1, 16)]
+            print(f"{name:<10}{sum(sizes.values()):>10.3f}{''.join(shown)}", flush=True)
+        for name in ("int8", "int4"):
+            for bs in rates_1b["bf16"]:
+                ratio = rates_1b[name][bs] / rates_1b["bf16"][bs]
+                result[f"decode_ratio_1b_{name}_bs{bs}"] = round(ratio, 3)
     print(json.dumps(result))
 
 

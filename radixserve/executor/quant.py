@@ -332,7 +332,7 @@ class Int4Linear:
         self.nibbles: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
         self.psz: torch.Tensor | None = None
-        if use_kernel and panels and _panel_lib() is not None:
+        if use_kernel and panels and group_size % 8 == 0 and _panel_lib() is not None:
             self.panels, self.psz = to_panels(q, scale, zero)
         elif use_kernel and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             pad = (-n) % _INT4_N_MULTIPLE
@@ -496,20 +496,24 @@ def to_panels(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The panel layout of ``native/int4_panels.c`` (outputs padded to a multiple of 16 with
-    all-zero weights): panels [N/16, K/2, 16] uint8, byte j of (block b, pair p) = the codes
-    of output 16 b + j at inputs 2p (low nibble) and 2p + 1 (high); sz [N/16, K/g, 2, 16]
-    bfloat16, the block's scales then zeros per group. The codes are rearranged with numpy
-    (one thread, no pool to wake: loading converts hundreds of tensors)."""
+    all-zero weights; K a multiple of 8): panels [N/16, K/8, 16] int32, lane j of (block b,
+    octet o) = output 16 b + j's codes at inputs 8 o .. 8 o + 7, the one at 8 o + 2 u in
+    bits 4 u and the one at 8 o + 2 u + 1 in bits 16 + 4 u (u = 0..3); sz [N/16, K/g, 2,
+    16] bfloat16, the block's scales then zeros per group. The codes are rearranged with
+    numpy (one thread, no pool to wake: loading converts hundreds of tensors)."""
     n, k = q.shape
+    if k % 8:
+        raise ValueError(f"the int4 panels need inputs in multiples of 8; got {k}")
     groups = scale.shape[1]
     pad = (-n) % 16
     blocks = (n + pad) // 16
     codes = q.numpy() if q.dtype == torch.uint8 else q.to(torch.uint8).numpy()
     if pad:
         codes = np.concatenate([codes, np.full((pad, k), 8, dtype=np.uint8)])
-    qb = codes.reshape(blocks, 16, k // 2, 2)
-    packed = qb[..., 0] | (qb[..., 1] << 4)  # [blocks, 16, K/2]
-    panels = torch.from_numpy(np.ascontiguousarray(packed.transpose(0, 2, 1)))
+    qo = codes.reshape(blocks, 16, k // 8, 4, 2).astype(np.uint32)
+    shifts = np.array([[0, 16], [4, 20], [8, 24], [12, 28]], dtype=np.uint32)
+    words = np.bitwise_or.reduce((qo << shifts).reshape(blocks, 16, k // 8, 8), axis=-1)
+    panels = torch.from_numpy(np.ascontiguousarray(words.transpose(0, 2, 1)).view(np.int32))
 
     def block(t: torch.Tensor, fill: float) -> torch.Tensor:
         a = t.to(torch.bfloat16).view(torch.int16).numpy()
@@ -526,12 +530,11 @@ def from_panels(
     panels: torch.Tensor, sz: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of ``to_panels``, cut back to ``n`` outputs."""
-    blocks, pairs, _ = panels.shape
-    bytes_ = panels.transpose(1, 2)  # [blocks, 16, K/2]
-    q = torch.empty(blocks, 16, 2 * pairs, dtype=torch.uint8)
-    q[:, :, 0::2] = bytes_ & 0xF
-    q[:, :, 1::2] = bytes_ >> 4
-    q = q.reshape(blocks * 16, 2 * pairs)[:n]
+    blocks, octets, _ = panels.shape
+    words = panels.numpy().view(np.uint32).transpose(0, 2, 1)  # [blocks, 16, K/8]
+    shifts = np.array([[0, 16], [4, 20], [8, 24], [12, 28]], dtype=np.uint32)
+    codes = (words[..., None, None] >> shifts) & 0xF  # [blocks, 16, K/8, 4, 2]
+    q = torch.from_numpy(codes.astype(np.uint8).reshape(blocks * 16, 8 * octets)[:n])
     scale = sz[:, :, 0].transpose(1, 2).reshape(blocks * 16, -1)[:n]
     zero = sz[:, :, 1].transpose(1, 2).reshape(blocks * 16, -1)[:n]
     return q, scale, zero

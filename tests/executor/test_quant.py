@@ -90,7 +90,7 @@ def test_panel_layout_round_trips_and_is_used_where_built():
     torch.manual_seed(5)
     q, scale, zero = quantize_int4(torch.randn(37, 96), 32, False)
     panels, sz = quant.to_panels(q, scale, zero)
-    assert panels.shape == (3, 48, 16) and sz.shape == (3, 3, 2, 16)
+    assert panels.shape == (3, 12, 16) and sz.shape == (3, 3, 2, 16)
     q2, scale2, zero2 = quant.from_panels(panels, sz, 37)
     assert torch.equal(q2, q) and torch.equal(scale2, scale) and torch.equal(zero2, zero)
     layer = Int4Linear(q, scale, zero, 32)

@@ -1,16 +1,21 @@
 /* Group-wise int4 weights in "panels", multiplied without leaving the kernel: a GEMM for a
  * few rows (decode) and a dequantizer to bfloat16 for many (prefill, then oneDNN's GEMM).
  *
- * Layout (executor/quant.py: ``to_panels``), N padded to a multiple of 16:
- *   panels [N/16][K/2][16] bytes: byte j of (block b, pair p) holds the codes of output
- *           16 b + j at inputs 2p (low nibble) and 2p + 1 (high nibble);
+ * Layout (executor/quant.py: ``to_panels``), N padded to a multiple of 16, K a multiple of 8:
+ *   panels [N/16][K/8][16] uint32: lane j of (block b, octet o) holds output 16 b + j's
+ *           codes at inputs 8 o .. 8 o + 7: for u = 0..3, the code at input 8 o + 2 u in
+ *           bits 4 u .. 4 u + 3 and the one at 8 o + 2 u + 1 in bits 16 + 4 u .. 19 + 4 u;
  *   sz     [N/16][K/group][2][16] bfloat16: the 16 outputs' scales, then their zeros;
  *   W[n, k] = (q[n, k] - 8) * scale + zero.
  *
- * The GEMM turns 32 codes into bfloat16 with four integer ops: a code q (0..15) in the low
- * mantissa bits of 0x4300 (bfloat16 128.0) is the bfloat16 128 + q, exactly. The products
- * x * (128 + q) accumulate in float32 (vdpbf16ps: lane i of a 32-bit broadcast pair of x
- * against output i's pair of codes), and per group
+ * The GEMM turns an octet's 64 bytes into four vectors of bfloat16 pairs with two integer
+ * ops each: lane >> 4 u, then one ternary-logic op keeps the bits 0x000F000F and sets
+ * 0x43004300, so each 16-bit half is 0x4300 (bfloat16 128.0) with the code q in its low
+ * mantissa bits: the bfloat16 128 + q, exactly. (The previous layout, a byte per pair,
+ * needed a widening shuffle and four ops per pair; decode was instruction-bound at half
+ * the memory bandwidth: benchmarks/gemv_bandwidth.py.) The products x * (128 + q)
+ * accumulate in float32 (vdpbf16ps: lane i of a 32-bit broadcast pair of x against output
+ * i's pair of codes), and per group
  *   sum_k x W = scale * (sum_k x (128 + q) - 136 sum_k x) + zero * sum_k x,
  * with sum_k x of the same bfloat16 inputs. Built and called like paged_decode.c (see
  * native/__init__.py); without AVX-512 BF16 both return -1 and callers use another path.
@@ -42,30 +47,37 @@ static inline __m512 bf16x16(const uint16_t *p) {
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* The bfloat16 pairs (128 + q at input 8 o + 2 u, 128 + q at 8 o + 2 u + 1) of an octet's
+ * lanes: (v >> 4 u) & 0x000F000F | 0x43004300 (ternary logic 0xEA: (a & b) | c). */
+#define PAIR_CODES(v, u)                                                                   \
+    ((__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32((v), 4 * (u)),                  \
+                                         _mm512_set1_epi32(0x000F000F),                    \
+                                         _mm512_set1_epi32(0x43004300), 0xEA))
+
 /* Rows [m0, m0 + MT) of y against output block b: MT float32 accumulators stay in
- * registers over a group (the codes of each pair expanded once for all MT rows); the
+ * registers over a group (each octet's codes expanded once for all MT rows); the
  * running outputs live in `out` (L1), touched once per group. */
 static inline __attribute__((always_inline)) void block_rows(
-    const int32_t *xp, int64_t k, int64_t m0, const int MT, const uint8_t *pb, const uint16_t *szb,
+    const int32_t *xp, int64_t k, int64_t m0, const int MT, const uint32_t *pb, const uint16_t *szb,
     int64_t group, const float *xs, int64_t groups, uint16_t *y, int64_t y_stride, int64_t col,
     __mmask16 store_mask) {
-    const __m512i low = _mm512_set1_epi32(0x000F000F);
-    const __m512i one28 = _mm512_set1_epi32(0x43004300);
     const __m512 c136 = _mm512_set1_ps(136.0f);
     __m512 out[16];
     for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
-    const int64_t gp = group / 2;
+    const int64_t go = group / 8; /* octets per group */
     for (int64_t g = 0; g < groups; g++) {
         __m512 acc[16];
         for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
-        const uint8_t *pg = pb + g * gp * 16;
-        const int32_t *xg = xp + m0 * (k / 2) + g * gp * MT; /* [pair][row] of this tile */
-        for (int64_t p = 0; p < gp; p++) {
-            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pg + 16 * p)));
-            const __m512i codes = _mm512_and_si512(_mm512_or_si512(bytes, _mm512_slli_epi32(bytes, 12)), low);
-            const __m512bh w = (__m512bh)_mm512_or_si512(codes, one28);
-            for (int r = 0; r < MT; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(xg[p * MT + r]), w);
+        const uint32_t *pg = pb + g * go * 16;
+        const int32_t *xg = xp + m0 * (k / 2) + g * go * 4 * MT; /* [pair][row] of this tile */
+        for (int64_t o = 0; o < go; o++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(pg + 16 * o));
+            for (int u = 0; u < 4; u++) {
+                const __m512bh w = PAIR_CODES(v, u);
+                const int32_t *xu = xg + (4 * o + u) * MT;
+                for (int r = 0; r < MT; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(xu[r]), w);
+            }
         }
         const __m512 s = bf16x16(szb + g * 32), z = bf16x16(szb + g * 32 + 16);
         for (int r = 0; r < MT; r++) {
@@ -78,30 +90,63 @@ static inline __attribute__((always_inline)) void block_rows(
                                  (__m256i)_mm512_cvtneps_pbh(out[r]));
 }
 
+/* One row: the four pairs of an octet go to four independent accumulators (one chain of
+ * vdpbf16ps would wait on its latency every pair and leave the loads idle), summed at the
+ * group's end. */
+static inline void block_row1(const int32_t *x, const uint32_t *pb, const uint16_t *szb,
+                              int64_t group, const float *xs, int64_t groups, uint16_t *y,
+                              __mmask16 store_mask) {
+    const __m512 c136 = _mm512_set1_ps(136.0f);
+    const int64_t go = group / 8;
+    __m512 out = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const uint32_t *pg = pb + g * go * 16;
+        const int32_t *xg = x + g * go * 4;
+        for (int64_t o = 0; o < go; o++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(pg + 16 * o));
+            const int32_t *xo = xg + 4 * o;
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_set1_epi32(xo[0]), PAIR_CODES(v, 0));
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_set1_epi32(xo[1]), PAIR_CODES(v, 1));
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_set1_epi32(xo[2]), PAIR_CODES(v, 2));
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_set1_epi32(xo[3]), PAIR_CODES(v, 3));
+        }
+        const __m512 acc = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+        const __m512 s = bf16x16(szb + g * 32), z = bf16x16(szb + g * 32 + 16);
+        const __m512 sx = _mm512_set1_ps(xs[g]);
+        out = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(c136, sx, acc), _mm512_fmadd_ps(z, sx, out));
+    }
+    _mm256_mask_storeu_epi16(y, store_mask, (__m256i)_mm512_cvtneps_pbh(out));
+}
+
 /* Dequantize output blocks [first_block, first_block + num_blocks) to bfloat16 W^T:
  * out[k][16 * (b - first_block) + j] = W[16 b + j, k], out row stride 16 * num_blocks. */
-int int4_panels_dequant_bf16(const uint8_t *panels, const uint16_t *sz, int64_t k, int64_t group,
+int int4_panels_dequant_bf16(const uint32_t *panels, const uint16_t *sz, int64_t k, int64_t group,
                              int64_t first_block, int64_t num_blocks, int num_threads,
                              uint16_t *out) {
-    if (k % group || group % 2) return -1;
-    const int64_t pairs = k / 2, groups = k / group, width = 16 * num_blocks, gp = group / 2;
+    if (k % group || group % 8) return -1;
+    const int64_t octets = k / 8, groups = k / group, width = 16 * num_blocks, go = group / 8;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t bi = 0; bi < num_blocks; bi++) {
         const int64_t b = first_block + bi;
-        const uint8_t *pb = panels + b * pairs * 16;
+        const uint32_t *pb = panels + b * octets * 16;
         const uint16_t *szb = sz + b * groups * 32;
         const __m512i low = _mm512_set1_epi32(15);
         const __m512 eight = _mm512_set1_ps(8.0f);
         for (int64_t g = 0; g < groups; g++) {
             const __m512 s = bf16x16(szb + g * 32), z = bf16x16(szb + g * 32 + 16);
             const __m512 z8 = _mm512_fnmadd_ps(eight, s, z); /* (q - 8) s + z = q s + z8 */
-            for (int64_t p = g * gp; p < (g + 1) * gp; p++) {
-                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(pb + 16 * p)));
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
-                uint16_t *even = out + (2 * p) * width + 16 * bi;
-                _mm256_storeu_si256((__m256i *)even, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, s, z8)));
-                _mm256_storeu_si256((__m256i *)(even + width), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, s, z8)));
+            for (int64_t o = g * go; o < (g + 1) * go; o++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(pb + 16 * o));
+                for (int u = 0; u < 4; u++) {
+                    const __m512 lo = _mm512_cvtepi32_ps(
+                        _mm512_and_si512(_mm512_srli_epi32(v, 4 * u), low));
+                    const __m512 hi = _mm512_cvtepi32_ps(
+                        _mm512_and_si512(_mm512_srli_epi32(v, 16 + 4 * u), low));
+                    uint16_t *even = out + (8 * o + 2 * u) * width + 16 * bi;
+                    _mm256_storeu_si256((__m256i *)even, (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(lo, s, z8)));
+                    _mm256_storeu_si256((__m256i *)(even + width), (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(hi, s, z8)));
+                }
             }
         }
     }
@@ -123,11 +168,11 @@ static inline int tile_at(int64_t m, int64_t m0) {
  * scratch for m * (k / group) floats, xp for m * k / 2 int32 (x repacked per row tile as
  * [pair][row], so a pair's broadcasts for the tile's rows read one cache line instead of
  * rows k apart, which alias in L1 at k = 2048). Returns 0, or -1 on bad shapes. */
-int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *panels,
+int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
                           const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
                           uint16_t *y, int64_t y_stride, int num_threads) {
-    if (k % group || group % 2 || m < 1) return -1;
-    const int64_t groups = k / group, pairs = k / 2, blocks = (n + 15) / 16;
+    if (k % group || group % 8 || m < 1) return -1;
+    const int64_t groups = k / group, pairs = k / 2, octets = k / 8, blocks = (n + 15) / 16;
     /* per row: its group sums and its place in its tile's [pair][row] copy */
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (m * k >= 65536)")
     for (int64_t r = 0; r < m; r++) {
@@ -149,10 +194,14 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t
     }
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *pb = panels + b * pairs * 16;
+        const uint32_t *pb = panels + b * octets * 16;
         const uint16_t *szb = sz + b * groups * 32;
         const int64_t left = n - 16 * b;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+        if (m == 1) {
+            block_row1(xp, pb, szb, group, xs, groups, y + 16 * b, mask);
+            continue;
+        }
         for (int64_t m0 = 0; m0 < m;) {
             const int mt = tile_at(m, m0);
             switch (mt) { /* constant tile sizes: the accumulators stay in registers */
@@ -169,7 +218,7 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t
 }
 #else /* without AVX-512 BF16 both entry points refuse; load_int4_panels() never returns
         * this build, so Int4Linear keeps PyTorch's layout there */
-int int4_panels_dequant_bf16(const uint8_t *panels, const uint16_t *sz, int64_t k, int64_t group,
+int int4_panels_dequant_bf16(const uint32_t *panels, const uint16_t *sz, int64_t k, int64_t group,
                              int64_t first_block, int64_t num_blocks, int num_threads,
                              uint16_t *out) {
     (void)panels; (void)sz; (void)k; (void)group; (void)first_block; (void)num_blocks;
@@ -177,7 +226,7 @@ int int4_panels_dequant_bf16(const uint8_t *panels, const uint16_t *sz, int64_t 
     return -1;
 }
 
-int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *panels,
+int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
                           const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
                           uint16_t *y, int64_t y_stride, int num_threads) {
     (void)x; (void)m; (void)k; (void)panels; (void)sz; (void)n; (void)group; (void)xs;
