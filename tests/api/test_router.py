@@ -322,6 +322,66 @@ def test_a_request_whose_worker_fails_before_any_output_goes_elsewhere(workers, 
         dead.stop()
 
 
+def test_a_stored_response_is_continued_read_and_deleted_on_the_replica_that_holds_it(workers):
+    """Responses traffic through the router: round-robin would send every other request to
+    the replica without the stored response (a 404 there); the router pins follow-ups,
+    retrievals and deletes to the one holding it, remembers ids from plain and streamed
+    answers, and finds an id it never saw (a restarted router) by asking the replicas."""
+    r = RouterProcess([w.url for w in workers], "--policy", "round-robin")
+    try:
+        client = _client(r.url)
+        model = client.models.list().data[0].id
+        kwargs = {"model": model, "max_output_tokens": 3, "temperature": 0}
+        first = client.responses.create(input="Paris is the capital of", **kwargs)
+        with client.responses.stream(input="Berlin is the capital of", **kwargs) as events:
+            streamed = events.get_final_response()
+        chain = [first.id, streamed.id]
+        for turn in range(4):  # each continues the last: pinned, whatever round-robin says
+            previous = chain[turn % 2] if turn < 2 else chain[-1]
+            nxt = client.responses.create(
+                input="And then?", previous_response_id=previous, **kwargs
+            )
+            assert nxt.previous_response_id == previous
+            chain.append(nxt.id)
+        owners = {}
+        for rid in chain:
+            holders = [
+                i
+                for i, w in enumerate(workers)
+                if httpx.get(f"{w.url}/v1/responses/{rid}").status_code == 200
+            ]
+            assert len(holders) == 1, (rid, holders)
+            owners[rid] = holders[0]
+        assert set(owners.values()) == {0, 1}  # round-robin did spread the conversations
+        for rid in chain:  # read through the router, whichever replica holds it
+            assert httpx.get(f"{r.url}/v1/responses/{rid}").json()["id"] == rid
+
+        # a restarted router knows no ids: it asks the replicas
+        r.stop()
+        r = RouterProcess([w.url for w in workers], "--policy", "round-robin")
+        client = _client(r.url)
+        for _ in range(2):
+            nxt = client.responses.create(input="More.", previous_response_id=chain[-1], **kwargs)
+            chain.append(nxt.id)
+        assert owners[chain[-3]] == next(
+            i
+            for i, w in enumerate(workers)
+            if httpx.get(f"{w.url}/v1/responses/{chain[-1]}").status_code == 200
+        )
+
+        # deleted through the router, on its replica; then unknown everywhere
+        answer = httpx.delete(f"{r.url}/v1/responses/{chain[0]}")
+        assert answer.status_code == 200 and answer.json()["deleted"] is True
+        gone = httpx.get(f"{r.url}/v1/responses/{chain[0]}")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.create(input="x", previous_response_id=chain[0], **kwargs)
+        assert missing.value.body["code"] == "previous_response_not_found"
+        assert all(w["load"] == 0 for w in r.workers())
+    finally:
+        r.stop()
+
+
 def test_a_failed_worker_is_taken_out_and_its_stream_ends_with_an_error(workers):
     victim = workers[1]  # (the module's last test: it kills this worker)
     # round-robin starts with the victim; quick health checks, two misses take a worker out

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +29,13 @@ from radixserve.api.asgi import (
     StreamResponse,
     json_response,
 )
-from radixserve.serving.balancer import BalanceConfig, Balancer, NoWorkerAvailable, token_key
+from radixserve.serving.balancer import (
+    BalanceConfig,
+    Balancer,
+    Decision,
+    NoWorkerAvailable,
+    token_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +47,12 @@ GENERATION_PATHS = (
     MESSAGES_PATH,
     "/v1/embeddings",
 )
+RESPONSES_PATH = "/v1/responses"
+# how many response ids the router remembers the replica of (the oldest forgotten first;
+# a forgotten one is found again by asking the replicas)
+MAX_RESPONSE_OWNERS = 100_000
+# a Responses answer's own id: the first "id" of its JSON (or of its response.created event)
+_RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[A-Za-z0-9]+)"')
 # request headers passed on to the worker (it checks API keys itself; Anthropic's clients
 # send theirs as x-api-key)
 _FORWARDED = (
@@ -98,6 +112,18 @@ def routing_key(path: str, body: Any) -> str:
                     content = "".join(x.get("text", "") for x in content if isinstance(x, dict))
                 parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else ''}")
         return "".join(parts)
+    if path == RESPONSES_PATH:
+        parts = (
+            [f"<system>{body['instructions']}"] if isinstance(body.get("instructions"), str) else []
+        )
+        items = body.get("input")
+        for item in [items] if isinstance(items, str) else items if isinstance(items, list) else ():
+            content = item.get("content") if isinstance(item, dict) else item
+            if isinstance(content, list):
+                content = "".join(x.get("text", "") for x in content if isinstance(x, dict))
+            role = item.get("role", "user") if isinstance(item, dict) else "user"
+            parts.append(f"<{role}>{content if isinstance(content, str) else ''}")
+        return "".join(parts)
     field_name = {"/v1/completions": "prompt", "/v1/embeddings": "input"}.get(path, "text")
     prompt = body.get(field_name)
     if path == "/generate" and prompt is None:
@@ -109,6 +135,15 @@ def routing_key(path: str, body: Any) -> str:
     if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < 0x110000 for t in prompt):
         return token_key(prompt)
     return ""
+
+
+def _unavailable(url: str) -> APIError:
+    return APIError(
+        503,
+        f"the replica holding this conversation ({url}) is not available; try again later",
+        type_="service_unavailable_error",
+        code="worker_unavailable",
+    )
 
 
 class _WorkerFailed(Exception):
@@ -154,7 +189,9 @@ class Router:
     worker; every routed request is released from the balancer's load exactly once (when
     its answer is complete, fails or the client leaves); when a worker is taken out, all
     its in-flight requests end at once — a plain request with a 502, a stream with an
-    error event then ``[DONE]`` — and it gets no new ones until a health check passes."""
+    error event then ``[DONE]`` — and it gets no new ones until a health check passes. A
+    Responses request that continues a stored response (``previous_response_id``), and a
+    GET or DELETE of one, goes to the replica that stored it, and nowhere else."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -165,6 +202,8 @@ class Router:
         self.http: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self._rr = 0  # for requests that any worker can answer
+        # a stored Responses answer lives in the replica that made it: id -> worker
+        self.response_owner: OrderedDict[str, int] = OrderedDict()
         self.registry = CollectorRegistry()
         self.registry.register(_RouterCollector(self))
         self.requests = Counter(
@@ -316,6 +355,14 @@ class Router:
         first event is an engine failure) is left out and the request goes to another
         healthy worker, transparently; once output has flowed, a failure ends the answer
         with an error as before."""
+        answer, _ = await self._route(request)
+        return answer
+
+    async def _route(
+        self, request: HTTPRequest, pinned: int | None = None
+    ) -> tuple[Response | StreamResponse, int]:
+        """``proxy_generation``'s work; the answer and the worker that gave it. ``pinned``:
+        only that worker may answer (no other is tried when it fails)."""
         try:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError:
@@ -323,14 +370,23 @@ class Router:
         key = routing_key(request.path, body)
         tried: set[int] = set()
         last_failure: APIError | Response | None = None
+        last_worker = -1
         while True:
             try:
-                decision = self.balancer.choose(key, frozenset(tried))
+                if pinned is None:
+                    decision = self.balancer.choose(key, frozenset(tried))
+                elif pinned in tried or not self.workers[pinned].healthy:
+                    raise NoWorkerAvailable(self.workers[pinned].url)
+                else:
+                    decision = Decision(pinned, "pinned", 0)
+                    self.balancer.load[pinned] += 1  # released by _finish
             except NoWorkerAvailable:
                 if isinstance(last_failure, Response):
-                    return last_failure
+                    return last_failure, last_worker
                 if last_failure is not None:
                     raise last_failure from None
+                if pinned is not None:
+                    raise _unavailable(self.workers[pinned].url) from None
                 raise APIError(
                     503,
                     "no healthy worker to send the request to",
@@ -354,9 +410,102 @@ class Router:
                 else:
                     last_failure = answer.failure or self._failure(flight, answer.message)
                 tried.add(worker)
-                self.retried.labels(url).inc()
+                last_worker = worker
+                if pinned is None:
+                    self.retried.labels(url).inc()
                 continue
-            return answer
+            return answer, worker
+
+    # -- Responses: a stored response lives in the replica that made it ---------------------
+    async def proxy_responses(self, request: HTTPRequest) -> Response | StreamResponse:
+        """``POST /v1/responses``: one that continues a stored response goes to the replica
+        holding it (its prefix is cached there too); any other is routed by its prompt. The
+        new response's id is remembered with the replica that answered."""
+        try:
+            body = orjson.loads(request.body)
+        except orjson.JSONDecodeError:
+            body = None
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        pinned = None
+        if isinstance(previous, str):
+            pinned = await self._owner(previous, request)
+            if pinned is None:
+                raise APIError(
+                    404,
+                    f"Previous response with id '{previous}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+        answer, worker = await self._route(request, pinned)
+        if isinstance(answer, StreamResponse):
+            first = answer.frames.buffer if isinstance(answer.frames, _Frames) else b""
+        else:
+            first = answer.body if answer.status == 200 else b""
+        found = _RESPONSE_ID.search(first)
+        if found:
+            self._remember(found.group(1).decode(), worker)
+        return answer
+
+    async def proxy_stored(self, request: HTTPRequest) -> Response:
+        """``GET`` or ``DELETE /v1/responses/{id}``: to the replica holding it."""
+        response_id = request.path_params["response_id"]
+        worker = await self._owner(response_id, request)
+        if worker is None:
+            raise APIError(
+                404,
+                f"No response with id '{response_id}' found (never stored, deleted or evicted).",
+                param="response_id",
+                code="response_not_found",
+            )
+        self.balancer.load[worker] += 1  # released by _finish
+        flight = self._launch(worker, request.method, request.path, request)
+        try:
+            kind, value = await flight.queue.get()
+        except BaseException:
+            self._finish(flight)
+            raise
+        if kind != "head":
+            self._finish(flight)
+            raise self._failure(flight, value)
+        answer = await self._whole(flight, *value)
+        if request.method == "DELETE" and answer.status in (200, 404):
+            self.response_owner.pop(response_id, None)
+        return answer
+
+    def _remember(self, response_id: str, worker: int) -> None:
+        self.response_owner[response_id] = worker
+        self.response_owner.move_to_end(response_id)
+        while len(self.response_owner) > MAX_RESPONSE_OWNERS:
+            self.response_owner.popitem(last=False)
+
+    async def _owner(self, response_id: str, request: HTTPRequest) -> int | None:
+        """The worker holding a stored response: the one remembered, else the first
+        healthy one that has it (the router restarted, or forgot it); None if none has.
+        A remembered worker that is out: a 503 (its store may come back with it)."""
+        worker = self.response_owner.get(response_id)
+        if worker is not None:
+            if not self.workers[worker].healthy:
+                raise _unavailable(self.workers[worker].url)
+            self.response_owner.move_to_end(response_id)
+            return worker
+        assert self.http is not None
+        headers = self._headers(request)
+
+        async def has_it(i: int) -> bool:
+            url = f"{self.workers[i].url}{RESPONSES_PATH}/{response_id}"
+            try:
+                answer = await self.http.get(url, headers=headers)
+            except httpx.HTTPError:
+                return False
+            return answer.status_code == 200
+
+        healthy = [i for i, w in enumerate(self.workers) if w.healthy]
+        found = await asyncio.gather(*(has_it(i) for i in healthy))
+        for i, yes in zip(healthy, found, strict=True):
+            if yes:
+                self._remember(response_id, i)
+                return i
+        return None
 
     async def _first_output(self, flight: _Flight, path: str) -> Response | StreamResponse | _Retry:
         """The worker's answer once its first output is in: a whole response, or a stream
@@ -444,6 +593,9 @@ class Router:
         app = ASGIApp(self.config.max_body_bytes, lambda _: None, self.start, self.shutdown)
         for path in GENERATION_PATHS:
             app.route("POST", path, watch_disconnect=True)(self.proxy_generation)
+        app.route("POST", RESPONSES_PATH, watch_disconnect=True)(self.proxy_responses)
+        app.route("GET", RESPONSES_PATH + "/{response_id}")(self.proxy_stored)
+        app.route("DELETE", RESPONSES_PATH + "/{response_id}")(self.proxy_stored)
         app.error_shapes[MESSAGES_PATH] = anthropic_error  # the router's own 502/503s too
         for path in ("/tokenize", "/detokenize", f"{MESSAGES_PATH}/count_tokens"):
             app.route("POST", path)(self.forward_any)
