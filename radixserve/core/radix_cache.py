@@ -594,23 +594,27 @@ class RadixCache:
     def _promote_host(
         self, tokens: np.ndarray, namespace: Hashable, alloc: Callable[[int], np.ndarray]
     ) -> int:
+        """Promote the host-tier nodes on ``tokens``' path, cut after the last page the
+        match uses — a page it uses only in part included, so the match can take those
+        tokens from it (copy-on-write) instead of recomputing them —, with one copy for the
+        whole path."""
         ps = self.page_size
         node = self._root(namespace)
         path: list[RadixNode] = []
+        shared = 0  # tokens of the path's nodes the match shares
         pos, n = 0, tokens.size
         while n - pos >= ps:
             child = node.children.get(self._child_key(tokens, pos))
             if child is None:
                 break
-            m = common_prefix_length(child.key, tokens[pos:])
+            m = common_prefix_length(child.key, tokens[pos:])  # >= ps: the key matched
             whole = m == child.key.size and m % ps == 0
             if child.tier:
-                full = m // ps * ps
-                if full == 0:
-                    break
-                if full < child.key.size:
-                    child = self._split(child, full)
+                used = -(-m // ps) * ps  # the pages holding the m shared tokens
+                if used < child.key.size:
+                    child = self._split(child, used)
                 path.append(child)
+                shared += min(m, child.key.size)
             if not whole:
                 break
             pos += m
@@ -628,18 +632,17 @@ class RadixCache:
                 return 0
             transfer, host = self.transfer, self.host
             assert transfer is not None and host is not None
+            slots = np.concatenate([c.pages for c in path]) if len(path) > 1 else path[0].pages
+            transfer.load(slots, pages)
+            host.free(slots)
             i = 0
             for c in path:
                 k = c.pages.size
-                dst = pages[i : i + k]
-                transfer.load(c.pages, dst)
-                host.free(c.pages)
-                self._to_pool(c, dst)
+                self._to_pool(c, pages[i : i + k])
                 i += k
             self.tiers.promoted_pages += need
-            tokens_moved = sum(int(c.key.size) for c in path)
-            self.tiers.host_hit_tokens += tokens_moved
-            return tokens_moved
+            self.tiers.host_hit_tokens += shared
+            return shared
         finally:
             self.unlock(deepest)
 
