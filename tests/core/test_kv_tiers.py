@@ -255,12 +255,19 @@ def test_mid_page_prefix_promotes_the_page_it_ends_in():
     check_accounting(pool, cache)
 
 
-def test_a_node_ending_in_a_partial_page_is_promoted_whole():
+@pytest.mark.parametrize("own_node", [False, True])
+def test_a_partial_last_page_comes_back_with_its_prefix(own_node):
     """A conversation's cached turn ends mid-page and the next turn continues it: the
-    partial last page comes back too, and the match covers every cached token."""
+    partial last page comes back too, and the match covers every cached token. Either the
+    partial page ends the node, or (``own_node``: the full pages were cached during the
+    prefill, the rest when the request finished) it is a child of its own, keyed by fewer
+    than a page of tokens, which only a partial-page lookup finds."""
     pool, cache, transfer = make_cache(8, 4, 16, disk=False)
     turn = list(range(30, 40))  # 2 full pages and 2 tokens
+    if own_node:
+        insert(pool, cache, transfer, turn[:8])
     insert(pool, cache, transfer, turn)
+    assert cache.num_nodes == 1 + own_node
     cache.evict(8)
     cache.flush()
     result = check_match(pool, cache, transfer, [*turn, 7, 8, 9])
