@@ -11,7 +11,12 @@ conversation and sends the whole conversation again. By default 6 sessions x 6 t
 back. The off engine, reset, is the cold side of the restart scenario.
 
 Runs, all in this one invocation: tiers off, host tier (large enough for everything),
-host + disk (host tier about 1.5 pools, the rest on disk); then the restart scenario: a
+host + disk (host tier about 1.5 pools, the rest on disk), and (``--pool-ref``, default on)
+no tiers with a pool large enough for everything: the ceiling any tier can reach, and the
+exactness check — the host tier moves KV bytes unchanged and matches the same prefixes, so
+its greedy outputs must equal this run's token for token even in bfloat16, where both may
+differ from tiers off (KV reused from an earlier, differently shaped prefill rounds
+differently from KV recomputed in one); then the restart scenario: a
 new engine on the warm disk folder replays every session's last conversation, against a
 new engine with no tiers (cold). Finally W1 (64 distinct prompts, no hits anywhere) with
 tiers off and on, alternated, for the no-hit throughput check.
@@ -173,6 +178,12 @@ def main() -> None:
     parser.add_argument("--w1-runs", type=int, default=1, help="W1 runs per side (0: skip)")
     parser.add_argument("--workload", type=Path, default=W1)
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: a temp dir")
+    parser.add_argument(
+        "--pool-ref",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run with no tiers and a pool holding everything (reference)",
+    )
     args = parser.parse_args()
 
     from radixserve import SamplingParams
@@ -213,9 +224,16 @@ def main() -> None:
         "host": {"kv_host_gb": host_all_gb},
         "host+disk": {"kv_host_gb": host_small_gb, "kv_disk_gb": 4.0, "kv_cache_dir": disk_dir},
     }
+    big_pool = argparse.Namespace(**{**vars(args), "pool_gb": host_all_gb})
+    runs = [*configs.items(), *((("pool holds all", {}),) if args.pool_ref else ())]
     last_convs: list[list[int]] = []
-    for name, tiers in configs.items():
-        llm = off_llm if name == "off" else make_llm(args, **tiers)
+    for name, tiers in runs:
+        if name == "off":
+            llm = off_llm
+        elif name == "pool holds all":
+            llm = make_llm(big_pool)
+        else:
+            llm = make_llm(args, **tiers)
         ttfts, outs, convs, wall, ntok = chat(args, llm, sessions, user_turns, params)
         rows[name] = {
             "ttft_p50_s": pct(ttfts, 50),
@@ -231,7 +249,8 @@ def main() -> None:
             ) / 2**20
             rows[name]["move_s"] = s.host_seconds + s.disk_seconds
         outputs[name] = outs
-        last_convs = convs
+        if name != "pool holds all":
+            last_convs = convs
         if name != "off":
             close(llm)  # host+disk: persists the tree to the disk tier
 
@@ -276,13 +295,13 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
     print(
-        f"{'run':<12}{'TTFT p50':>10}{'p99':>9}{'tok/s':>8}{'hit':>7}{'pool':>7}{'host':>7}"
+        f"{'run':<16}{'TTFT p50':>10}{'p99':>9}{'tok/s':>8}{'hit':>7}{'pool':>7}{'host':>7}"
         f"{'disk':>7}{'moved MiB':>11}{'move s':>8}"
     )
     for name, r in [*rows.items(), *((f"restart {k}", v) for k, v in restart.items())]:
         h = r["hit"]
         print(
-            f"{name:<12}{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>9.3f}"
+            f"{name:<16}{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>9.3f}"
             f"{r.get('tok_s', float('nan')):>8.1f}{h['all']:>7.2f}{h['pool']:>7.2f}"
             f"{h['host']:>7.2f}{h['disk']:>7.2f}{r.get('moved_mib', 0):>11.1f}"
             f"{r.get('move_s', 0):>8.2f}"
@@ -301,6 +320,14 @@ def main() -> None:
         "throughput_ratio_host": rows["host"]["tok_s"] / rows["off"]["tok_s"],
         "outputs_equal_off_host": outputs["off"] == outputs["host"],
         "outputs_equal_off_host_disk": outputs["off"] == outputs["host+disk"],
+        "ttft_p50_ratio_pool_holds_all": (
+            rows["off"]["ttft_p50_s"] / rows["pool holds all"]["ttft_p50_s"]
+            if args.pool_ref
+            else None
+        ),
+        "outputs_equal_host_pool_holds_all": (
+            outputs["host"] == outputs["pool holds all"] if args.pool_ref else None
+        ),
         "w1_throughput_ratio": (
             statistics.median(w1["tiers"]) / statistics.median(w1["off"]) if w1["off"] else None
         ),
