@@ -29,6 +29,7 @@ hit_rate_tiers (host + disk run), w1_throughput_ratio (tiers on / off), and the 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -51,6 +52,53 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
+class Breakdown:
+    """Where a request's time to first token goes: seconds in the cache's promotion (page
+    allocation, the demotions it causes and the copies included), in the host-tier copies
+    into the pool and out of it, and in the model's forward steps. Installed by wrapping
+    those methods (``--breakdown``: this script only); ``rows`` holds one dict per request.
+    """
+
+    def __init__(self) -> None:
+        from radixserve.core.radix_cache import RadixCache
+        from radixserve.executor.kv_tiers import TierTransfer
+        from radixserve.executor.model_runner import ModelRunner
+
+        self.acc: dict[str, float] = {}
+        self.rows: list[dict[str, float]] = []
+        for cls, name, key in (
+            (RadixCache, "promote", "promote"),
+            (TierTransfer, "load", "copy in"),
+            (TierTransfer, "save", "copy out"),
+            (ModelRunner, "run", "forward"),
+        ):
+            self._wrap(cls, name, key)
+
+    def _wrap(self, cls, name: str, key: str) -> None:
+        inner, acc = getattr(cls, name), self.acc
+
+        @functools.wraps(inner)
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(cls, name, timed)
+
+    def median_ms(self, rows: list[dict[str, float]]) -> dict[str, float]:
+        keys = ["ttft", "promote", "copy in", "copy out", "forward"]
+        out = {k: 1e3 * statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+        out["other"] = 1e3 * statistics.median(
+            r["ttft"] - r.get("promote", 0.0) - r.get("forward", 0.0) for r in rows
+        )
+        return out
+
+
+BREAKDOWN: Breakdown | None = None
+
+
 class Runner:
     """One engine serving one request at a time, timing the first token."""
 
@@ -61,6 +109,8 @@ class Runner:
     def serve(self, ids: list[int], params) -> tuple[float, list[int]]:
         engine = self.engine
         rid = f"bench-{next(self._ids)}"
+        if BREAKDOWN is not None:
+            BREAKDOWN.acc.clear()
         t0 = time.perf_counter()
         engine.add_request(rid, ids, params)
         first = None
@@ -69,6 +119,8 @@ class Runner:
             for delta in engine.step():
                 if delta.new_token_ids and first is None:
                     first = time.perf_counter() - t0
+                    if BREAKDOWN is not None:
+                        BREAKDOWN.rows.append({**BREAKDOWN.acc, "ttft": first})
                 out.extend(delta.new_token_ids)
         assert first is not None
         return first, out
@@ -86,7 +138,9 @@ def make_llm(args, **tiers):
     )
 
 
-def chat(args, llm, sessions: list[list[int]], user_turns: list[list[list[int]]], params):
+def chat(
+    args, llm, sessions: list[list[int]], user_turns: list[list[list[int]]], params, name: str
+):
     """Every turn, every session in order; returns (TTFTs, outputs, final conversations,
     wall seconds, output tokens)."""
     runner = Runner(llm.engine)
@@ -104,6 +158,9 @@ def chat(args, llm, sessions: list[list[int]], user_turns: list[list[list[int]]]
             conv.extend(out)
     wall = time.perf_counter() - start
     llm.engine.check_page_accounting()
+    if BREAKDOWN is not None:  # the turns that can hit (not the first)
+        rows, BREAKDOWN.rows = BREAKDOWN.rows[len(sessions) :], []
+        print(f"breakdown {name}, ms, median over turns 2+: {BREAKDOWN.median_ms(rows)}")
     return ttfts, outputs, convs, wall, sum(len(o) for o in outputs)
 
 
@@ -184,7 +241,15 @@ def main() -> None:
         default=True,
         help="also run with no tiers and a pool holding everything (reference)",
     )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="print where the TTFT of turns 2+ goes (promotion, copies, forward)",
+    )
     args = parser.parse_args()
+    if args.breakdown:
+        global BREAKDOWN
+        BREAKDOWN = Breakdown()
 
     from radixserve import SamplingParams
 
@@ -234,7 +299,7 @@ def main() -> None:
             llm = make_llm(big_pool)
         else:
             llm = make_llm(args, **tiers)
-        ttfts, outs, convs, wall, ntok = chat(args, llm, sessions, user_turns, params)
+        ttfts, outs, convs, wall, ntok = chat(args, llm, sessions, user_turns, params, name)
         rows[name] = {
             "ttft_p50_s": pct(ttfts, 50),
             "ttft_p99_s": pct(ttfts, 99),
