@@ -11,7 +11,12 @@ conversation and sends the whole conversation again. By default 6 sessions x 6 t
 back. The off engine, reset, is the cold side of the restart scenario.
 
 Runs, all in this one invocation: tiers off, host tier (large enough for everything),
-host + disk (host tier about 1.5 pools, the rest on disk); then the restart scenario: a
+host + disk (host tier about 1.5 pools, the rest on disk), and (``--pool-ref``, default on)
+no tiers with a pool large enough for everything: the ceiling any tier can reach, and the
+exactness check — the host tier moves KV bytes unchanged and matches the same prefixes, so
+its greedy outputs must equal this run's token for token even in bfloat16, where both may
+differ from tiers off (KV reused from an earlier, differently shaped prefill rounds
+differently from KV recomputed in one); then the restart scenario: a
 new engine on the warm disk folder replays every session's last conversation, against a
 new engine with no tiers (cold). Finally W1 (64 distinct prompts, no hits anywhere) with
 tiers off and on, alternated, for the no-hit throughput check.
@@ -24,6 +29,7 @@ hit_rate_tiers (host + disk run), w1_throughput_ratio (tiers on / off), and the 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -46,6 +52,53 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
+class Breakdown:
+    """Where a request's time to first token goes: seconds in the cache's promotion (page
+    allocation, the demotions it causes and the copies included), in the host-tier copies
+    into the pool and out of it, and in the model's forward steps. Installed by wrapping
+    those methods (``--breakdown``: this script only); ``rows`` holds one dict per request.
+    """
+
+    def __init__(self) -> None:
+        from radixserve.core.radix_cache import RadixCache
+        from radixserve.executor.kv_tiers import TierTransfer
+        from radixserve.executor.model_runner import ModelRunner
+
+        self.acc: dict[str, float] = {}
+        self.rows: list[dict[str, float]] = []
+        for cls, name, key in (
+            (RadixCache, "promote", "promote"),
+            (TierTransfer, "load", "copy in"),
+            (TierTransfer, "save", "copy out"),
+            (ModelRunner, "run", "forward"),
+        ):
+            self._wrap(cls, name, key)
+
+    def _wrap(self, cls, name: str, key: str) -> None:
+        inner, acc = getattr(cls, name), self.acc
+
+        @functools.wraps(inner)
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(cls, name, timed)
+
+    def median_ms(self, rows: list[dict[str, float]]) -> dict[str, float]:
+        keys = ["ttft", "promote", "copy in", "copy out", "forward"]
+        out = {k: 1e3 * statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+        out["other"] = 1e3 * statistics.median(
+            r["ttft"] - r.get("promote", 0.0) - r.get("forward", 0.0) for r in rows
+        )
+        return out
+
+
+BREAKDOWN: Breakdown | None = None
+
+
 class Runner:
     """One engine serving one request at a time, timing the first token."""
 
@@ -56,6 +109,8 @@ class Runner:
     def serve(self, ids: list[int], params) -> tuple[float, list[int]]:
         engine = self.engine
         rid = f"bench-{next(self._ids)}"
+        if BREAKDOWN is not None:
+            BREAKDOWN.acc.clear()
         t0 = time.perf_counter()
         engine.add_request(rid, ids, params)
         first = None
@@ -64,6 +119,8 @@ class Runner:
             for delta in engine.step():
                 if delta.new_token_ids and first is None:
                     first = time.perf_counter() - t0
+                    if BREAKDOWN is not None:
+                        BREAKDOWN.rows.append({**BREAKDOWN.acc, "ttft": first})
                 out.extend(delta.new_token_ids)
         assert first is not None
         return first, out
@@ -81,7 +138,9 @@ def make_llm(args, **tiers):
     )
 
 
-def chat(args, llm, sessions: list[list[int]], user_turns: list[list[list[int]]], params):
+def chat(
+    args, llm, sessions: list[list[int]], user_turns: list[list[list[int]]], params, name: str
+):
     """Every turn, every session in order; returns (TTFTs, outputs, final conversations,
     wall seconds, output tokens)."""
     runner = Runner(llm.engine)
@@ -99,6 +158,9 @@ def chat(args, llm, sessions: list[list[int]], user_turns: list[list[list[int]]]
             conv.extend(out)
     wall = time.perf_counter() - start
     llm.engine.check_page_accounting()
+    if BREAKDOWN is not None:  # the turns that can hit (not the first)
+        rows, BREAKDOWN.rows = BREAKDOWN.rows[len(sessions) :], []
+        print(f"breakdown {name}, ms, median over turns 2+: {BREAKDOWN.median_ms(rows)}")
     return ttfts, outputs, convs, wall, sum(len(o) for o in outputs)
 
 
@@ -173,7 +235,21 @@ def main() -> None:
     parser.add_argument("--w1-runs", type=int, default=1, help="W1 runs per side (0: skip)")
     parser.add_argument("--workload", type=Path, default=W1)
     parser.add_argument("--cache-dir", type=Path, default=None, help="default: a temp dir")
+    parser.add_argument(
+        "--pool-ref",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run with no tiers and a pool holding everything (reference)",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="print where the TTFT of turns 2+ goes (promotion, copies, forward)",
+    )
     args = parser.parse_args()
+    if args.breakdown:
+        global BREAKDOWN
+        BREAKDOWN = Breakdown()
 
     from radixserve import SamplingParams
 
@@ -213,10 +289,17 @@ def main() -> None:
         "host": {"kv_host_gb": host_all_gb},
         "host+disk": {"kv_host_gb": host_small_gb, "kv_disk_gb": 4.0, "kv_cache_dir": disk_dir},
     }
+    big_pool = argparse.Namespace(**{**vars(args), "pool_gb": host_all_gb})
+    runs = [*configs.items(), *((("pool holds all", {}),) if args.pool_ref else ())]
     last_convs: list[list[int]] = []
-    for name, tiers in configs.items():
-        llm = off_llm if name == "off" else make_llm(args, **tiers)
-        ttfts, outs, convs, wall, ntok = chat(args, llm, sessions, user_turns, params)
+    for name, tiers in runs:
+        if name == "off":
+            llm = off_llm
+        elif name == "pool holds all":
+            llm = make_llm(big_pool)
+        else:
+            llm = make_llm(args, **tiers)
+        ttfts, outs, convs, wall, ntok = chat(args, llm, sessions, user_turns, params, name)
         rows[name] = {
             "ttft_p50_s": pct(ttfts, 50),
             "ttft_p99_s": pct(ttfts, 99),
@@ -231,7 +314,8 @@ def main() -> None:
             ) / 2**20
             rows[name]["move_s"] = s.host_seconds + s.disk_seconds
         outputs[name] = outs
-        last_convs = convs
+        if name != "pool holds all":
+            last_convs = convs
         if name != "off":
             close(llm)  # host+disk: persists the tree to the disk tier
 
@@ -276,13 +360,13 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
     print(
-        f"{'run':<12}{'TTFT p50':>10}{'p99':>9}{'tok/s':>8}{'hit':>7}{'pool':>7}{'host':>7}"
+        f"{'run':<16}{'TTFT p50':>10}{'p99':>9}{'tok/s':>8}{'hit':>7}{'pool':>7}{'host':>7}"
         f"{'disk':>7}{'moved MiB':>11}{'move s':>8}"
     )
     for name, r in [*rows.items(), *((f"restart {k}", v) for k, v in restart.items())]:
         h = r["hit"]
         print(
-            f"{name:<12}{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>9.3f}"
+            f"{name:<16}{r['ttft_p50_s']:>10.3f}{r['ttft_p99_s']:>9.3f}"
             f"{r.get('tok_s', float('nan')):>8.1f}{h['all']:>7.2f}{h['pool']:>7.2f}"
             f"{h['host']:>7.2f}{h['disk']:>7.2f}{r.get('moved_mib', 0):>11.1f}"
             f"{r.get('move_s', 0):>8.2f}"
@@ -301,6 +385,14 @@ def main() -> None:
         "throughput_ratio_host": rows["host"]["tok_s"] / rows["off"]["tok_s"],
         "outputs_equal_off_host": outputs["off"] == outputs["host"],
         "outputs_equal_off_host_disk": outputs["off"] == outputs["host+disk"],
+        "ttft_p50_ratio_pool_holds_all": (
+            rows["off"]["ttft_p50_s"] / rows["pool holds all"]["ttft_p50_s"]
+            if args.pool_ref
+            else None
+        ),
+        "outputs_equal_host_pool_holds_all": (
+            outputs["host"] == outputs["pool holds all"] if args.pool_ref else None
+        ),
         "w1_throughput_ratio": (
             statistics.median(w1["tiers"]) / statistics.median(w1["off"]) if w1["off"] else None
         ),

@@ -9,6 +9,9 @@ For each layer shape and row count, microseconds per call of:
   int4_torch  ``_weight_int4pack_mm_for_cpu`` at every row count (group 32, zero points)
   int4        what the engine runs (group 32), as int8 from quant.DEQUANT_GEMM_ROWS rows
   int4_g128   the same with group 128 (64 where 128 does not divide the input size)
+  int4_panel  the panel kernel at every row count (group 32; where it is built)
+  int4_deq    its dequantize + GEMM path at every row count: where the two cross is
+              quant.PANEL_DEQUANT_ROWS
 Prints a table, then one JSON line with the speed-ups over bf16 by row count (geometric
 mean over shapes).
 
@@ -57,31 +60,51 @@ def main() -> None:
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     torch.manual_seed(0)
-    kinds = ("bf16", "int8_torch", "int8", "int4_torch", "int4", "int4_g128")
+    kinds = (
+        "bf16",
+        "int8_torch",
+        "int8",
+        "int4_torch",
+        "int4",
+        "int4_g128",
+        "int4_panel",
+        "int4_deq",
+    )
     ratios: dict[str, dict[int, list[float]]] = {k: {m: [] for m in rows} for k in kinds[1:]}
     print(f"threads {torch.get_num_threads()}; microseconds per call")
     print(f"{'shape':<14}{'rows':>6}" + "".join(f"{k:>12}" for k in kinds))
     engine8, engine4 = quant.DEQUANT_GEMM_ROWS_INT8, quant.DEQUANT_GEMM_ROWS
+    panel_cut = quant.PANEL_DEQUANT_ROWS
     never = 1 << 30  # rows threshold: never dequantize + GEMM
+    print(f"quant.PANEL_DEQUANT_ROWS = {panel_cut}")
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
         g128 = quant.int4_group_size(k, 128)
-        layers = {
-            "bf16": (Linear(w), never),
-            "int8_torch": (Int8Linear.from_float(w), never),
-            "int8": (Int8Linear.from_float(w), engine8),
-            "int4_torch": (Int4Linear.from_float(w, group_size=32, panels=False), never),
-            "int4": (Int4Linear.from_float(w, group_size=32), engine4),
-            "int4_g128": (Int4Linear.from_float(w, group_size=g128), engine4),
+        int4 = Int4Linear.from_float(w, group_size=32)
+        layers = {  # kind: (layer, DEQUANT_GEMM_ROWS(_INT8), PANEL_DEQUANT_ROWS)
+            "bf16": (Linear(w), never, panel_cut),
+            "int8_torch": (Int8Linear.from_float(w), never, panel_cut),
+            "int8": (Int8Linear.from_float(w), engine8, panel_cut),
+            "int4_torch": (
+                Int4Linear.from_float(w, group_size=32, panels=False),
+                never,
+                panel_cut,
+            ),
+            "int4": (int4, engine4, panel_cut),
+            "int4_g128": (Int4Linear.from_float(w, group_size=g128), engine4, panel_cut),
+            "int4_panel": (int4, engine4, never),
+            "int4_deq": (int4, engine4, 0),
         }
         for m in rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             iters = max(3, args.iters * 8 // max(8, m))
             t = {}
-            for kind, (layer, threshold) in layers.items():
+            for kind, (layer, threshold, panel_rows) in layers.items():
                 quant.DEQUANT_GEMM_ROWS = quant.DEQUANT_GEMM_ROWS_INT8 = threshold
+                quant.PANEL_DEQUANT_ROWS = panel_rows
                 t[kind] = bench(layer, x, iters)
+            quant.PANEL_DEQUANT_ROWS = panel_cut
             print(f"{name:<14}{m:>6}" + "".join(f"{t[kd] * 1e6:>12.1f}" for kd in kinds))
             for kd in kinds[1:]:
                 ratios[kd][m].append(t["bf16"] / t[kd])

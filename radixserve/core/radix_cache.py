@@ -269,19 +269,29 @@ class RadixCache:
 
     def _best_partial(self, node: RadixNode, rest: np.ndarray) -> tuple[int, int]:
         """A pool child sharing the most tokens with ``rest`` within its first page
-        (< page_size)."""
-        best_page, best = -1, 0
-        if int(rest[0]) not in node.first_tokens:
-            return best_page, best
+        (< page_size): (its first page, the tokens shared), or (-1, 0)."""
+        child, m = self._best_partial_child(node, rest, pool_only=True)
+        return (-1, 0) if child is None else (int(child.pages[0]), m)
+
+    def _best_partial_child(
+        self, node: RadixNode, rest: np.ndarray, pool_only: bool = False
+    ) -> tuple[RadixNode | None, int]:
+        """The child of ``node`` (any tier, or only the pool's) sharing the most tokens
+        with ``rest`` within its first page (< page_size; the first such on a tie), and
+        how many."""
+        best_child: RadixNode | None = None
+        best = 0
+        if rest.size == 0 or int(rest[0]) not in node.first_tokens:
+            return best_child, best
         window = rest[: self.page_size]
         for child in node.children.values():
-            if child.tier:
+            if pool_only and child.tier:
                 continue
             m = common_prefix_length(child.key[: self.page_size], window)
             m = min(m, self.page_size - 1, rest.size)
             if m > best:
-                best_page, best = int(child.pages[0]), m
-        return best_page, best
+                best_child, best = child, m
+        return best_child, best
 
     # -- insert ---------------------------------------------------------------------------
     def insert(
@@ -594,27 +604,42 @@ class RadixCache:
     def _promote_host(
         self, tokens: np.ndarray, namespace: Hashable, alloc: Callable[[int], np.ndarray]
     ) -> int:
+        """Promote the host-tier nodes on ``tokens``' path, cut after the last page the
+        match uses — a page it uses only in part included, so the match can take those
+        tokens from it (copy-on-write) instead of recomputing them, as it would from the
+        pool —, with one copy for the whole path."""
         ps = self.page_size
         node = self._root(namespace)
         path: list[RadixNode] = []
+        shared = 0  # tokens of the path's nodes the match shares
         pos, n = 0, tokens.size
+        ended_whole = True  # the walk stopped at a node boundary
         while n - pos >= ps:
             child = node.children.get(self._child_key(tokens, pos))
             if child is None:
                 break
-            m = common_prefix_length(child.key, tokens[pos:])
+            m = common_prefix_length(child.key, tokens[pos:])  # >= ps: the key matched
             whole = m == child.key.size and m % ps == 0
             if child.tier:
-                full = m // ps * ps
-                if full == 0:
-                    break
-                if full < child.key.size:
-                    child = self._split(child, full)
+                used = -(-m // ps) * ps  # the pages holding the m shared tokens
+                if used < child.key.size:
+                    child = self._split(child, used)
                 path.append(child)
+                shared += min(m, child.key.size)
             if not whole:
+                ended_whole = False
                 break
             pos += m
             node = child
+        if ended_whole and ps > 1 and pos < n:
+            # no child shares a whole page: the one sharing the most of its first page (as
+            # match_prefix's _best_partial picks), if it is in the host tier
+            child, m = self._best_partial_child(node, tokens[pos:])
+            if child is not None and child.tier and m > self._best_partial(node, tokens[pos:])[1]:
+                if child.key.size > ps:
+                    child = self._split(child, ps)
+                path.append(child)
+                shared += m
         if not path:
             return 0
         deepest = path[-1]
@@ -628,18 +653,18 @@ class RadixCache:
                 return 0
             transfer, host = self.transfer, self.host
             assert transfer is not None and host is not None
+            slots = np.concatenate([c.pages for c in path]) if len(path) > 1 else path[0].pages
+            transfer.load(slots, pages)
+            host.free(slots)
             i = 0
             for c in path:
                 k = c.pages.size
-                dst = pages[i : i + k]
-                transfer.load(c.pages, dst)
-                host.free(c.pages)
-                self._to_pool(c, dst)
+                self._to_pool(c, pages[i : i + k])
                 i += k
+            self._touch(deepest)  # the match about to run uses them: the last to evict
             self.tiers.promoted_pages += need
-            tokens_moved = sum(int(c.key.size) for c in path)
-            self.tiers.host_hit_tokens += tokens_moved
-            return tokens_moved
+            self.tiers.host_hit_tokens += shared
+            return shared
         finally:
             self.unlock(deepest)
 

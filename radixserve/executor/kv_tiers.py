@@ -329,6 +329,42 @@ class DiskKVStore:
             assert files == dict(self._index), "disk records != index"
 
 
+# Above this many runs a copy gathers and scatters by index instead (one call per tensor).
+_MAX_RUNS = 64
+
+
+def page_runs(dst: np.ndarray, src: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(dst start, src start, length)`` of the maximal runs in which both ``dst`` and
+    ``src`` go up by one page at a time (in order: page ``dst[i]`` gets ``src[i]``)."""
+    if dst.size != src.size:
+        raise ValueError(f"{dst.size} destination pages for {src.size} source pages")
+    if dst.size == 0:
+        return []
+    d = np.asarray(dst, dtype=np.int64)
+    s = np.asarray(src, dtype=np.int64)
+    cut = np.flatnonzero((np.diff(d) != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [d.size]))
+    return list(zip(d[starts].tolist(), s[starts].tolist(), (ends - starts).tolist(), strict=True))
+
+
+def copy_pages(
+    dst: torch.Tensor, dst_pages: np.ndarray, src: torch.Tensor, src_pages: np.ndarray
+) -> None:
+    """``dst[:, dst_pages[i]] = src[:, src_pages[i]]`` for every i (tensors [layers, pages,
+    ...], possibly on different devices): one strided slice copy per run of consecutive
+    pages on both sides — no gathered temporary, the bytes are read and written once —, or
+    a gather and scatter by index when the pages are too scattered for that."""
+    runs = page_runs(dst_pages, src_pages)
+    if len(runs) <= _MAX_RUNS:
+        for d0, s0, n in runs:
+            dst[:, d0 : d0 + n].copy_(src[:, s0 : s0 + n])
+        return
+    d_idx = torch.from_numpy(np.ascontiguousarray(dst_pages, dtype=np.int64)).to(dst.device)
+    s_idx = torch.from_numpy(np.ascontiguousarray(src_pages, dtype=np.int64)).to(src.device)
+    dst.index_copy_(1, d_idx, src.index_select(1, s_idx).to(dst.device))
+
+
 @dataclass
 class TransferStats:
     """Bytes and seconds moved between tiers (counters only increase)."""
@@ -361,23 +397,17 @@ class TierTransfer:
     def has_disk(self) -> bool:
         return self.disk is not None
 
-    def _index(self, ids: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-
     def save(self, pool_pages: np.ndarray, slots: np.ndarray) -> None:
         t0 = time.perf_counter()
-        src, dst = self._index(pool_pages), self._index(slots)
-        self.host.k[:, dst] = self.kv.k[:, src].to(self.host.k.device)
-        self.host.v[:, dst] = self.kv.v[:, src].to(self.host.v.device)
+        copy_pages(self.host.k, slots, self.kv.k, pool_pages)
+        copy_pages(self.host.v, slots, self.kv.v, pool_pages)
         self.stats.host_bytes_in += slots.size * self.page_bytes
         self.stats.host_seconds += time.perf_counter() - t0
 
     def load(self, slots: np.ndarray, pool_pages: np.ndarray) -> None:
         t0 = time.perf_counter()
-        src, dst = self._index(slots), self._index(pool_pages)
-        device = self.kv.k.device
-        self.kv.k[:, dst.to(device)] = self.host.k[:, src].to(device)
-        self.kv.v[:, dst.to(device)] = self.host.v[:, src].to(device)
+        copy_pages(self.kv.k, pool_pages, self.host.k, slots)
+        copy_pages(self.kv.v, pool_pages, self.host.v, slots)
         self.stats.host_bytes_out += slots.size * self.page_bytes
         self.stats.host_seconds += time.perf_counter() - t0
 
@@ -423,9 +453,9 @@ class TierTransfer:
             dtype = self.kv.k.dtype
             data = torch.from_numpy(buf[:loaded]).view(dtype)
             data = data.reshape(loaded, 2, self._layers, *self._page_shape)
-            idx = self._index(pool_pages[:loaded]).to(self.kv.k.device)
-            self.kv.k[:, idx] = data[:, 0].transpose(0, 1).to(self.kv.k.device)
-            self.kv.v[:, idx] = data[:, 1].transpose(0, 1).to(self.kv.v.device)
+            rows = np.arange(loaded)
+            copy_pages(self.kv.k, pool_pages[:loaded], data[:, 0].transpose(0, 1), rows)
+            copy_pages(self.kv.v, pool_pages[:loaded], data[:, 1].transpose(0, 1), rows)
         self.stats.disk_bytes_out += loaded * self.page_bytes
         self.stats.disk_seconds += time.perf_counter() - t0
         return loaded

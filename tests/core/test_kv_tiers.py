@@ -117,7 +117,27 @@ def check_match(pool, cache, transfer, tokens, namespace=None):
         assert transfer.pool[result.page_ids[k]] == tag(tokens[: (k + 1) * ps]), k
     if result.partial_page >= 0:  # its first partial_tokens slots continue the match
         assert pool.refcount[result.partial_page] > 0
+        owner = page_prefix(cache, result.partial_page)
+        full, end = result.num_full_tokens, result.num_tokens
+        assert transfer.pool[result.partial_page] == tag(owner), "partial page's KV"
+        assert owner.size > full and owner[:end].tolist() == list(tokens[:end])
     return result
+
+
+def page_prefix(cache: RadixCache, page: int) -> np.ndarray:
+    """The tokens up to the end of pool page ``page`` of the tree (whose KV it holds)."""
+    ps = cache.page_size
+    for node in cache._nodes():
+        if node.parent is None or node.tier != TIER_POOL or page not in node.pages:
+            continue
+        k = int(np.flatnonzero(node.pages == page)[0])
+        chain, up = [], node
+        while up.parent is not None:
+            chain.append(up.key)
+            up = up.parent
+        prefix = np.concatenate(chain[::-1])
+        return prefix[: prefix.size - node.key.size + (k + 1) * ps]
+    raise AssertionError(f"page {page} is in no pool node of the tree")
 
 
 def check_accounting(pool, cache, locked_pages=()):
@@ -213,9 +233,10 @@ def test_demote_promote_cycles_keep_everything(page_size):
     assert cache.host.num_free == cache.host.num_slots and cache.num_nodes == 0
 
 
-def test_mid_page_prefix_promotes_whole_pages_only():
-    """A host-tier node matched to the middle of a page: its full pages come back, the
-    partial page is recomputed (never half a page of host KV in the pool)."""
+def test_mid_page_prefix_promotes_the_page_it_ends_in():
+    """A host-tier node matched to the middle of a page: its pages up to and including that
+    page come back (the match continues into it: copy-on-write, not recomputed), the rest
+    of the node stays in the host tier."""
     pool, cache, transfer = make_cache(8, 4, 16, disk=False)
     base = list(range(10, 22))  # 3 pages
     insert(pool, cache, transfer, base)
@@ -225,10 +246,33 @@ def test_mid_page_prefix_promotes_whole_pages_only():
     assert node.tier == TIER_HOST and pool.num_free == pool.num_pages
     query = [*base[:6], 99, 98]  # the 2nd page diverges mid-way
     result = check_match(pool, cache, transfer, query)
-    assert result.num_full_tokens == 4
+    assert result.num_full_tokens == 4 and result.partial_tokens == 2
+    assert transfer.pool[result.partial_page] == tag(base[:8])
+    assert cache.tiers.promoted_pages == 2 and cache.tiers.host_hit_tokens == 6
     upper = next(iter(cache._roots[None].children.values()))
-    assert upper.tier == TIER_POOL and upper.pages.size == 1
+    assert upper.tier == TIER_POOL and upper.pages.size == 2
     assert next(iter(upper.children.values())).tier == TIER_HOST  # the rest stays below
+    check_accounting(pool, cache)
+
+
+@pytest.mark.parametrize("own_node", [False, True])
+def test_a_partial_last_page_comes_back_with_its_prefix(own_node):
+    """A conversation's cached turn ends mid-page and the next turn continues it: the
+    partial last page comes back too, and the match covers every cached token. Either the
+    partial page ends the node, or (``own_node``: the full pages were cached during the
+    prefill, the rest when the request finished) it is a child of its own, keyed by fewer
+    than a page of tokens, which only a partial-page lookup finds."""
+    pool, cache, transfer = make_cache(8, 4, 16, disk=False)
+    turn = list(range(30, 40))  # 2 full pages and 2 tokens
+    if own_node:
+        insert(pool, cache, transfer, turn[:8])
+    insert(pool, cache, transfer, turn)
+    assert cache.num_nodes == 1 + own_node
+    cache.evict(8)
+    cache.flush()
+    result = check_match(pool, cache, transfer, [*turn, 7, 8, 9])
+    assert result.num_full_tokens == 8 and result.partial_tokens == 2
+    assert cache.tiers.promoted_pages == 3 and cache.tiers.host_hit_tokens == 10
     check_accounting(pool, cache)
 
 

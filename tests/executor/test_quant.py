@@ -74,6 +74,12 @@ def test_int4_matmul_matches_float64(rows, group, symmetric):
         assert out.shape == (rows, 100)
         _close(out, ref)
     _close(panels.fallback(x), ref)  # the plain-torch path from the panel layout
+    if panels.panels is not None:  # both native paths at every row count, whatever the cut
+        from radixserve.executor import quant
+
+        lib = quant._panel_lib()
+        _close(panels._panel_gemm(lib, x), ref)
+        _close(panels._panel_dequant_gemm(lib, x), ref)
     # group-wise error: half a step of the group's scale (plus the zero's bfloat16 rounding);
     # symmetric (Q4_0's rule): one step, where +8 steps clamps to the largest code, +7
     steps = scale.float().abs().repeat_interleave(group, dim=1)
