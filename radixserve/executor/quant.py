@@ -483,24 +483,16 @@ class Int4Linear:
         return F.linear(x, w.to(x.dtype), self.bias)
 
 
-def _has_amx() -> bool:
-    """Whether the CPU has AMX tiles for bfloat16 (Linux: /proc/cpuinfo's flags), which
-    oneDNN's bfloat16 GEMM then runs on."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return "amx_bf16" in flags.split()
-
-
 # Rows from which an Int4Linear with panels dequantizes to bfloat16 and runs oneDNN's GEMM
-# instead of the panel kernel (benchmarks/quant_matmul.py). Where oneDNN has AMX the GEMM
-# is so much faster that dequantizing pays from about 48 rows (SmolLM2's four layer shapes,
-# 2 threads, on the Xeon of docs/benchmarks, time of dequantize + GEMM over the panel
-# kernel's: 1.1-1.5x at 32 rows, 0.84-1.07x at 48, 0.65-0.83x at 68, 0.26-0.35x at 256); on
-# AVX-512 without AMX (the EPYC) the panel kernel won up to 256.
-PANEL_DEQUANT_ROWS = 48 if _has_amx() else 256
+# instead of the panel kernel (benchmarks/quant_matmul.py). Where oneDNN has AMX its GEMM is
+# so fast that dequantizing would pay from about 48 rows (SmolLM2's four layer shapes, 2
+# threads, the Xeon of docs/benchmarks: dequantize + GEMM over the panel kernel 1.1-1.5x at
+# 32 rows, 0.84-1.07x at 48, 0.65-0.83x at 68, 0.26-0.35x at 256), but the dequantized
+# weights are rounded to bfloat16 once more, and with the cut at 48 a tiny Q4_1 file's
+# teacher-forced top-1 left transformers' at a lead of 0.35
+# (tests/executor/test_gguf_codes.py): the panel kernel, which never rounds the weights,
+# keeps every prompt up to 256 rows on every CPU.
+PANEL_DEQUANT_ROWS = 256
 
 
 def _panel_lib() -> Any:
