@@ -49,6 +49,7 @@ def simulate(args: argparse.Namespace, policy: str, flood: bool) -> dict:
         max_num_seqs=args.max_seqs,
         long_prefill_threshold=args.chunk,
         policy=policy,
+        fair_prefill_yield_tokens=args.fair_yield,
     )
     sim = Simulator(config, num_pages=args.pages, page_size=16, cost=CostModel())
     outputs: dict[str, int] = {"heavy": 0, "light": 0}
@@ -91,6 +92,12 @@ def main() -> None:
     parser.add_argument("--max-seqs", type=int, default=32)
     parser.add_argument("--pages", type=int, default=2048, help="16-token KV pages")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fair-yield",
+        type=int,
+        default=0,
+        help="fair: prefill tokens a more-served tenant keeps in a step admitting another's",
+    )
     args = parser.parse_args()
 
     alone = simulate(args, "fcfs", flood=False)

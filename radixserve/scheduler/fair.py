@@ -159,6 +159,15 @@ class FairPolicy:
                 tried.add(req.request_id)
         # (unreachable: the loop returns)
 
+    def waiting_tenants(self) -> set[str]:
+        return set(self.queue.by_tenant)
+
+    def standing(self, names: set[str]) -> dict[str, tuple[float, int]]:
+        """(counter, running requests) of each tenant named: the order in which tenants
+        are served (least first), as ``_least_tenant`` ranks them."""
+        running = Counter(r.tenant.name for r in self._running())
+        return {name: (self.vtc.value(name), running[name]) for name in names}
+
     def split_held(self, held: list[Request]) -> tuple[list[Request], list[Request]]:
         """Held prefill chunks (all of a step's, in fair mode) in tenant-counter order,
         split into those to schedule before the admissions (tenants served less than the
@@ -175,6 +184,36 @@ class FairPolicy:
             return held, []
         ids = {id(r) for r in first}
         return first, [r for r in held if id(r) not in ids]
+
+    def victim_for(self, req: Request, pick: Callable[[list[Request]], Request]) -> Request | None:
+        """The running request to preempt so that ``req`` (offered for admission, so of
+        the least-served tenant that can take one) gets a batch row or KV pages: one of the
+        running tenant served most (counter at least ``req``'s tenant's; ties: most
+        running requests), chosen among that tenant's by ``pick``; None when no tenant
+        qualifies. A tenant qualifies only if, after giving up one row to ``req``, it
+        still runs at least as many requests per unit of weight as ``req``'s tenant then
+        would: rows move from the tenant with more to the one with fewer, never back and
+        forth between two tenants that are even."""
+        vtc = self.vtc
+        mine = req.tenant
+        running = Counter(r.tenant.name for r in self._running())
+        share = (running[mine.name] + 1) / mine.weight
+        floor = vtc.value(mine.name)
+        best: tuple[float, int] | None = None
+        best_name = None
+        for name, n in running.items():
+            if name == mine.name:
+                continue
+            tenant = vtc.tenants.get(name)
+            weight = tenant.weight if tenant is not None else 1.0
+            value = vtc.value(name)
+            if value < floor or (n - 1) / weight < share:
+                continue
+            if best is None or (value, n) > best:
+                best, best_name = (value, n), name
+        if best_name is None:
+            return None
+        return pick([r for r in self._running() if r.tenant.name == best_name])
 
     def _least_tenant(self, running: Counter, done: set[str]) -> str | None:
         """The backlogged tenant below its cap with the least counter; on a tie the one
