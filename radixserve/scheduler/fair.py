@@ -2,22 +2,29 @@
 Language Models" (Sheng et al., OSDI '24, VTC).
 
 Each tenant's counter grows by the weighted tokens it is served, divided by its weight:
-``prompt_weight`` per prompt token it makes the engine compute (charged when the request is
-first admitted; a prefix found in the radix cache is not computed, so not charged; a
-preempted request that is admitted again is not charged twice) and ``output_weight`` per
-output token (charged when the step that samples it is scheduled). Admission takes the
-backlogged tenant (one with waiting requests) with the least counter; inside a tenant the
-request with the longest cached prefix among its oldest ``window`` waiting ones (arrival
-order without the radix cache). Within a step, decodes come first, then prefill chunks
-of running requests in tenant-counter order, with the admissions placed after the chunks
-of tenants served less than the tenant to admit (and its own): a light tenant's new
-request, or its prompt half done, does not wait behind a heavy tenant's long prefills. A tenant that becomes backlogged again after idling has its
-counter lifted to the least counter among the backlogged tenants (to the last admitted
-one's if none), never left behind: idling earns no credit. A tenant at its ``max_running``
-cap is passed over until one of its requests ends.
+``prompt_weight`` per prompt token it makes the engine compute (charged chunk by chunk as
+the chunks are scheduled, so a long prompt half done counts half; a prefix found in the
+radix cache is not computed, so not charged; a preempted request recomputing its prompt
+is not charged twice) and ``output_weight`` per output token (charged when the step that
+samples it is scheduled). Admission takes the backlogged tenant (one with waiting
+requests) with the least counter; inside a tenant the request with the longest cached
+prefix among its oldest ``window`` waiting ones (arrival order without the radix cache).
+Within a step, decodes come first, then prefill chunks of running requests in
+tenant-counter order, with the admissions placed after the chunks of tenants served less
+than the tenant to admit (and its own): a light tenant's new request, or its prompt half
+done, does not wait behind a heavy tenant's long prefills. In a step that completes the
+prompt of a request of a tenant ranked first, the tenants ranked after it add at most
+``fair_prefill_yield_tokens`` of prefill (the scheduler applies it). When every batch row
+or the memory is taken, the request offered for admission may preempt a running request
+of the tenant served most (``victim_for``), as long as rows then still go to the tenant
+with fewer of them per unit of weight. A tenant that becomes backlogged again after idling
+has its counter lifted to the least counter among the backlogged tenants (to the last
+admitted one's if none), never left behind: idling earns no credit. A tenant at its
+``max_running`` cap is passed over until one of its requests ends.
 
-Cost per admission: O(backlogged tenants + window); per step O(running) to count each
-tenant's running requests, O(p log p) to order the p prefill chunks. Nothing of this runs under the other policies.
+Cost per admission: O(backlogged tenants + window), and O(running) when it looks for a
+request to preempt; per step O(running) to count each tenant's running requests,
+O(p log p) to order the p prefill chunks. Nothing of this runs under the other policies.
 """
 
 from __future__ import annotations
@@ -113,9 +120,12 @@ class FairQueue(WaitingQueue):
 
 class FairPolicy:
     """Admission order of policy ``fair`` (see the module docstring). ``order`` is lazy: it
-    picks the next tenant only when the scheduler asks for the next request, and charges a
-    request's prompt when it finds it admitted, so admissions within one step take turns
-    between tenants as the counters move."""
+    picks the next tenant only when the scheduler asks for the next request, after the
+    scheduler charged the previous admission's first chunk (``charge_prompt``), so
+    admissions within one step take turns between tenants as the counters move.
+
+    Invariant: a request's ``prompt_charged`` only grows, and its tenant has been charged
+    exactly for the prompt positions from its first chunk's start up to it."""
 
     name = "fair"
 
@@ -148,12 +158,8 @@ class FairPolicy:
                 done.add(name)
                 continue
             yield req
-            if req.state is RequestState.PREFILL:  # admitted
+            if req.state is RequestState.PREFILL:  # admitted (its first chunk charged)
                 running[name] += 1
-                if req.num_preemptions == 0:
-                    self.vtc.charge(
-                        req.tenant, prompt_tokens=req.num_tokens - req.num_cached_tokens
-                    )
                 self.vtc.floor = max(self.vtc.floor, self.vtc.value(name))
             elif not req.is_finished:
                 tried.add(req.request_id)
@@ -263,9 +269,22 @@ class FairPolicy:
             req.probe_len, req.probe_node = hit.num_tokens, hit.node
         req.probe_stamp = stamp
 
-    def charge_outputs(self, requests: list[Request], sample: list[bool]) -> None:
-        """A step was scheduled: each sampled row is one output token of its tenant."""
-        for req, do_sample in zip(requests, sample, strict=True):
+    def charge_prompt(self, req: Request, end: int) -> None:
+        """``req``'s prompt is scheduled up to position ``end``: charge the prompt tokens
+        from ``req.num_computed_tokens`` (past its cached prefix) up to ``end`` that were
+        never charged before (a preempted request recomputing them is not charged again)."""
+        start = max(req.num_computed_tokens, req.prompt_charged)
+        stop = min(end, req.num_prompt_tokens)
+        if stop > start:
+            self.vtc.charge(req.tenant, prompt_tokens=stop - start)
+            req.prompt_charged = stop
+
+    def charge_step(self, requests: list[Request], ends: list[int], sample: list[bool]) -> None:
+        """A step was scheduled: the prompt chunks not charged yet (``ends``: where each
+        row's chunk ends), and each sampled row is one output token of its tenant."""
+        for req, end, do_sample in zip(requests, ends, sample, strict=True):
+            if end > req.prompt_charged and req.prompt_charged < req.num_prompt_tokens:
+                self.charge_prompt(req, end)
             if do_sample:
                 self.vtc.charge(req.tenant, output_tokens=1)
         if len(self.vtc.counters) > 4 * len(self.queue.by_tenant) + 256:

@@ -106,7 +106,11 @@ class Scheduler:
       * a running request is scheduled every step while the budget lasts (decodes first),
         so no prefill, however long, delays a decode by more than one chunk (policy fair:
         after the decodes, prefill chunks go by tenant counter with the admissions among
-        them, and a chunk that cannot grow without preempting waits for the next step);
+        them, a chunk that cannot grow without preempting waits for the next step, and in a
+        step that completes the prompt of a less-served tenant's new request the chunks of
+        tenants served more get at most ``fair_prefill_yield_tokens``; a request admitted
+        for the least-served tenant may preempt one of the most-served tenant's, never
+        leaving that tenant fewer rows per unit of weight than it);
       * admission keeps free + evictable pages >= the uncached prompt pages of every running
         request + a decode reserve that adapts (``reserve_ratio``) to observed preemptions;
       * steps are launched (``begin_step``) and processed (``end_step``) in order, at most a
@@ -271,7 +275,7 @@ class Scheduler:
         if num_spec is not None:
             sample = starts + num_new - num_spec == totals
         if self._fair is not None:
-            self._fair.charge_outputs(scheduled, sample.tolist())
+            self._fair.charge_step(scheduled, (starts + num_new).tolist(), sample.tolist())
         return ScheduledBatch(
             requests=scheduled,
             num_new_tokens=num_new,
@@ -348,6 +352,7 @@ class Scheduler:
                 scheduled.append(req)
                 counts.append(n)
                 budget -= n
+                self._fair.charge_prompt(req, req.num_computed_tokens + n)
                 if limits is not None and name in limits:
                     limits[name] -= n
         return budget
@@ -459,6 +464,8 @@ class Scheduler:
             scheduled.append(req)
             counts.append(n)
             budget -= n
+            if self._fair is not None:  # charged now: the next admission sees it
+                self._fair.charge_prompt(req, req.num_computed_tokens + n)
             if limits is not None:
                 if req.tenant.name in limits:
                     limits[req.tenant.name] -= n
