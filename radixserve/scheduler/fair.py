@@ -159,7 +159,8 @@ class FairPolicy:
                 continue
             yield req
             if req.state is RequestState.PREFILL:  # admitted (its first chunk charged)
-                running[name] += 1
+                # (recounted: the admission may have preempted another tenant's request)
+                running = Counter(r.tenant.name for r in self._running())
                 self.vtc.floor = max(self.vtc.floor, self.vtc.value(name))
             elif not req.is_finished:
                 tried.add(req.request_id)
