@@ -15,9 +15,10 @@ than the tenant to admit (and its own): a light tenant's new request, or its pro
 done, does not wait behind a heavy tenant's long prefills. In a step that completes the
 prompt of a request of a tenant ranked first, the tenants ranked after it add at most
 ``fair_prefill_yield_tokens`` of prefill (the scheduler applies it). When every batch row
-or the memory is taken, the request offered for admission may preempt a running request
-of the tenant served most (``victim_for``), as long as rows then still go to the tenant
-with fewer of them per unit of weight. A tenant that becomes backlogged again after idling
+is taken, the request offered for admission may preempt a running request of the tenant
+served most (``victim_for``), as long as rows then still go to the tenant with fewer of
+them per unit of weight (memory is not taken this way: under memory pressure it made
+preemptions constant between many tenants, so a request waits for pages as before). A tenant that becomes backlogged again after idling
 has its counter lifted to the least counter among the backlogged tenants (to the last
 admitted one's if none), never left behind: idling earns no credit. A tenant at its
 ``max_running`` cap is passed over until one of its requests ends.
@@ -194,7 +195,7 @@ class FairPolicy:
 
     def victim_for(self, req: Request, pick: Callable[[list[Request]], Request]) -> Request | None:
         """The running request to preempt so that ``req`` (offered for admission, so of
-        the least-served tenant that can take one) gets a batch row or KV pages: one of the
+        the least-served tenant that can take one) gets a batch row: one of the
         running tenant served most (counter at least ``req``'s tenant's; ties: most
         running requests), chosen among that tenant's by ``pick``; None when no tenant
         qualifies. A tenant qualifies only if, after giving up one row to ``req``, it

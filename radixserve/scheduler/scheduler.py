@@ -108,9 +108,10 @@ class Scheduler:
         after the decodes, prefill chunks go by tenant counter with the admissions among
         them, a chunk that cannot grow without preempting waits for the next step, and in a
         step that completes the prompt of a less-served tenant's new request the chunks of
-        tenants served more get at most ``fair_prefill_yield_tokens``; a request admitted
-        for the least-served tenant may preempt one of the most-served tenant's, never
-        leaving that tenant fewer rows per unit of weight than it);
+        tenants served more get at most ``fair_prefill_yield_tokens``; when every row is
+        taken, a request admitted for the least-served tenant may preempt one of the
+        most-served tenant's, never leaving that tenant fewer rows per unit of weight
+        than it);
       * admission keeps free + evictable pages >= the uncached prompt pages of every running
         request + a decode reserve that adapts (``reserve_ratio``) to observed preemptions;
       * steps are launched (``begin_step``) and processed (``end_step``) in order, at most a
@@ -443,17 +444,12 @@ class Scheduler:
             if limit is not None and limit <= 0:
                 continue  # this tenant's share of the step is used up
             n, pages = self._admit(req, self._room(budget, limit), cap, committed)
-            while n == 0 and (self.config.policy == "priority" or self._fair is not None):
-                if self._fair is not None:  # the most-served tenant's request, if fair
-                    victim = self._fair.victim_for(req, self._victim)
-                else:
-                    victim = self._lower_priority_victim(req)
+            while n == 0 and self.config.policy == "priority":
+                victim = self._lower_priority_victim(req)
                 if victim is None:
                     break
                 budget += self._unschedule(victim, scheduled, counts, spec)
                 self._preempt(victim)
-                if self._fair is not None:
-                    self.stats.num_fair_preemptions += 1
                 preempted_for_it = True
                 committed = self._committed_pages()
                 n, pages = self._admit(req, self._room(budget, limit), cap, committed)
