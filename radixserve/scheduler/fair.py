@@ -18,10 +18,11 @@ prompt of a request of a tenant ranked first, the tenants ranked after it add at
 is taken, the request offered for admission may preempt a running request of the tenant
 served most (``victim_for``), as long as rows then still go to the tenant with fewer of
 them per unit of weight (memory is not taken this way: under memory pressure it made
-preemptions constant between many tenants, so a request waits for pages as before). A tenant that becomes backlogged again after idling
-has its counter lifted to the least counter among the backlogged tenants (to the last
-admitted one's if none), never left behind: idling earns no credit. A tenant at its
-``max_running`` cap is passed over until one of its requests ends.
+preemptions constant between many tenants, so a request waits for pages as before). A
+tenant that becomes backlogged again after idling has its counter lifted to the least
+counter among the backlogged tenants (to the last admitted one's if none), never left
+behind: idling earns no credit. A tenant at its ``max_running`` cap is passed over until
+one of its requests ends.
 
 Cost per admission: O(backlogged tenants + window), and O(running) when it looks for a
 request to preempt; per step O(running) to count each tenant's running requests,
@@ -143,13 +144,14 @@ class FairPolicy:
         self.cache = cache
         self.window = window
         self._stamp = itertools.count(1)
+        self._passed: set[str] = set()  # tenants passed over in the current ``order``
 
     def order(self, waiting: WaitingQueue) -> Iterator[Request]:
         assert waiting is self.queue
         running = Counter(r.tenant.name for r in self._running())
         stamp = next(self._stamp)
         tried: set[str] = set()  # offered this step and still waiting (deferred)
-        done: set[str] = set()  # tenants with nothing more to offer this step
+        done = self._passed = set()  # tenants with nothing more to offer this step
         while True:
             name = self._least_tenant(running, done)
             if name is None:
@@ -166,6 +168,11 @@ class FairPolicy:
             elif not req.is_finished:
                 tried.add(req.request_id)
         # (unreachable: the loop returns)
+
+    def pass_over(self, name: str) -> None:
+        """Offer no more of tenant ``name``'s requests in the current ``order`` (its share
+        of the step is used up), so a long backlog is not walked request by request."""
+        self._passed.add(name)
 
     def waiting_tenants(self) -> set[str]:
         return set(self.queue.by_tenant)

@@ -303,9 +303,10 @@ class Scheduler:
         than the next tenant to admit (and its own), then the admissions, then the other
         chunks. Once a request whose whole prompt fits in this step is admitted, every
         tenant ranked after its tenant at the step's start (a greater counter, or the same
-        with more running requests) adds at most ``fair_prefill_yield_tokens`` of prefill (admissions and chunks) to the step:
-        the step that gives a less-served tenant its first token is not lengthened by the
-        prompts of tenants served more. Returns the budget left."""
+        with more running requests) adds at most ``fair_prefill_yield_tokens`` of prefill
+        (admissions and chunks) to the step: the step that gives a less-served tenant its
+        first token is not lengthened by the prompts of tenants served more. Returns the
+        budget left."""
         fair = self._fair
         assert fair is not None
         limits: dict[str, int] = {}
@@ -416,20 +417,12 @@ class Scheduler:
             if budget <= 0:
                 break
             preempted_for_it = False
-            if (
+            rows_full = (
                 len(self.running) >= self.config.max_num_seqs
                 or self.kv.page_table.num_free_rows == 0
-            ):
-                victim = None
-                if self._fair is not None:
-                    victim = self._fair.victim_for(req, self._victim)
-                if victim is None:
-                    break
-                budget += self._unschedule(victim, scheduled, counts, spec)
-                self._preempt(victim)
-                self.stats.num_fair_preemptions += 1
-                preempted_for_it = True
-                committed = self._committed_pages()
+            )
+            if rows_full and self._fair is None:
+                break
             if not self.kv.can_fit(req.num_tokens + 1):
                 self.waiting.remove(req)
                 self._fail(req, "the prompt needs more KV pages than the whole cache holds", failed)
@@ -441,8 +434,18 @@ class Scheduler:
                     break  # bounded work per step; the rest would most likely wait too
                 continue
             limit = None if limits is None else limits.get(req.tenant.name)
-            if limit is not None and limit <= 0:
-                continue  # this tenant's share of the step is used up
+            if limit is not None and limit <= 0:  # (fair) its share of the step is used up
+                self._fair.pass_over(req.tenant.name)
+                continue
+            if rows_full:  # (fair) a row from the most-served tenant, or wait
+                victim = self._fair.victim_for(req, self._victim)
+                if victim is None:
+                    break
+                budget += self._unschedule(victim, scheduled, counts, spec)
+                self._preempt(victim)
+                self.stats.num_fair_preemptions += 1
+                preempted_for_it = True
+                committed = self._committed_pages()
             n, pages = self._admit(req, self._room(budget, limit), cap, committed)
             while n == 0 and self.config.policy == "priority":
                 victim = self._lower_priority_victim(req)
