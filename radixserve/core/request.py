@@ -137,6 +137,7 @@ class Request:
         "probe_len",
         "probe_node",
         "probe_stamp",
+        "prompt_charged",
         "queue_key",
         "request_id",
         "sampling_params",
@@ -187,6 +188,7 @@ class Request:
         self.priority = priority  # lower runs first (policy "priority")
         self.deadline = deadline  # monotonic time after which it fails, in any state
         self.tenant = DEFAULT_TENANT if tenant is None else tenant  # policy "fair"
+        self.prompt_charged = 0  # (fair) prompt positions below it are charged to the tenant
         self.queue_key: tuple[int, int] = (0, 0)  # position in the waiting queue
         # cached-prefix estimate kept by prefix-aware policies while waiting
         self.probe_len = 0

@@ -2,22 +2,31 @@
 Language Models" (Sheng et al., OSDI '24, VTC).
 
 Each tenant's counter grows by the weighted tokens it is served, divided by its weight:
-``prompt_weight`` per prompt token it makes the engine compute (charged when the request is
-first admitted; a prefix found in the radix cache is not computed, so not charged; a
-preempted request that is admitted again is not charged twice) and ``output_weight`` per
-output token (charged when the step that samples it is scheduled). Admission takes the
-backlogged tenant (one with waiting requests) with the least counter; inside a tenant the
-request with the longest cached prefix among its oldest ``window`` waiting ones (arrival
-order without the radix cache). Within a step, decodes come first, then prefill chunks
-of running requests in tenant-counter order, with the admissions placed after the chunks
-of tenants served less than the tenant to admit (and its own): a light tenant's new
-request, or its prompt half done, does not wait behind a heavy tenant's long prefills. A tenant that becomes backlogged again after idling has its
-counter lifted to the least counter among the backlogged tenants (to the last admitted
-one's if none), never left behind: idling earns no credit. A tenant at its ``max_running``
-cap is passed over until one of its requests ends.
+``prompt_weight`` per prompt token it makes the engine compute (charged chunk by chunk as
+the chunks are scheduled, so a long prompt half done counts half; a prefix found in the
+radix cache is not computed, so not charged; a preempted request recomputing its prompt
+is not charged twice) and ``output_weight`` per output token (charged when the step that
+samples it is scheduled). Admission takes the backlogged tenant (one with waiting
+requests) with the least counter; inside a tenant the request with the longest cached
+prefix among its oldest ``window`` waiting ones (arrival order without the radix cache).
+Within a step, decodes come first, then prefill chunks of running requests in
+tenant-counter order, with the admissions placed after the chunks of tenants served less
+than the tenant to admit (and its own): a light tenant's new request, or its prompt half
+done, does not wait behind a heavy tenant's long prefills. In a step that completes the
+prompt of a request of a tenant ranked first, the tenants ranked after it add at most
+``fair_prefill_yield_tokens`` of prefill (the scheduler applies it). When every batch row
+is taken, the request offered for admission may preempt a running request of the tenant
+served most (``victim_for``), as long as rows then still go to the tenant with fewer of
+them per unit of weight (memory is not taken this way: under memory pressure it made
+preemptions constant between many tenants, so a request waits for pages as before). A
+tenant that becomes backlogged again after idling has its counter lifted to the least
+counter among the backlogged tenants (to the last admitted one's if none), never left
+behind: idling earns no credit. A tenant at its ``max_running`` cap is passed over until
+one of its requests ends.
 
-Cost per admission: O(backlogged tenants + window); per step O(running) to count each
-tenant's running requests, O(p log p) to order the p prefill chunks. Nothing of this runs under the other policies.
+Cost per admission: O(backlogged tenants + window), and O(running) when it looks for a
+request to preempt; per step O(running) to count each tenant's running requests,
+O(p log p) to order the p prefill chunks. Nothing of this runs under the other policies.
 """
 
 from __future__ import annotations
@@ -113,9 +122,12 @@ class FairQueue(WaitingQueue):
 
 class FairPolicy:
     """Admission order of policy ``fair`` (see the module docstring). ``order`` is lazy: it
-    picks the next tenant only when the scheduler asks for the next request, and charges a
-    request's prompt when it finds it admitted, so admissions within one step take turns
-    between tenants as the counters move."""
+    picks the next tenant only when the scheduler asks for the next request, after the
+    scheduler charged the previous admission's first chunk (``charge_prompt``), so
+    admissions within one step take turns between tenants as the counters move.
+
+    Invariant: a request's ``prompt_charged`` only grows, and its tenant has been charged
+    exactly for the prompt positions from its first chunk's start up to it."""
 
     name = "fair"
 
@@ -132,13 +144,14 @@ class FairPolicy:
         self.cache = cache
         self.window = window
         self._stamp = itertools.count(1)
+        self._passed: set[str] = set()  # tenants passed over in the current ``order``
 
     def order(self, waiting: WaitingQueue) -> Iterator[Request]:
         assert waiting is self.queue
         running = Counter(r.tenant.name for r in self._running())
         stamp = next(self._stamp)
         tried: set[str] = set()  # offered this step and still waiting (deferred)
-        done: set[str] = set()  # tenants with nothing more to offer this step
+        done = self._passed = set()  # tenants with nothing more to offer this step
         while True:
             name = self._least_tenant(running, done)
             if name is None:
@@ -148,16 +161,27 @@ class FairPolicy:
                 done.add(name)
                 continue
             yield req
-            if req.state is RequestState.PREFILL:  # admitted
-                running[name] += 1
-                if req.num_preemptions == 0:
-                    self.vtc.charge(
-                        req.tenant, prompt_tokens=req.num_tokens - req.num_cached_tokens
-                    )
+            if req.state is RequestState.PREFILL:  # admitted (its first chunk charged)
+                # (recounted: the admission may have preempted another tenant's request)
+                running = Counter(r.tenant.name for r in self._running())
                 self.vtc.floor = max(self.vtc.floor, self.vtc.value(name))
             elif not req.is_finished:
                 tried.add(req.request_id)
         # (unreachable: the loop returns)
+
+    def pass_over(self, name: str) -> None:
+        """Offer no more of tenant ``name``'s requests in the current ``order`` (its share
+        of the step is used up), so a long backlog is not walked request by request."""
+        self._passed.add(name)
+
+    def waiting_tenants(self) -> set[str]:
+        return set(self.queue.by_tenant)
+
+    def standing(self, names: set[str]) -> dict[str, tuple[float, int]]:
+        """(counter, running requests) of each tenant named: the order in which tenants
+        are served (least first), as ``_least_tenant`` ranks them."""
+        running = Counter(r.tenant.name for r in self._running())
+        return {name: (self.vtc.value(name), running[name]) for name in names}
 
     def split_held(self, held: list[Request]) -> tuple[list[Request], list[Request]]:
         """Held prefill chunks (all of a step's, in fair mode) in tenant-counter order,
@@ -175,6 +199,36 @@ class FairPolicy:
             return held, []
         ids = {id(r) for r in first}
         return first, [r for r in held if id(r) not in ids]
+
+    def victim_for(self, req: Request, pick: Callable[[list[Request]], Request]) -> Request | None:
+        """The running request to preempt so that ``req`` (offered for admission, so of
+        the least-served tenant that can take one) gets a batch row: one of the
+        running tenant served most (counter at least ``req``'s tenant's; ties: most
+        running requests), chosen among that tenant's by ``pick``; None when no tenant
+        qualifies. A tenant qualifies only if, after giving up one row to ``req``, it
+        still runs at least as many requests per unit of weight as ``req``'s tenant then
+        would: rows move from the tenant with more to the one with fewer, never back and
+        forth between two tenants that are even."""
+        vtc = self.vtc
+        mine = req.tenant
+        running = Counter(r.tenant.name for r in self._running())
+        share = (running[mine.name] + 1) / mine.weight
+        floor = vtc.value(mine.name)
+        best: tuple[float, int] | None = None
+        best_name = None
+        for name, n in running.items():
+            if name == mine.name:
+                continue
+            tenant = vtc.tenants.get(name)
+            weight = tenant.weight if tenant is not None else 1.0
+            value = vtc.value(name)
+            if value < floor or (n - 1) / weight < share:
+                continue
+            if best is None or (value, n) > best:
+                best, best_name = (value, n), name
+        if best_name is None:
+            return None
+        return pick([r for r in self._running() if r.tenant.name == best_name])
 
     def _least_tenant(self, running: Counter, done: set[str]) -> str | None:
         """The backlogged tenant below its cap with the least counter; on a tie the one
@@ -224,9 +278,22 @@ class FairPolicy:
             req.probe_len, req.probe_node = hit.num_tokens, hit.node
         req.probe_stamp = stamp
 
-    def charge_outputs(self, requests: list[Request], sample: list[bool]) -> None:
-        """A step was scheduled: each sampled row is one output token of its tenant."""
-        for req, do_sample in zip(requests, sample, strict=True):
+    def charge_prompt(self, req: Request, end: int) -> None:
+        """``req``'s prompt is scheduled up to position ``end``: charge the prompt tokens
+        from ``req.num_computed_tokens`` (past its cached prefix) up to ``end`` that were
+        never charged before (a preempted request recomputing them is not charged again)."""
+        start = max(req.num_computed_tokens, req.prompt_charged)
+        stop = min(end, req.num_prompt_tokens)
+        if stop > start:
+            self.vtc.charge(req.tenant, prompt_tokens=stop - start)
+            req.prompt_charged = stop
+
+    def charge_step(self, requests: list[Request], ends: list[int], sample: list[bool]) -> None:
+        """A step was scheduled: the prompt chunks not charged yet (``ends``: where each
+        row's chunk ends), and each sampled row is one output token of its tenant."""
+        for req, end, do_sample in zip(requests, ends, sample, strict=True):
+            if end > req.prompt_charged and req.prompt_charged < req.num_prompt_tokens:
+                self.charge_prompt(req, end)
             if do_sample:
                 self.vtc.charge(req.tenant, output_tokens=1)
         if len(self.vtc.counters) > 4 * len(self.queue.by_tenant) + 256:

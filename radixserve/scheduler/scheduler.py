@@ -55,6 +55,9 @@ class SchedulerConfig:
     # policy "fair": service charged per prompt token computed and per output token
     fair_prompt_weight: float = DEFAULT_PROMPT_WEIGHT
     fair_output_weight: float = DEFAULT_OUTPUT_WEIGHT
+    # policy "fair": in a step that admits a request of a tenant served less, the prefill
+    # chunks of tenants served more take at most this many tokens
+    fair_prefill_yield_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -81,6 +84,7 @@ class SchedulerStats:
 
     num_admitted: int = 0
     num_preemptions: int = 0
+    num_fair_preemptions: int = 0  # (fair) preempted to make room for a less-served tenant
     num_aborted: int = 0
     num_failed: int = 0
     num_timed_out: int = 0
@@ -102,7 +106,12 @@ class Scheduler:
       * a running request is scheduled every step while the budget lasts (decodes first),
         so no prefill, however long, delays a decode by more than one chunk (policy fair:
         after the decodes, prefill chunks go by tenant counter with the admissions among
-        them, and a chunk that cannot grow without preempting waits for the next step);
+        them, a chunk that cannot grow without preempting waits for the next step, and in a
+        step that completes the prompt of a less-served tenant's new request the chunks of
+        tenants served more get at most ``fair_prefill_yield_tokens``; when every row is
+        taken, a request admitted for the least-served tenant may preempt one of the
+        most-served tenant's, never leaving that tenant fewer rows per unit of weight
+        than it);
       * admission keeps free + evictable pages >= the uncached prompt pages of every running
         request + a decode reserve that adapts (``reserve_ratio``) to observed preemptions;
       * steps are launched (``begin_step``) and processed (``end_step``) in order, at most a
@@ -242,11 +251,12 @@ class Scheduler:
                 self.reserve_ratio - span / self.config.reserve_ratio_decay_steps,
             )
             admit = budget > 0 and self.waiting and not self._batch_wait_pending()
-            if held:  # (fair) prefills of tenants served less than the next admission's
-                held, later = self._fair.split_held(held)
-                budget = self._schedule_held(held, budget, cap, scheduled, counts, failed)
-                held = later
-            if admit:
+            if self._fair is not None:
+                budget = self._fair_prefills(
+                    held, admit, budget, cap, scheduled, counts, failed, spec
+                )
+                held = []
+            elif admit:
                 budget = self._admit_waiting(budget, cap, scheduled, counts, failed, spec)
         if held:
             budget = self._schedule_held(held, budget, cap, scheduled, counts, failed)
@@ -266,7 +276,7 @@ class Scheduler:
         if num_spec is not None:
             sample = starts + num_new - num_spec == totals
         if self._fair is not None:
-            self._fair.charge_outputs(scheduled, sample.tolist())
+            self._fair.charge_step(scheduled, (starts + num_new).tolist(), sample.tolist())
         return ScheduledBatch(
             requests=scheduled,
             num_new_tokens=num_new,
@@ -278,6 +288,37 @@ class Scheduler:
             num_spec=num_spec,
         )
 
+    def _fair_prefills(
+        self,
+        held: list[Request],
+        admit: bool,
+        budget: int,
+        cap: int,
+        scheduled: list[Request],
+        counts: list[int],
+        failed: list[Request],
+        spec: list[int],
+    ) -> int:
+        """Policy fair, after the decodes: the held prefill chunks of tenants served less
+        than the next tenant to admit (and its own), then the admissions, then the other
+        chunks. Once a request whose whole prompt fits in this step is admitted, every
+        tenant ranked after its tenant at the step's start (a greater counter, or the same
+        with more running requests) adds at most ``fair_prefill_yield_tokens`` of prefill
+        (admissions and chunks) to the step: the step that gives a less-served tenant its
+        first token is not lengthened by the prompts of tenants served more. Returns the
+        budget left."""
+        fair = self._fair
+        assert fair is not None
+        limits: dict[str, int] = {}
+        at_start = fair.standing({r.tenant.name for r in held} | fair.waiting_tenants())
+        first, later = fair.split_held(held) if held else ([], [])
+        budget = self._schedule_held(first, budget, cap, scheduled, counts, failed, limits)
+        if admit:
+            budget = self._admit_waiting(
+                budget, cap, scheduled, counts, failed, spec, limits, at_start
+            )
+        return self._schedule_held(later, budget, cap, scheduled, counts, failed, limits)
+
     def _schedule_held(
         self,
         held: list[Request],
@@ -286,15 +327,22 @@ class Scheduler:
         scheduled: list[Request],
         counts: list[int],
         failed: list[Request],
+        limits: dict[str, int] | None = None,
     ) -> int:
         """Prefill chunks held back by policy fair, in order, with the budget left (never
-        preempting: the growing is done). Returns the budget left."""
+        preempting: the growing is done) and ``limits`` (tokens left to each tenant named
+        in it this step; used up here). Returns the budget left."""
         for req in held:
             if budget <= 0:
                 break
             if req.state is not RequestState.PREFILL:
                 continue  # preempted meanwhile (to make room for an earlier one here)
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            name = req.tenant.name
+            if limits is not None and name in limits:
+                n = min(n, limits[name])
+                if n <= 0:
+                    continue
             grown = self.kv.grow(req, req.num_computed_tokens + n)
             if not grown and not scheduled:
                 # nothing else runs this step: make room as the running loop would (the
@@ -306,6 +354,9 @@ class Scheduler:
                 scheduled.append(req)
                 counts.append(n)
                 budget -= n
+                self._fair.charge_prompt(req, req.num_computed_tokens + n)
+                if limits is not None and name in limits:
+                    limits[name] -= n
         return budget
 
     def _take_proposals(self, req: Request, draft: np.ndarray, room: int, others: int) -> int:
@@ -349,19 +400,28 @@ class Scheduler:
         counts: list[int],
         failed: list[Request],
         spec: list[int] | None = None,
+        limits: dict[str, int] | None = None,
+        standing: dict[str, tuple[float, int]] | None = None,
     ) -> int:
         """Admit waiting requests in policy order; ``spec`` (proposals per scheduled decode,
         aligned with the first ``len(spec)`` of ``scheduled``) loses the entry of a victim
-        taken out of the batch. Returns the budget left."""
+        taken out of the batch. Policy fair: ``limits`` holds the prefill tokens left to a
+        tenant this step (used up here); once a request whose whole prompt fits in this
+        step is admitted, every tenant ranked after its tenant at the step's start
+        (``standing``: counter, then running requests) is limited to
+        ``fair_prefill_yield_tokens`` more. Returns the budget left."""
         committed = self._committed_pages()
         prefilling = self._prefilling_keys()
         deferrals_left = _MAX_DEFERRALS_PER_STEP
         for req in self.policy.order(self.waiting):
-            if (
-                budget <= 0
-                or len(self.running) >= self.config.max_num_seqs
+            if budget <= 0:
+                break
+            preempted_for_it = False
+            rows_full = (
+                len(self.running) >= self.config.max_num_seqs
                 or self.kv.page_table.num_free_rows == 0
-            ):
+            )
+            if rows_full and self._fair is None:
                 break
             if not self.kv.can_fit(req.num_tokens + 1):
                 self.waiting.remove(req)
@@ -373,22 +433,29 @@ class Scheduler:
                 if deferrals_left == 0:
                     break  # bounded work per step; the rest would most likely wait too
                 continue
-            n, pages = self._admit(req, budget, cap, committed)
-            preempted_for_it = False
+            limit = None if limits is None else limits.get(req.tenant.name)
+            if limit is not None and limit <= 0:  # (fair) its share of the step is used up
+                self._fair.pass_over(req.tenant.name)
+                continue
+            if rows_full:  # (fair) a row from the most-served tenant, or wait
+                victim = self._fair.victim_for(req, self._victim)
+                if victim is None:
+                    break
+                budget += self._unschedule(victim, scheduled, counts, spec)
+                self._preempt(victim)
+                self.stats.num_fair_preemptions += 1
+                preempted_for_it = True
+                committed = self._committed_pages()
+            n, pages = self._admit(req, self._room(budget, limit), cap, committed)
             while n == 0 and self.config.policy == "priority":
                 victim = self._lower_priority_victim(req)
                 if victim is None:
                     break
-                if victim in scheduled:  # already in this step's batch: take it out again
-                    j = scheduled.index(victim)
-                    budget += counts.pop(j)
-                    if spec is not None and j < len(spec):
-                        spec.pop(j)  # (its grown pages go with it: _preempt releases them)
-                    del scheduled[j]
+                budget += self._unschedule(victim, scheduled, counts, spec)
                 self._preempt(victim)
                 preempted_for_it = True
                 committed = self._committed_pages()
-                n, pages = self._admit(req, budget, cap, committed)
+                n, pages = self._admit(req, self._room(budget, limit), cap, committed)
             if n == 0:
                 break  # head-of-line: later requests wait too (no starvation of this one)
             self.waiting.remove(req)
@@ -396,12 +463,51 @@ class Scheduler:
             scheduled.append(req)
             counts.append(n)
             budget -= n
+            if self._fair is not None:  # charged now: the next admission sees it
+                self._fair.charge_prompt(req, req.num_computed_tokens + n)
+            if limits is not None:
+                if req.tenant.name in limits:
+                    limits[req.tenant.name] -= n
+                if standing is not None and req.num_computed_tokens + n == req.num_tokens:
+                    self._yield_to(req.tenant.name, limits, standing)
             key = self._prefix_key(req, req.num_computed_tokens) if self.kv.cache else None
             if key is not None:  # its KV reaches the tree only after this step
                 prefilling.add(key)
-            if preempted_for_it:
+            if preempted_for_it and self._fair is None:
                 break  # the room was made for this request, not for those behind it
         return budget
+
+    def _yield_to(
+        self, name: str, limits: dict[str, int], standing: dict[str, tuple[float, int]]
+    ) -> None:
+        """(fair) Tenant ``name`` has a prompt finishing its prefill in this step: every
+        tenant ranked after it at the step's start (a greater counter, or the same with more
+        running requests) gets at most ``fair_prefill_yield_tokens`` more."""
+        mine = standing.get(name)
+        if mine is None:
+            return
+        cut = self.config.fair_prefill_yield_tokens
+        for other, rank in standing.items():
+            if rank > mine:
+                limits[other] = min(limits.get(other, cut), cut)
+
+    @staticmethod
+    def _room(budget: int, limit: int | None) -> int:
+        return budget if limit is None else min(budget, limit)
+
+    @staticmethod
+    def _unschedule(
+        victim: Request, scheduled: list[Request], counts: list[int], spec: list[int] | None
+    ) -> int:
+        """Take ``victim`` out of this step's batch if it is in it (before preempting it);
+        returns the tokens given back to the budget. ``spec`` loses its entry too."""
+        if victim not in scheduled:
+            return 0
+        j = scheduled.index(victim)
+        if spec is not None and j < len(spec):
+            spec.pop(j)  # (its grown pages go with it: _preempt releases them)
+        del scheduled[j]
+        return counts.pop(j)
 
     def _reserve_tokens(self, req: Request) -> float:
         remaining = req.sampling_params.max_tokens - req.num_output_tokens

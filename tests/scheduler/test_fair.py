@@ -37,21 +37,25 @@ def _sim(policy: str, max_seqs: int, budget: int, chunk: int, pages: int, cache=
 
 
 class ServiceMeter:
-    """Service per tenant measured from outside the policy: uncached prompt tokens when a
-    request is first seen in a batch (its admission), output tokens as they arrive; each
-    weighted (``W_P``, ``W_O``) and divided by the tenant's weight."""
+    """Service per tenant measured from outside the policy, from the batches: the prompt
+    tokens each step computes (past a request's cached prefix, and never twice for the same
+    position of a request: recomputing after a preemption is the server's choice) and the
+    output tokens as they arrive; each weighted (``W_P``, ``W_O``) and divided by the
+    tenant's weight."""
 
     def __init__(self) -> None:
         self.service: dict[str, float] = defaultdict(float)
-        self.seen: set[str] = set()
+        self.computed: dict[str, int] = {}  # request id -> prompt positions counted
         self.max_running: Counter[str] = Counter()
 
     def step(self, batch, received, scheduler) -> None:
-        for req in batch.requests:
-            if req.request_id not in self.seen:
-                self.seen.add(req.request_id)
-                prompt = req.num_prompt_tokens - req.num_cached_tokens
-                self.service[req.tenant.name] += W_P * prompt / req.tenant.weight
+        starts, counts = batch.starts.tolist(), batch.num_new_tokens.tolist()
+        for req, start, n in zip(batch.requests, starts, counts, strict=True):
+            done = self.computed.get(req.request_id, 0)
+            stop = min(start + n, req.num_prompt_tokens)
+            if stop > max(start, done):
+                self.service[req.tenant.name] += W_P * (stop - max(start, done)) / req.tenant.weight
+                self.computed[req.request_id] = stop
         for req in received:
             self.service[req.tenant.name] += W_O / req.tenant.weight
         running = Counter(r.tenant.name for r in scheduler.running)
@@ -93,23 +97,27 @@ def _run_gap(policy: str, weights: tuple[float, float]):
     assert result.num_finished == len(trace) and result.num_failed == 0
     sim.check_pages()
     # Bound (see docs/many-users.md): while both are backlogged, a tenant admitted at time s
-    # had the least counter then; after s its counter grows by at most that request's
-    # prompt (W_P * L_in) plus the outputs of its running requests (W_O * L_out each, at
-    # most max_seqs of them); the other's counter never decreases. Divided by the weight.
+    # had the least counter then; after s its counter grows by at most what its running
+    # requests still had to compute (prompt chunks are charged as they are scheduled):
+    # W_P * L_in + W_O * L_out each, at most max_seqs of them; the other's counter never
+    # decreases. Divided by the weight.
     bound = max(
-        (W_P * shapes[t.name][0] + W_O * shapes[t.name][1] * max_seqs) / t.weight for t in (a, b)
+        max_seqs * (W_P * shapes[t.name][0] + W_O * shapes[t.name][1]) / t.weight for t in (a, b)
     )
     return max(gaps), bound, at_end, sim
 
 
 def test_service_gap_between_backlogged_tenants_stays_bounded():
     gap, bound, at_end, sim = _run_gap("fair", (1.0, 1.0))
-    assert sim.scheduler.stats.num_preemptions == 0
+    stats = sim.scheduler.stats
+    # memory never binds: the only preemptions move rows to the tenant served less, and a
+    # preempted prompt is not charged again, so the bound's argument holds with them
+    assert stats.num_preemptions == stats.num_fair_preemptions
     assert gap <= bound, (gap, bound)
     # the same trace first come first served: service follows request size, unbounded
     fcfs_gap, _, _, _ = _run_gap("fcfs", (1.0, 1.0))
     assert fcfs_gap > 3 * bound, (fcfs_gap, bound)
-    assert at_end["a"] > 5 * bound and at_end["b"] > 5 * bound  # (a long test window)
+    assert at_end["a"] > 2 * bound and at_end["b"] > 2 * bound  # (a long test window)
 
 
 def test_weight_two_tenant_gets_twice_the_service():
@@ -139,9 +147,25 @@ def _flood(policy: str, cap: int | None = None, duration_s: float = 20.0):
     pages = max_seqs * math.ceil((h_in + h_out) / 16) + 64  # memory never binds: no preemption
     sim = _sim(policy, max_seqs, budget, chunk, pages)
     meter = ServiceMeter()
-    result = sim.run(trace, on_step=lambda batch, got: meter.step(batch, got, sim.scheduler))
+    ends: list[float] = []  # when each step ended
+
+    light_first: dict[str, tuple[float, float]] = {}  # (arrival, first token) per request
+
+    def on_step(batch, got):
+        meter.step(batch, got, sim.scheduler)
+        ends.append(sim.clock.now)
+        for req in got:
+            if req.tenant.name == "light" and req.request_id not in light_first:
+                light_first[req.request_id] = (req.arrival_time, sim.clock.now)
+
+    result = sim.run(trace, on_step=on_step)
+    meter.step_ends = ends
+    meter.light_first = list(light_first.values())
+    meter.fair_preemptions = sim.scheduler.stats.num_fair_preemptions
     assert result.num_finished == len(trace) and result.num_failed == 0  # nothing starves
-    assert sim.scheduler.stats.num_preemptions == 0  # (the bound's premise)
+    stats = sim.scheduler.stats
+    # memory never binds: the only preemptions (fair) give a row to the tenant served less
+    assert stats.num_preemptions == stats.num_fair_preemptions
     sim.check_pages()
     # Bound: every running request is served a full chunk (or its decode token) each step,
     # so a heavy request ends P = ceil(h_in / chunk) + h_out steps after its admission, and
@@ -165,6 +189,27 @@ def test_light_tenant_ttft_stays_bounded_under_a_flood():
     # first come first served: the light tenant queues behind the whole backlog
     fcfs, _, _ = _flood("fcfs")
     assert max(fcfs.ttft_by_tenant["light"]) > 5 * bound
+
+
+def test_light_tenant_first_token_within_a_few_steps_of_arrival():
+    """Counted in steps, not seconds: a light request arriving during a step is admitted in
+    the next one (a heavy request is preempted if every row is taken) and, its 64-token
+    prompt fitting in one chunk, has its first token at that step's end."""
+    _, meter, _ = _flood("fair")
+    assert meter.fair_preemptions > 0  # rows were full: the light tenant took them back
+    waits = _steps_to_first_token(meter)
+    # the step running when it arrives + its own; one more when it arrives while another
+    # light request is being admitted and the heavy tenant is served less at that moment
+    assert max(waits) <= 3, sorted(waits)[-5:]
+    _, fcfs_meter, _ = _flood("fcfs")
+    assert max(_steps_to_first_token(fcfs_meter)) > 30
+
+
+def _steps_to_first_token(meter: ServiceMeter) -> list[int]:
+    """For each light request, the steps that ended after its arrival, up to the one that
+    gave it its first token."""
+    ends = np.asarray(meter.step_ends)
+    return [int(np.count_nonzero((ends > a) & (ends <= f))) for a, f in meter.light_first]
 
 
 def test_concurrency_cap_is_honoured_and_leaves_rows_to_others():
@@ -286,3 +331,85 @@ def test_a_trace_file_names_tenants_and_the_summary_reports_each(tmp_path):
     sim.check_pages()
     assert summary["finished"] == 21
     assert summary["ttft_p99_s[light]"] < summary["ttft_p99_s[heavy]"]
+
+
+def test_a_least_served_tenant_takes_a_row_from_the_most_served_one():
+    """Every row is the heavy tenant's: a light request preempts one of them (the most
+    recently admitted, least progress) instead of waiting for a heavy request to end;
+    rows only move from the tenant with more to the one with fewer."""
+    s = make(num_pages=1024, page_size=4, budget=400, max_seqs=4, policy="fair")
+    heavy, light = Tenant("heavy"), Tenant("light")
+    for i in range(6):
+        s.add_request(Request(f"h{i}", [3] * 100, SamplingParams(max_tokens=20), tenant=heavy))
+    apply(s, s.schedule(), [])
+    assert [r.request_id for r in s.running] == ["h0", "h1", "h2", "h3"]
+    s.add_request(Request("l0", [5] * 16, SamplingParams(max_tokens=4), tenant=light))
+    batch = s.schedule()
+    assert "l0" in [r.request_id for r in batch.requests]
+    assert s.stats.num_fair_preemptions == 1
+    assert s.get("h3").state is RequestState.PREEMPTED  # latest admitted, no output yet
+    apply(s, batch, [])
+    lights = [s.get("l0")]
+    for i in (1, 2):  # served more than heavy now, or even with it in rows: they wait
+        lights.append(Request(f"l{i}", [5 + i] * 16, SamplingParams(max_tokens=4), tenant=light))
+        s.add_request(lights[-1])
+        apply(s, s.schedule(), [])
+        running = Counter(r.tenant.name for r in s.running)
+        assert running["light"] <= running["heavy"]
+    ended = run(s)
+    assert len(ended) == 9
+    assert s.stats.num_preemptions == s.stats.num_fair_preemptions
+    assert all(r.num_preemptions == 0 for r in lights)  # rows never moved back
+    check_accounting(s)
+
+
+@pytest.mark.parametrize("yield_tokens", [0, 24])
+def test_heavy_prefill_yields_the_step_that_gives_a_light_tenant_its_first_token(yield_tokens):
+    s = make(
+        num_pages=1024,
+        page_size=4,
+        budget=256,
+        max_seqs=8,
+        threshold=128,
+        policy="fair",
+        fair_prefill_yield_tokens=yield_tokens,
+    )
+    heavy, light = Tenant("heavy"), Tenant("light")
+    s.add_request(Request("h0", [3] * 600, SamplingParams(max_tokens=2), tenant=heavy))
+    s.add_request(Request("h1", [4] * 600, SamplingParams(max_tokens=2), tenant=heavy))
+    apply(s, s.schedule(), [])
+    s.add_request(Request("l0", [5] * 40, SamplingParams(max_tokens=2), tenant=light))
+    batch = s.schedule()
+    ids = [r.request_id for r in batch.requests]
+    tokens = dict(zip(ids, batch.num_new_tokens.tolist(), strict=True))
+    # l0's whole prompt is in this step: the heavy chunks (128 each otherwise) yield
+    assert tokens["l0"] == 40
+    assert sum(n for rid, n in tokens.items() if rid != "l0") == yield_tokens
+    apply(s, batch, [])
+    batch = s.schedule()  # the next step: the heavy prefill takes the budget again
+    rows = zip(batch.requests, batch.num_new_tokens.tolist(), strict=True)
+    assert sum(n for r, n in rows if r.tenant is heavy) == 256 - 1  # l0 decodes
+    apply(s, batch, [])
+    run(s)
+    check_accounting(s)
+
+
+def test_a_prompt_is_charged_chunk_by_chunk_and_once():
+    """Prompt tokens are charged as their chunks are scheduled (so a long prompt half done
+    does not count as served), and a preempted request recomputing them is not charged
+    again."""
+    s = make(num_pages=256, page_size=4, budget=32, max_seqs=4, threshold=32, policy="fair")
+    t = Tenant("t")
+    r = Request("r", list(range(1, 101)), SamplingParams(max_tokens=3), tenant=t)
+    s.add_request(r)
+    vtc = s.waiting.vtc
+    apply(s, s.schedule(), [])
+    assert vtc.value("t") == 32 * W_P
+    apply(s, s.schedule(), [])
+    assert vtc.value("t") == 64 * W_P
+    s._preempt(r)  # (what memory pressure does) its KV is dropped: no radix cache here
+    apply(s, s.schedule(), [])
+    assert r.num_computed_tokens == 32 and vtc.value("t") == 64 * W_P  # recomputed, free
+    run(s)
+    assert vtc.value("t") == 100 * W_P + 3 * W_O
+    check_accounting(s)
