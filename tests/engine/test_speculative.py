@@ -536,11 +536,57 @@ def test_draft_model_other_model_chunked_and_preempted(tiny_models, tiny_llama, 
         page_size=4,
         kv_cache_memory_gb=0.0002,
         schedule_conservativeness=0.0,
+        spec_policy="always",
     )
     assert generate_ids(own, prompts, greedy(32)) == ref
     assert own.engine.scheduler.stats.num_preemptions > 0
     proposed, accepted = _accepted(own)
     assert accepted == proposed > 0
+
+
+def test_draft_skips_plain_steps_and_catches_up(tiny_llama, tiny_pair):
+    """Plain decode steps do not run the draft (their pages are marked stale); a request
+    that speculates again first recomputes its draft KV from its first stale page, also
+    over pages it found in the radix tree: with the target as its own draft every proposal
+    is still accepted, so the draft's KV is exactly what running it every step gives."""
+    from radixserve.engine.spec_control import SpecController
+
+    def policy(cold: int, every: int) -> SpecController:
+        # the cold choice, and the other side every ``every`` steps; never changes its mind
+        return SpecController(cold, explore_min=every, explore_max=every, hysteresis=1e9)
+
+    off, _ = tiny_pair
+    on = LLM(str(tiny_llama), speculative_mode="draft", spec_draft_model=str(tiny_llama), **_KW)
+    draft = on.engine.draft
+    prompts = _prompts(5, seed=21) + _prompts(2, seed=22, repeat=True)
+    ref = generate_ids(off, prompts, greedy(30))
+    on.engine.spec_control = policy(64, 3)  # speculate, but every third step plain
+    assert generate_ids(on, prompts, greedy(30)) == ref
+    proposed, accepted = _accepted(on)
+    assert draft.skipped_steps > 0 and draft.caught_up_tokens > 0
+    assert accepted == proposed > 0
+    on.engine.check_idle()
+    # second turns: prompt + first answer, whose decode pages (from the tree) the draft
+    # never saw (nothing speculated in the first turn); then speculation all along
+    first_turn = [p + r for p, r in zip(prompts, ref, strict=True)]
+    on.engine.spec_control = policy(0, 10_000)  # never speculates
+    answers = generate_ids(off, first_turn, greedy(20))
+    got = on.generate(first_turn, greedy(20), use_tqdm=False)  # (the tree keeps them)
+    assert [o.token_ids for o in got] == answers
+    assert _accepted(on) == (proposed, accepted)
+    second = [[*t, *a, 5, 6, 7] for t, a in zip(first_turn, answers, strict=True)]
+    want = generate_ids(off, second, greedy(20))
+    on.engine.spec_control = policy(64, 10_000)  # always speculates
+    caught = draft.caught_up_tokens
+    skipped = draft.skipped_steps
+    hits = on.engine.prefix_cache.hit_tokens
+    got = on.generate(second, greedy(20), use_tqdm=False)
+    assert [o.token_ids for o in got] == want
+    assert on.engine.prefix_cache.hit_tokens - hits > sum(len(t) for t in first_turn)
+    assert draft.caught_up_tokens > caught and draft.skipped_steps == skipped
+    proposed2, accepted2 = _accepted(on)
+    assert accepted2 == proposed2 > proposed
+    on.engine.check_idle()
 
 
 def test_int4_copy_of_the_target_as_its_draft(tiny_llama, tiny_pair):
