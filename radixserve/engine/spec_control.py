@@ -3,9 +3,11 @@
 A speculative step costs more than a plain decode step (the proposer, the draft's decode
 steps, the verify chunk's extra rows) and emits more tokens (the accepted proposals). Which
 side wins depends on the batch size, the proposer's acceptance on the current requests and
-the machine, so the controller measures it: per batch-size bucket it keeps a moving average
-of the seconds a step took and the tokens it emitted, for plain steps and for speculative
-steps apart, and speculates when the speculative side's tokens per second are higher.
+the machine, so the controller measures it: per batch-size bucket it keeps the tokens per
+second of the last few steps, plain and speculative apart, and speculates when the
+speculative side's median is higher. Medians, not means: a step that met a new shape
+(kernel selection, buffers growing) or a burst of other load on a shared machine can take
+ten times as long, and one such sample must not decide.
 
 Nothing here touches a model or a token: the decision only chooses which of two exact
 paths a step takes (the verify rule keeps outputs identical, or identical in distribution),
@@ -15,7 +17,9 @@ so a wrong decision costs time, never correctness.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import statistics
+from collections import deque
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
@@ -43,29 +47,24 @@ def bucket_label(edge: int) -> str:
     return str(edge) if low == edge else f"{low}-{edge}"
 
 
-@dataclass
 class _Side:
-    """Moving averages of one kind of step (plain or speculative) in one bucket.
+    """Recent steps of one kind (plain or speculative) in one bucket.
 
-    Invariant: ``seconds`` and ``tokens`` are exponentially weighted means over the
-    ``samples`` steps recorded (the first sample sets them), both > 0 once sampled."""
+    Invariant: ``rates`` holds the tokens per second of the last ``window`` steps recorded
+    (each > 0); ``samples`` counts every step ever recorded."""
 
-    seconds: float = 0.0
-    tokens: float = 0.0
-    samples: int = 0
+    def __init__(self, window: int) -> None:
+        self.rates: deque[float] = deque(maxlen=window)
+        self.samples = 0
 
-    def add(self, seconds: float, tokens: int, alpha: float) -> None:
-        if self.samples == 0:
-            self.seconds, self.tokens = seconds, float(tokens)
-        else:
-            self.seconds += alpha * (seconds - self.seconds)
-            self.tokens += alpha * (tokens - self.tokens)
+    def add(self, seconds: float, tokens: int) -> None:
+        self.rates.append(tokens / seconds)
         self.samples += 1
 
     @property
     def rate(self) -> float:
-        """Tokens per second (0 before any sample)."""
-        return self.tokens / self.seconds if self.samples else 0.0
+        """The median tokens per second of the window (0 before any sample)."""
+        return statistics.median(self.rates) if self.rates else 0.0
 
 
 @dataclass
@@ -79,8 +78,8 @@ class _Bucket:
     speculate: bool
     countdown: int
     interval: int
-    plain: _Side = field(default_factory=_Side)
-    spec: _Side = field(default_factory=_Side)
+    plain: _Side
+    spec: _Side
 
 
 class SpecController:
@@ -89,38 +88,39 @@ class SpecController:
     Invariants:
       * per batch-size bucket (``bucket_of``), a step speculates iff the bucket's chosen
         side is speculative, except one exploration step every ``interval`` decisions, which
-        takes the other side; the interval starts at ``explore_min``, doubles each time an
-        exploration leaves the choice as it was (up to ``explore_max``), and falls back to
-        ``explore_min`` when the choice changes;
+        takes the other side; the interval starts at ``explore_min``, stays there until
+        both sides have ``min_samples``, then doubles with each exploration (up to
+        ``explore_max``), and falls back to ``explore_min`` when the choice changes;
       * before both sides of a bucket have ``min_samples`` recorded steps, the choice is the
         cold-start default: speculate iff the batch holds at most ``cold_max_batch``
         requests (the crossover measured on the reference machine);
-      * afterwards the choice changes only when the other side's tokens per second beat the
-        chosen side's by more than ``hysteresis`` (a relative margin), so measurement noise
-        near the crossover does not flip it every step;
-      * only ``record`` changes the averages; ``decide`` only counts down.
+      * afterwards the choice changes only when the other side's median tokens per second
+        (over its last ``window`` steps) beat the chosen side's by more than
+        ``hysteresis`` (a relative margin), so noise near the crossover does not flip it
+        every step;
+      * only ``record`` changes the measurements; ``decide`` only counts down.
     """
 
     def __init__(
         self,
         cold_max_batch: int,
         *,
-        alpha: float = 0.25,
+        window: int = 8,
         explore_min: int = 8,
         explore_max: int = 128,
-        min_samples: int = 2,
+        min_samples: int = 3,
         hysteresis: float = 0.03,
     ) -> None:
         if cold_max_batch < 0:
             raise ValueError(f"cold_max_batch must be >= 0, got {cold_max_batch}")
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         if not 1 <= explore_min <= explore_max:
             raise ValueError(f"need 1 <= explore_min <= explore_max, got {explore_min}")
         if min_samples < 1 or hysteresis < 0:
             raise ValueError("min_samples must be >= 1 and hysteresis >= 0")
         self.cold_max_batch = cold_max_batch
-        self.alpha = alpha
+        self.window = window
         self.explore_min = explore_min
         self.explore_max = explore_max
         self.min_samples = min_samples
@@ -134,7 +134,13 @@ class SpecController:
         b = self.buckets.get(edge)
         if b is None:
             # the cold default: speculate iff the whole bucket is at or below the crossover
-            b = _Bucket(edge <= self.cold_max_batch, self.explore_min, self.explore_min)
+            b = _Bucket(
+                edge <= self.cold_max_batch,
+                self.explore_min,
+                self.explore_min,
+                _Side(self.window),
+                _Side(self.window),
+            )
             self.buckets[edge] = b
         return b
 
@@ -144,7 +150,8 @@ class SpecController:
         b.countdown -= 1
         if b.countdown <= 0:
             b.countdown = b.interval
-            b.interval = min(2 * b.interval, self.explore_max)
+            if min(b.spec.samples, b.plain.samples) >= self.min_samples:
+                b.interval = min(2 * b.interval, self.explore_max)
             self.explorations += 1
             choice = not b.speculate
         else:
@@ -158,7 +165,7 @@ class SpecController:
         if seconds <= 0.0 or tokens <= 0:
             return
         b = self._bucket(batch)
-        (b.spec if speculated else b.plain).add(seconds, tokens, self.alpha)
+        (b.spec if speculated else b.plain).add(seconds, tokens)
         if min(b.spec.samples, b.plain.samples) < self.min_samples:
             return
         chosen, other = (b.spec, b.plain) if b.speculate else (b.plain, b.spec)

@@ -93,12 +93,24 @@ def test_near_ties_keep_the_choice_within_the_margin():
     assert sum(decisions) < 10
 
 
+def test_one_slow_step_does_not_decide():
+    """A step that met a new shape (or a burst of other load) takes 10x as long: the
+    median over the window ignores it; the choice stays with the faster side."""
+    ctl = SpecController(cold_max_batch=0, explore_min=2, explore_max=2)
+    ctl.record(16, False, 0.5, 16)  # the first plain step: 25x slower than the rest
+    for _ in range(40):
+        spec = ctl.decide(16)
+        ctl.record(16, spec, 0.030 if spec else 0.020, 20 if spec else 16)  # plain wins
+    assert ctl.buckets[16].speculate is False
+    assert ctl.decisions[True] == ctl.explorations  # it never chose to speculate
+
+
 def test_bad_samples_are_ignored_and_arguments_checked():
     ctl = SpecController(cold_max_batch=1)
     ctl.record(1, True, 0.0, 3)
     ctl.record(1, False, 0.01, 0)
     assert not ctl.buckets  # nothing recorded, no bucket made
-    for kw in ({"alpha": 0.0}, {"explore_min": 0}, {"explore_min": 9, "explore_max": 8}):
+    for kw in ({"window": 0}, {"explore_min": 0}, {"explore_min": 9, "explore_max": 8}):
         with pytest.raises(ValueError):
             SpecController(4, **kw)
     with pytest.raises(ValueError):
