@@ -312,6 +312,8 @@ class Engine:
         running = self.scheduler.running
         if self.proposer is None or not running or self._constrained:
             return None
+        if not any(r.state is RequestState.DECODE for r in running):
+            return None  # prompts only: nothing to decide
         cfg = self.config
         policy = cfg.spec_policy
         if self.spec_control is not None:
