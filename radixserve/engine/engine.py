@@ -259,7 +259,6 @@ class Engine:
         self.spec_declined = 0  # steps that could have speculated and were told not to
         self._constrained: set[str] = set()  # samples with a grammar: none speculates then
         self.spec_control: SpecController | None = None  # the measured policy's controller
-        self._spec_timing: tuple[float, bool] | None = None  # this step's (start, speculated)
         if not config.speculative:
             return
         if not isinstance(self.runner, ModelRunner) or config.resolved_runner != "cpu":
