@@ -3,11 +3,15 @@
 A speculative step costs more than a plain decode step (the proposer, the draft's decode
 steps, the verify chunk's extra rows) and emits more tokens (the accepted proposals). Which
 side wins depends on the batch size, the proposer's acceptance on the current requests and
-the machine, so the controller measures it: per batch-size bucket it keeps the tokens per
-second of the last few steps, plain and speculative apart, and speculates when the
-speculative side's median is higher. Medians, not means: a step that met a new shape
-(kernel selection, buffers growing) or a burst of other load on a shared machine can take
-ten times as long, and one such sample must not decide.
+the machine, so the controller measures it: per batch-size bucket it keeps the seconds and
+the tokens of the last few steps, plain and speculative apart, and speculates when the
+speculative side's tokens per second are higher. A side's rate is its mean tokens per step
+over its median seconds per step: the median, because a step that met a new shape (kernel
+selection, buffers growing) or a burst of other load on a shared machine can take ten
+times as long and one such step must not decide; the mean, because tokens per speculative
+step are bimodal (1 when the first proposal is rejected, k + 1 when all are kept) and
+throughput is their mean (a median of per-step rates calls a proposer that is right 40 %
+of the time a loss when it is a 2x gain).
 
 Nothing here touches a model or a token: the decision only chooses which of two exact
 paths a step takes (the verify rule keeps outputs identical, or identical in distribution),
@@ -50,21 +54,24 @@ def bucket_label(edge: int) -> str:
 class _Side:
     """Recent steps of one kind (plain or speculative) in one bucket.
 
-    Invariant: ``rates`` holds the tokens per second of the last ``window`` steps recorded
+    Invariant: ``steps`` holds (seconds, tokens) of the last ``window`` steps recorded
     (each > 0); ``samples`` counts every step ever recorded."""
 
     def __init__(self, window: int) -> None:
-        self.rates: deque[float] = deque(maxlen=window)
+        self.steps: deque[tuple[float, int]] = deque(maxlen=window)
         self.samples = 0
 
     def add(self, seconds: float, tokens: int) -> None:
-        self.rates.append(tokens / seconds)
+        self.steps.append((seconds, tokens))
         self.samples += 1
 
     @property
     def rate(self) -> float:
-        """The median tokens per second of the window (0 before any sample)."""
-        return statistics.median(self.rates) if self.rates else 0.0
+        """Mean tokens per step over median seconds per step (0 before any sample)."""
+        if not self.steps:
+            return 0.0
+        seconds = statistics.median(s for s, _ in self.steps)
+        return statistics.fmean(t for _, t in self.steps) / seconds
 
 
 @dataclass
@@ -94,8 +101,9 @@ class SpecController:
       * before both sides of a bucket have ``min_samples`` recorded steps, the choice is the
         cold-start default: speculate iff the batch holds at most ``cold_max_batch``
         requests (the crossover measured on the reference machine);
-      * afterwards the choice changes only when the other side's median tokens per second
-        (over its last ``window`` steps) beat the chosen side's by more than
+      * afterwards the choice changes only when the other side's tokens per second (mean
+        tokens over median seconds of its last ``window`` steps) beat the chosen side's by
+        more than
         ``hysteresis`` (a relative margin), so noise near the crossover does not flip it
         every step;
       * only ``record`` changes the measurements; ``decide`` only counts down.
@@ -107,7 +115,7 @@ class SpecController:
         *,
         window: int = 8,
         explore_min: int = 8,
-        explore_max: int = 128,
+        explore_max: int = 64,
         min_samples: int = 3,
         hysteresis: float = 0.03,
     ) -> None:

@@ -71,7 +71,9 @@ def test_exploration_backs_off_and_the_choice_follows_a_change():
     assert ctl.buckets[8].speculate is False
     assert ctl.buckets[8].interval == 64  # confirmed again and again: explores rarely
     # the requests change: proposals now mostly accepted, speculation pays
-    decisions = _run(ctl, 8, 400, plain_s=0.010, spec_s=0.012, spec_tokens_per_row=3.5)
+    # (it notices within a few explorations: up to a few hundred steps at the longest
+    # interval)
+    decisions = _run(ctl, 8, 600, plain_s=0.010, spec_s=0.012, spec_tokens_per_row=3.5)
     assert ctl.buckets[8].speculate is True
     assert sum(decisions[-100:]) >= 97
 
@@ -103,6 +105,24 @@ def test_one_slow_step_does_not_decide():
         ctl.record(16, spec, 0.030 if spec else 0.020, 20 if spec else 16)  # plain wins
     assert ctl.buckets[16].speculate is False
     assert ctl.decisions[True] == ctl.explorations  # it never chose to speculate
+
+
+def test_bimodal_acceptance_counts_by_its_mean():
+    """A proposer right 40 % of the time: a speculative step emits 5 tokens or 1, at 1.3x
+    the time of a plain step; on average 2.6 tokens, a 2x gain, which the controller takes
+    (a median of per-step rates would see 1 / 1.3 and call it a loss)."""
+    ctl = SpecController(cold_max_batch=0)
+    rng = random.Random(3)
+    for _ in range(300):
+        spec = ctl.decide(1)
+        if spec:
+            ctl.record(1, True, 0.013, 5 if rng.random() < 0.4 else 1)
+        else:
+            ctl.record(1, False, 0.010, 1)
+    assert ctl.buckets[1].speculate is True
+    assert (
+        ctl.decisions[True] > 200
+    )  # (a window of 8 steps with no 5 in it can turn it off a while)
 
 
 def test_bad_samples_are_ignored_and_arguments_checked():
