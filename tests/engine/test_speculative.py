@@ -545,9 +545,9 @@ def test_draft_model_other_model_chunked_and_preempted(tiny_models, tiny_llama, 
 
 
 def test_draft_skips_plain_steps_and_catches_up(tiny_llama, tiny_pair):
-    """Plain decode steps do not run the draft (their pages are marked stale); a request
-    that speculates again first recomputes its draft KV from its first stale page, also
-    over pages it found in the radix tree: with the target as its own draft every proposal
+    """Steps that verify nothing (prompts, plain decodes) do not run the draft (their pages
+    are marked stale); a request that speculates first recomputes its draft KV from its
+    first stale page, also over pages it found in the radix tree: with the target as its own draft every proposal
     is still accepted, so the draft's KV is exactly what running it every step gives."""
     from radixserve.engine.spec_control import SpecController
 
@@ -578,12 +578,11 @@ def test_draft_skips_plain_steps_and_catches_up(tiny_llama, tiny_pair):
     want = generate_ids(off, second, greedy(20))
     on.engine.spec_control = policy(64, 10_000)  # always speculates
     caught = draft.caught_up_tokens
-    skipped = draft.skipped_steps
     hits = on.engine.prefix_cache.hit_tokens
     got = on.generate(second, greedy(20), use_tqdm=False)
     assert [o.token_ids for o in got] == want
     assert on.engine.prefix_cache.hit_tokens - hits > sum(len(t) for t in first_turn)
-    assert draft.caught_up_tokens > caught and draft.skipped_steps == skipped
+    assert draft.caught_up_tokens > caught
     proposed2, accepted2 = _accepted(on)
     assert accepted2 == proposed2 > proposed
     on.engine.check_idle()

@@ -21,14 +21,15 @@ class DraftProposer:
       * the draft has its own KV cache addressed by the target's page ids (same page table,
         same page size, as many pages): every page accounting of the target (free,
         private, tree-held, copy-on-write) covers the draft's KV of that page too;
-      * ``shadow`` runs the draft over exactly the tokens and slots a target step writes
+      * ``shadow`` runs the draft over exactly the tokens and slots a verify step writes
         (page copies first), so a page's draft KV belongs to the same tokens as its target
-        KV, also when it comes back from the radix tree — except after a step of single
-        tokens only (a plain decode step, which needs no draft): it is skipped and the
-        pages it wrote are marked ``stale``; ``fill`` first recomputes a request's draft
-        KV from its first stale page on (one extend, ``catch_up``), so a request drafts
-        from correct KV whatever ran before (a copied page takes its source's mark; a
-        shadowed step that writes a page's first slot clears the page's mark);
+        KV, also when it comes back from the radix tree; any other step (prompt chunks,
+        plain decodes: nothing to draft for yet, maybe never) runs no draft and marks the
+        pages it wrote ``stale``; ``fill`` first recomputes a request's draft KV from its
+        first stale page on (one extend, ``catch_up``), so a request drafts from correct
+        KV whatever ran before (a copied page takes its source's mark; a shadowed step
+        that writes a page's first slot clears the page's mark). A draft that never
+        proposes costs nothing but its memory;
       * proposals are the draft's argmax, a deterministic function of the tokens so far:
         the verify rule treats them as point masses, so the output stays exact;
       * ``fill`` writes draft KV only at positions ``num_tokens - 1 ..`` of the rows the
@@ -87,7 +88,7 @@ class DraftProposer:
         self.page_table = page_table
         self.page_size = page_size
         self.stale = np.zeros(num_pages, dtype=bool)  # a slot's draft KV may be missing
-        self.skipped_steps = 0  # plain decode steps not shadowed
+        self.skipped_steps = 0  # steps not shadowed (no verify: prompts, plain decodes)
         self.caught_up_tokens = 0  # tokens recomputed by catch_up
 
     # -- lockstep with the target -----------------------------------------------------------
@@ -97,15 +98,16 @@ class DraftProposer:
         fb: ForwardBatch,
         input_ids: np.ndarray,
         copies: tuple[torch.Tensor, torch.Tensor] | None,
+        verify: bool = True,
     ) -> None:
-        """Write the draft's KV for the tokens of a target step (no logits); a step of
-        single tokens (plain decode) only marks its pages stale."""
+        """Write the draft's KV for the tokens of a verify step (no logits); any other step
+        only marks its pages stale."""
         if copies is not None:
             self.kv_cache.copy_pages(*copies)
             src, dst = (c.numpy() for c in copies)
             self.stale[dst] = self.stale[src]
         pages = fb.slot_mapping // self.page_size
-        if bool((fb.q_lens == 1).all()):
+        if not verify:
             self.stale[pages] = True
             self.skipped_steps += 1
             return
