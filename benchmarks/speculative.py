@@ -2,9 +2,16 @@
 
     VENV/bin/python benchmarks/speculative.py
     VENV/bin/python benchmarks/speculative.py --workloads DIR --quick
+    VENV/bin/python benchmarks/speculative.py --sweep --quick     # batch 1, 2, 4, 8, 16
+    VENV/bin/python benchmarks/speculative.py --only w1 --quick   # ngram_ratio_w1 alone
     VENV/bin/python benchmarks/speculative.py --dtype bfloat16
     VENV/bin/python benchmarks/speculative.py --dtype bfloat16 --quantization none \
-        --draft-model MODEL.gguf --draft-quantization int4     # an int4 copy as the draft
+        --modes off --draft-model MODEL.gguf --draft-quantization int4  # int4 copy as draft
+
+Modes: ``off``; ``ngram`` speculates every step it can (``spec_policy="always"``: the raw
+gain or loss of speculation, from which the crossover is read); ``auto`` is ngram under
+the measured policy (the default: a cost controller per batch size turns it on where it
+measured a gain); with ``--draft-model``, ``draft`` (always) and ``draft-auto`` (measured).
 
 Workloads (from ``--workloads``, default ``../shared/workloads`` next to the repository):
 
@@ -12,7 +19,8 @@ Workloads (from ``--workloads``, default ``../shared/workloads`` next to the rep
   with a small edit", a Python function (its names taken from the passage) "with a
   variable renamed", and "a summary quoting the first sentence" — at batch sizes 1, 4, 16;
 * W1 (64 x 256 -> 64, all at once: offline) and W3 (256 -> 128) free generation at batch
-  sizes 1 and 16 (the first requests of W3).
+  sizes 1 and 16 (the first requests of W3; ``--sweep``: 1, 2, 4, 8 and 16 for both W3 and
+  grounded).
 
 Each configuration runs the same requests with ``off``, ``ngram`` and ``auto``, and
 ``draft`` when ``--draft-model PATH`` names a draft with the target's tokenizer
@@ -25,13 +33,16 @@ loops on itself is not mistaken for a speedup.
 Prints a table, then one JSON line: ngram_speedup_bs1_grounded,
 ngram_speedup_bs16_grounded, ngram_ratio_w1 (throughput with auto vs off on W1),
 draft_speedup_bs1 (grounded) and draft_speedup_bs1_w3 (free generation), greedy_identical,
-and the per-configuration figures.
+the crossovers (per workload and always-speculating mode, the largest batch size up to
+which it beat off at every size), each controller's final per-bucket table, the load
+average before and after, and the per-configuration figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +51,10 @@ import numpy as np
 
 DEFAULT_WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 MODES = ("off", "ngram", "auto")
+DRAFT_MODES = ("draft", "draft-auto")
+# the policy of each mode: "always" shows what speculation itself gains or costs at a batch
+# size; "measured" is the controller that should take only the gains
+POLICY = {"ngram": "always", "auto": "measured", "draft": "always", "draft-auto": "measured"}
 
 
 def load(path: Path) -> list[dict]:
@@ -221,7 +236,12 @@ def main() -> None:
         "bfloat16 a verify chunk and a decode round differently and near-ties can flip",
     )
     ap.add_argument("--num-spec-tokens", type=int, default=4)
-    ap.add_argument("--spec-auto-max-batch", type=int, default=None, help="auto's threshold")
+    ap.add_argument(
+        "--spec-auto-max-batch",
+        type=int,
+        default=None,
+        help="the cold-start crossover of the measured policy (auto, draft-auto)",
+    )
     ap.add_argument("--draft-model", default=None, help="a draft for mode draft (same tokenizer)")
     ap.add_argument(
         "--draft-quantization",
@@ -238,12 +258,30 @@ def main() -> None:
         help="which of off, ngram, auto to run (off always runs: the baseline); each engine "
         "holds its own weights and KV cache",
     )
+    ap.add_argument(
+        "--draft-modes",
+        default=",".join(DRAFT_MODES),
+        help="with --draft-model: draft (always speculates), draft-auto (measured policy)",
+    )
     ap.add_argument("--grounded-tokens", type=int, default=128)
-    ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--batch-sizes", default="1,4,16", help="grounded batch sizes")
+    ap.add_argument("--w3-batch-sizes", default="1,16")
+    ap.add_argument(
+        "--sweep", action="store_true", help="batch sizes 1,2,4,8,16 for grounded and W3"
+    )
+    ap.add_argument(
+        "--only", default=None, help="comma list of grounded, w1, w3 (default: all three)"
+    )
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     ap.add_argument("--rounds", type=int, default=2, help="timed rounds per configuration")
     ap.add_argument("--grounded-only", action="store_true", help="skip W1/W3 (no ngram_ratio_w1)")
     args = ap.parse_args()
+    if args.sweep:
+        args.batch_sizes = args.w3_batch_sizes = "1,2,4,8,16"
+    only = set((args.only or "grounded,w1,w3").split(","))
+    if args.grounded_only:
+        only = {"grounded"}
+    load_before = os.getloadavg()
 
     from radixserve import LLM
 
@@ -254,43 +292,57 @@ def main() -> None:
         spec_kw["spec_auto_max_batch"] = args.spec_auto_max_batch
     modes = ["off", *(m for m in args.modes.split(",") if m in MODES and m != "off")]
     engines = {
-        mode: LLM(args.model, dtype=args.dtype, speculative_mode=mode, **spec_kw).engine
+        mode: LLM(
+            args.model,
+            dtype=args.dtype,
+            speculative_mode="off" if mode == "off" else "ngram",
+            spec_policy=POLICY.get(mode, "measured"),
+            **spec_kw,
+        ).engine
         for mode in modes
     }
     if args.draft_model is not None:
-        engines["draft"] = LLM(
-            args.model,
-            dtype=args.dtype,
-            speculative_mode="draft",
-            spec_draft_model=args.draft_model,
-            spec_draft_quantization=args.draft_quantization,
-            **spec_kw,
-        ).engine
+        for mode in args.draft_modes.split(","):
+            if mode not in DRAFT_MODES:
+                raise SystemExit(f"unknown draft mode {mode!r} (draft, draft-auto)")
+            engines[mode] = LLM(
+                args.model,
+                dtype=args.dtype,
+                speculative_mode="draft",
+                spec_draft_model=args.draft_model,
+                spec_draft_quantization=args.draft_quantization,
+                spec_policy=POLICY[mode],
+                **spec_kw,
+            ).engine
     off = engines["off"]
     texts = [r["prompt"] for r in w1] + [r["prompt"] for r in w3]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     scale = 0.5 if args.quick else 1.0
 
     configs: list[tuple[str, int, list[list[int]], int]] = []
-    for bs in sizes:
-        count = max(1, int(scale * {1: 3, 4: 4}.get(bs, 16)))
-        count = max(count, bs)
-        tokens = args.grounded_tokens if bs < 16 else (3 * args.grounded_tokens) // 4
-        configs.append(("grounded", bs, grounded_prompts(off, texts, count), tokens))
+    if "grounded" in only:
+        for bs in sizes:
+            count = max(1, int(scale * {1: 3, 2: 4, 4: 4}.get(bs, 16)))
+            count = max(count, bs)
+            tokens = args.grounded_tokens if bs < 16 else (3 * args.grounded_tokens) // 4
+            configs.append(("grounded", bs, grounded_prompts(off, texts, count), tokens))
     w1_prompts = [engines["off"].tokenize(r["prompt"]) for r in w1]
     w3_prompts = [engines["off"].tokenize(r["prompt"]) for r in w3]
     w1_n = int(scale * len(w1_prompts))
-    if not args.grounded_only:
+    if "w1" in only:
         configs.append(("w1", w1_n, w1_prompts[:w1_n], int(w1[0]["max_tokens"])))
-        configs.append(("w3", 1, w3_prompts[: max(1, int(2 * scale))], int(w3[0]["max_tokens"])))
-        configs.append(("w3", 16, w3_prompts[: int(16 * scale)], int(w3[0]["max_tokens"])))
+    if "w3" in only:
+        for bs in [int(b) for b in args.w3_batch_sizes.split(",")]:
+            # at least the batch size, so each size keeps that many requests in flight
+            count = max(bs, int(scale * 2) if bs == 1 else int(scale * 16))
+            configs.append(("w3", bs, w3_prompts[:count], int(w3[0]["max_tokens"])))
 
     for mode, engine in engines.items():  # warm-up: kernels compiled, buffers grown
         run_engine(engine, grounded_prompts(off, texts, 2), 8, 2, f"warm-{mode}")
         run_engine(engine, grounded_prompts(off, texts, 1), 8, 1, f"warm1-{mode}")
 
     header = (
-        f"{'workload':9} {'bs':>3} {'mode':6} {'tok/s':>8} {'speedup':>7} {'TTFT ms':>8} "
+        f"{'workload':9} {'bs':>3} {'mode':10} {'tok/s':>8} {'speedup':>7} {'TTFT ms':>8} "
         f"{'ITL ms':>7} {'prop/step':>9} {'acc len':>7} {'acc %':>6} {'own rep':>7} "
         f"{'copy':>5} {'same':>5}"
     )
@@ -354,7 +406,7 @@ def main() -> None:
             }
             results.append(row)
             print(
-                f"{name:9} {bs:>3} {mode:6} {r.tok_s:>8.1f} {row['speedup']:>7.2f} "
+                f"{name:9} {bs:>3} {mode:10} {r.tok_s:>8.1f} {row['speedup']:>7.2f} "
                 f"{row['ttft_ms']:>8.1f} {row['itl_ms']:>7.2f} {row['proposals_per_step']:>9.2f} "
                 f"{row['mean_accepted_length']:>7.2f} {100 * acc:>6.1f} {own:>7.2f} "
                 f"{copy:>5.2f} {'yes' if same else f'{same_count}/{len(prompts)}':>5}",
@@ -375,6 +427,49 @@ def main() -> None:
         r = pick(workload, bs, mode)
         return None if r is None else r["speedup"]
 
+    def crossover(workload: str, mode: str) -> int | None:
+        """The largest batch size up to which ``mode`` beat off at every size measured
+        (0: not even at the smallest; None: not measured)."""
+        rows = sorted(
+            (r for r in results if r["workload"] == workload and r["mode"] == mode),
+            key=lambda r: r["batch_size"],
+        )
+        if not rows:
+            return None
+        best = 0
+        for r in rows:
+            if r["speedup"] <= 1.0:
+                break
+            best = r["batch_size"]
+        return best
+
+    crossovers = {
+        f"{mode}_{workload}": crossover(workload, mode)
+        for workload in ("grounded", "w3")
+        for mode in ("ngram", "draft")
+        if mode in engines
+    }
+    controllers = {
+        mode: e.spec_control.table() for mode, e in engines.items() if e.spec_control is not None
+    }
+    for mode, table in controllers.items():
+        print(
+            f"controller of {mode}: "
+            + "; ".join(
+                f"{t['batch']}: {'on' if t['speculate'] else 'off'} "
+                f"(spec {t['spec_tok_s']} tok/s x{t['spec_samples']}, "
+                f"plain {t['plain_tok_s']} tok/s x{t['plain_samples']})"
+                for t in table
+            )
+        )
+    load_after = os.getloadavg()
+    print(f"crossovers (largest batch size always speculating beat off): {crossovers}")
+    print(
+        "load average (1, 5, 15 min) before: "
+        + ", ".join(f"{x:.2f}" for x in load_before)
+        + "; after: "
+        + ", ".join(f"{x:.2f}" for x in load_after)
+    )
     print(
         "greedy outputs byte-identical across modes in every configuration: "
         + ("yes" if identical else "NO")
@@ -391,6 +486,10 @@ def main() -> None:
                 "draft_speedup_bs1_w3": speedup("w3", 1, "draft"),
                 "auto_speedup_bs1_grounded": speedup("grounded", 1, "auto"),
                 "greedy_identical": identical,
+                "crossovers": crossovers,
+                "controllers": controllers,
+                "load_before": [round(x, 2) for x in load_before],
+                "load_after": [round(x, 2) for x in load_after],
                 "results": results,
             }
         )

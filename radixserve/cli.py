@@ -132,7 +132,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
-    from radixserve.engine.config import SPECULATIVE_MODES
+    from radixserve.engine.config import SPEC_POLICIES, SPECULATIVE_MODES
     from radixserve.executor.quant import QUANTIZATIONS
 
     g = parser.add_argument_group("speculative decoding (docs/speculative.md)")
@@ -142,7 +142,8 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         choices=SPECULATIVE_MODES,
         help="ngram: propose from the request's own prompt and output (prompt lookup), "
         "verify in one step; draft: a smaller model with the same tokenizer proposes "
-        "(--spec-draft-model); auto: ngram while at most --spec-auto-max-batch requests decode",
+        "(--spec-draft-model); auto: ngram (with the default --spec-policy measured, every "
+        "mode speculates only at batch sizes where it measured a gain)",
     )
     g.add_argument(
         "--spec-draft-model",
@@ -160,10 +161,19 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-ngram-max", type=int, default=4, help="longest suffix looked up")
     g.add_argument("--spec-ngram-min", type=int, default=2, help="shortest suffix looked up")
     g.add_argument(
+        "--spec-policy",
+        default="measured",
+        choices=SPEC_POLICIES,
+        help="which steps speculate: measured (per batch size, where measured tokens/s say "
+        "it pays; starts from --spec-auto-max-batch), threshold (while at most "
+        "--spec-auto-max-batch requests decode), always (every step it can)",
+    )
+    g.add_argument(
         "--spec-auto-max-batch",
         type=int,
         default=4,
-        help="auto: speculate while this many or fewer requests decode",
+        help="the crossover: measured starts by speculating at this many decoding requests "
+        "or fewer; threshold keeps that rule",
     )
 
 
@@ -310,6 +320,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "spec_ngram_max": args.spec_ngram_max,
         "spec_ngram_min": args.spec_ngram_min,
         "spec_auto_max_batch": args.spec_auto_max_batch,
+        "spec_policy": args.spec_policy,
         "spec_draft_model": args.spec_draft_model,
         "spec_draft_quantization": args.spec_draft_quantization,
         "kv_host_gb": args.kv_host_gb,

@@ -12,6 +12,10 @@ from radixserve.executor.quant import INT4_GROUP_SIZES, QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
+# when a speculative mode speculates: measured (a cost controller per batch size, cold start
+# from spec_auto_max_batch), threshold (while at most spec_auto_max_batch requests decode),
+# always (every step it can)
+SPEC_POLICIES = ("measured", "threshold", "always")
 
 
 @dataclass
@@ -86,9 +90,10 @@ class EngineConfig:
     master_port: int | None = None  # None: any free port (one node only)
     distributed_timeout_s: float = 300.0  # a collective that waits longer fails the group
     # Speculative decoding (docs/speculative.md): off | ngram (prompt lookup) | draft (a
-    # smaller model with the same tokenizer, spec_draft_model) | auto (ngram while the
-    # decode batch is at most spec_auto_max_batch requests). Each speculating request
-    # verifies its last token + up to num_spec_tokens proposals in one extend chunk.
+    # smaller model with the same tokenizer, spec_draft_model) | auto (ngram; the name of
+    # "on where it pays": the default spec_policy, measured, decides per step for every
+    # mode). Each speculating request verifies its last token + up to num_spec_tokens
+    # proposals in one extend chunk.
     speculative_mode: str = "off"
     spec_draft_model: str | None = None  # HF folder or .gguf of the draft (mode draft)
     # how the draft's dense layers run (as --quantization: auto | none | int8 | int4); int8
@@ -98,7 +103,12 @@ class EngineConfig:
     num_spec_tokens: int = 4
     spec_ngram_max: int = 4  # the longest suffix looked up in the request's own tokens
     spec_ngram_min: int = 2  # the shortest
-    spec_auto_max_batch: int = 4  # auto: speculate while this many or fewer decodes run
+    # which steps speculate (SPEC_POLICIES): measured (default) speculates per batch-size
+    # bucket where measured tokens/s say it pays, starting from "at most
+    # spec_auto_max_batch decodes" until both sides are measured; threshold keeps that
+    # rule fixed; always speculates every step it can
+    spec_policy: str = "measured"
+    spec_auto_max_batch: int = 4  # the crossover: cold start of measured, rule of threshold
     # KV tiers under the radix tree (docs/kv-tiers.md): pages evicted from the pool are
     # demoted into a host tier of kv_host_gb GiB (0: off) and promoted back on a match;
     # host-tier evictions are written to kv_cache_dir (at most kv_disk_gb GiB), which a
@@ -216,6 +226,10 @@ class EngineConfig:
             )
         if (self.speculative_mode == "draft") != (self.spec_draft_model is not None):
             raise ValueError("speculative_mode 'draft' and spec_draft_model go together")
+        if self.spec_policy not in SPEC_POLICIES:
+            raise ValueError(
+                f"spec_policy must be one of {', '.join(SPEC_POLICIES)}; got {self.spec_policy!r}"
+            )
         if self.spec_auto_max_batch < 1:
             raise ValueError(f"spec_auto_max_batch must be >= 1, got {self.spec_auto_max_batch}")
         if self.speculative_mode != "off" and (

@@ -33,6 +33,7 @@ from radixserve.engine.model_source import (
 )
 from radixserve.engine.outputs import CacheFlushResult, EngineStats, SequenceDelta
 from radixserve.engine.parallel import worker_spec
+from radixserve.engine.spec_control import SpecController
 from radixserve.engine.structured import GrammarWaitList
 from radixserve.engine.tokenizer import (
     MissingTokenizer,
@@ -255,7 +256,9 @@ class Engine:
         self.spec_accepted = 0  # of which kept
         self.spec_rows = 0  # verify rows (a request verifying proposals in one step)
         self.spec_steps = 0  # steps that verified proposals
+        self.spec_declined = 0  # steps that could have speculated and were told not to
         self._constrained: set[str] = set()  # samples with a grammar: none speculates then
+        self.spec_control: SpecController | None = None  # the measured policy's controller
         if not config.speculative:
             return
         if not isinstance(self.runner, ModelRunner) or config.resolved_runner != "cpu":
@@ -286,20 +289,38 @@ class Engine:
                 f"{config.num_spec_tokens} proposals per step; its KV cache "
                 f"{self.draft.kv_bytes / 2**30:.3f} GiB on the same pages"
             )
-        if config.speculative_mode == "auto":
-            line += f", while at most {config.spec_auto_max_batch} requests decode"
+        policy = config.spec_policy
+        if policy == "measured":
+            self.spec_control = SpecController(config.spec_auto_max_batch)
+            line += (
+                f"; on where measured tokens/s say it pays, per batch size (cold start: at "
+                f"most {config.spec_auto_max_batch} decoding requests)"
+            )
+        elif policy == "threshold":
+            line += f"; while at most {config.spec_auto_max_batch} requests decode"
+        else:
+            line += "; every step"
         logger.info("%s", line)
         if hasattr(self, "startup_line"):
             self.startup_line += "; " + line
 
     def _propose(self, outputs: list[SequenceDelta]) -> dict[str, Any] | None:
         """Proposals for this step's decoding requests, or None when this step does not
-        speculate (mode off, ``auto`` over its batch size, a constrained request around)."""
+        speculate (mode off, the policy says no at this batch size, a constrained request
+        around)."""
         running = self.scheduler.running
         if self.proposer is None or not running or self._constrained:
             return None
+        if not any(r.state is RequestState.DECODE for r in running):
+            return None  # prompts only: nothing to decide
         cfg = self.config
-        if cfg.speculative_mode == "auto" and len(running) > cfg.spec_auto_max_batch:
+        policy = cfg.spec_policy
+        if self.spec_control is not None:
+            if not self.spec_control.decide(len(running)):
+                self.spec_declined += 1
+                return None
+        elif policy == "threshold" and len(running) > cfg.spec_auto_max_batch:
+            self.spec_declined += 1
             return None
         if self._in_flight is not None:  # proposals need every token: finish that step
             outputs.extend(self.drain())
@@ -624,6 +645,7 @@ class Engine:
         """Schedule and launch one step; process the step before it (overlapped) or this
         one (serial). Returns the deltas of the processed step and of requests that ended
         meanwhile (aborts, failures)."""
+        start = time.perf_counter()
         outputs, self._pending = self._pending, []
         outputs.extend(self.check_device())
         self.grammars.poll(self._admit_compiled, lambda r, m: outputs.append(self._fail(r, m)))
@@ -639,7 +661,10 @@ class Engine:
         else:
             previous = launched
         if previous is not None:
+            accepted = self.spec_accepted
             outputs.extend(self._process(*previous))
+            if self.spec_control is not None and launched is not None:
+                self._record_step(launched[0], start, self.spec_accepted - accepted)
         elif launched is None:
             wake = self.scheduler.next_wakeup()
             if wake is not None and not outputs:  # batch wait: doze instead of spinning
@@ -647,6 +672,21 @@ class Engine:
             elif not outputs and not self.scheduler.has_unfinished():
                 self.grammars.wait(_IDLE_POLL_S)  # only compiles pending: doze on them
         return outputs
+
+    def _record_step(self, batch: ScheduledBatch, start: float, accepted: int) -> None:
+        """Tell the cost controller what a pure decode step (every row its last token, plus
+        its proposals) cost and emitted; steps with prompt chunks say nothing about it. In
+        the overlapped loop a plain step's time is one launch plus one process: the time
+        per step in steady state."""
+        assert self.spec_control is not None
+        spec = batch.num_spec
+        rows = batch.num_new_tokens if spec is None else batch.num_new_tokens - spec
+        if not batch.requests or not bool((rows == 1).all()) or not bool(batch.sample.all()):
+            return
+        n = len(batch.requests)
+        self.spec_control.record(
+            n, batch.has_spec, time.perf_counter() - start, n + (accepted if batch.has_spec else 0)
+        )
 
     def _admit_compiled(self, requests: list[Request]) -> None:
         """Samples whose grammar compiled go to the scheduler (or fail if it is full)."""
@@ -943,6 +983,8 @@ class Engine:
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
             spec_verify_rows=self.spec_rows,
+            spec_steps=self.spec_steps,
+            spec_declined_steps=self.spec_declined,
             **self._tier_stats(),
         )
 

@@ -102,6 +102,10 @@ class EngineStats(msgspec.Struct):
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verify_rows: int = 0
+    # steps that verified proposals, and steps that could have speculated but the policy
+    # (measured or threshold) said no at their batch size
+    spec_steps: int = 0
+    spec_declined_steps: int = 0
     # KV tiers (docs/kv-tiers.md); zeros when off. Hits: prompt tokens a match took from
     # the host / disk tier (their pages promoted into the pool first); pages moved; bytes
     # moved and the seconds spent copying (disk writes happen on a background thread).

@@ -90,11 +90,13 @@ class ModelRunner:
     or sampler (``page_table``/``sampler`` None): it only follows steps.
     """
 
-    # speculative decoding with a draft model: writes the draft's KV for every step's tokens
-    # (fb, input ids, page copies), in lockstep with the target's (a class default: the CUDA
+    # speculative decoding with a draft model: told about every step's tokens (fb, input
+    # ids, page copies, whether the step verifies proposals), it writes the draft's KV for
+    # a verify step and marks the pages of any other step stale (a class default: the CUDA
     # runner, which does not speculate, has it too)
     shadow: (
-        Callable[[ForwardBatch, np.ndarray, tuple[torch.Tensor, torch.Tensor] | None], None] | None
+        Callable[[ForwardBatch, np.ndarray, tuple[torch.Tensor, torch.Tensor] | None, bool], None]
+        | None
     ) = None
 
     def __init__(
@@ -252,7 +254,7 @@ class ModelRunner:
         sampling = inputs.sampling
         input_ids = self.future.resolve(fb.input_ids)
         if self.shadow is not None:
-            self.shadow(fb, input_ids, inputs.copies)
+            self.shadow(fb, input_ids, inputs.copies, inputs.spec is not None)
         hidden, logits = self.forward_step(
             fb,
             input_ids,

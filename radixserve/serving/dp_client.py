@@ -38,6 +38,8 @@ _SUMMED = (
     "spec_proposed_tokens",
     "spec_accepted_tokens",
     "spec_verify_rows",
+    "spec_steps",
+    "spec_declined_steps",
     "kv_host_pages_total",
     "kv_host_pages_used",
     "kv_disk_bytes_used",

@@ -52,6 +52,15 @@ class _EngineCollector(Collector):
             "Requests that verified proposals in a step",
             s.spec_verify_rows,
         )
+        decisions = CounterMetricFamily(
+            "radixserve_spec_policy_steps",
+            "Steps that could speculate, by what the policy decided (speculate: verified "
+            "proposals; plain: declined at that batch size)",
+            labels=["decision"],
+        )
+        decisions.add_metric(["speculate"], s.spec_steps)
+        decisions.add_metric(["plain"], s.spec_declined_steps)
+        yield decisions
         yield from _tier_metrics(s)
         mean = 1 + s.spec_accepted_tokens / s.spec_verify_rows if s.spec_verify_rows else 0.0
         yield GaugeMetricFamily(

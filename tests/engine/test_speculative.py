@@ -21,7 +21,9 @@ from radixserve.executor.spec.ngram import NgramProposer, ngram_propose
 from tests.conftest import TINY_VOCAB, build_tokenizer
 from tests.helpers import generate_ids, greedy
 
-_KW = dict(dtype="float32", page_size=4, kv_cache_memory_gb=0.02)
+# spec_policy "always": these tests need every step that can speculate to do so (the
+# default, measured, decides from timings; it has its own tests below)
+_KW = dict(dtype="float32", page_size=4, kv_cache_memory_gb=0.02, spec_policy="always")
 
 
 def build_loopy_model(folder: Path, layer_scale: float = 0.03, cycle: int = 6) -> Path:
@@ -206,6 +208,7 @@ def test_chunked_prefill_prefix_hits_and_preemption(loopy, tiny_llama):
             page_size=4,
             kv_cache_memory_gb=0.0002,
             schedule_conservativeness=0.0,
+            spec_policy="always",
         )
         # (a pool smaller than the batch's sequences: preemptions must happen)
         assert small.engine.pool.num_pages * 4 < sum(len(p) + 40 for p in prompts)
@@ -306,14 +309,47 @@ def test_abort_mid_run_and_overlap(loopy):
         assert _accepted(lap)[1] > 0
 
 
-def test_auto_turns_off_for_large_batches(loopy):
-    on = LLM(str(loopy), speculative_mode="auto", spec_auto_max_batch=2, **_KW)
+def test_threshold_policy_turns_off_for_large_batches(loopy):
+    kw = {**_KW, "spec_policy": "threshold"}
+    on = LLM(str(loopy), speculative_mode="auto", spec_auto_max_batch=2, **kw)
     prompts = _prompts(6, seed=10, repeat=True)
     ref = generate_ids(LLM(str(loopy), **_KW), prompts, greedy(30))
     assert generate_ids(on, prompts, greedy(30)) == ref
     assert _accepted(on)[0] == 0  # six decodes all along: never speculated
+    assert on.engine.stats().spec_declined_steps > 0
     assert generate_ids(on, prompts[:2], greedy(30)) == ref[:2]
     assert _accepted(on)[1] > 0
+
+
+def test_measured_policy_same_tokens_and_decisions_wired(loopy):
+    """The measured policy (the default): outputs are the plain engine's whatever it
+    decides; it measures both sides of a bucket it runs in (the cold choice and the
+    exploration steps); a controller that says no never speculates, one that says yes
+    does."""
+    from radixserve.engine.spec_control import SpecController
+
+    kw = {**_KW, "spec_policy": "measured"}
+    prompts = _prompts(6, seed=13, repeat=True)
+    ref = generate_ids(LLM(str(loopy), **_KW), prompts, greedy(40))
+    on = LLM(str(loopy), speculative_mode="ngram", spec_auto_max_batch=2, **kw)
+    assert "measured tokens/s" in on.engine.startup_line
+    ctl = on.engine.spec_control
+    assert ctl is not None
+    assert generate_ids(on, prompts, greedy(40)) == ref
+    for p, r in zip(prompts[:2], ref[:2], strict=True):  # one at a time: bucket 1
+        assert generate_ids(on, [p], greedy(40))[0] == r
+    one = ctl.buckets[1]
+    assert one.spec.samples > 0 and one.plain.samples > 0  # cold choice + exploration
+    stats = on.engine.stats()
+    assert stats.spec_steps > 0 and stats.spec_declined_steps > 0
+    assert ctl.decisions[False] == stats.spec_declined_steps
+    on.engine.check_idle()
+    for cold, speculates in ((0, False), (64, True)):
+        on.engine.spec_control = SpecController(cold, explore_min=10_000, explore_max=10_000)
+        before = _accepted(on)[0]
+        assert generate_ids(on, prompts, greedy(40)) == ref
+        assert (_accepted(on)[0] > before) == speculates
+        on.engine.check_idle()
 
 
 def test_constrained_requests_turn_speculation_off(loopy_pair):
@@ -410,9 +446,14 @@ def test_flags_stats_and_metrics(loopy_pair):
         3,
         4,
     )
-    assert EngineConfig(**engine_kwargs(build_parser().parse_args(["serve"]))).speculative_mode == (
-        "off"
+    default = EngineConfig(**engine_kwargs(build_parser().parse_args(["serve"])))
+    assert (default.speculative_mode, default.spec_policy) == ("off", "measured")
+    args = build_parser().parse_args(
+        ["serve", "--speculative-mode", "ngram", "--spec-policy", "always"]
     )
+    assert EngineConfig(**engine_kwargs(args)).spec_policy == "always"
+    with pytest.raises(ValueError, match="spec_policy"):
+        EngineConfig(spec_policy="sometimes")
     args = build_parser().parse_args(
         ["generate", "hi", "--speculative-mode", "draft", "--spec-draft-model", "/x"]
     )
@@ -429,6 +470,13 @@ def test_flags_stats_and_metrics(loopy_pair):
     }
     assert values["radixserve_spec_accepted_tokens_total"] == stats.spec_accepted_tokens
     assert values["radixserve_spec_proposed_tokens_total"] == stats.spec_proposed_tokens
+    decided = {
+        s.labels["decision"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "radixserve_spec_policy_steps_total"
+    }
+    assert decided == {"speculate": stats.spec_steps, "plain": stats.spec_declined_steps}
     assert values["radixserve_spec_mean_accepted_length"] == pytest.approx(
         1 + stats.spec_accepted_tokens / stats.spec_verify_rows
     )
@@ -467,6 +515,7 @@ def test_draft_model_other_model_chunked_and_preempted(tiny_models, tiny_llama, 
             page_size=4,
             kv_cache_memory_gb=0.0002,
             schedule_conservativeness=0.0,
+            spec_policy="always",
         ),
     ):
         on = LLM(
@@ -487,11 +536,56 @@ def test_draft_model_other_model_chunked_and_preempted(tiny_models, tiny_llama, 
         page_size=4,
         kv_cache_memory_gb=0.0002,
         schedule_conservativeness=0.0,
+        spec_policy="always",
     )
     assert generate_ids(own, prompts, greedy(32)) == ref
     assert own.engine.scheduler.stats.num_preemptions > 0
     proposed, accepted = _accepted(own)
     assert accepted == proposed > 0
+
+
+def test_draft_skips_plain_steps_and_catches_up(tiny_llama, tiny_pair):
+    """Steps that verify nothing (prompts, plain decodes) do not run the draft (their pages
+    are marked stale); a request that speculates first recomputes its draft KV from its
+    first stale page, also over pages it found in the radix tree: with the target as its own draft every proposal
+    is still accepted, so the draft's KV is exactly what running it every step gives."""
+    from radixserve.engine.spec_control import SpecController
+
+    def policy(cold: int, every: int) -> SpecController:
+        # the cold choice, and the other side every ``every`` steps; never changes its mind
+        return SpecController(cold, explore_min=every, explore_max=every, hysteresis=1e9)
+
+    off, _ = tiny_pair
+    on = LLM(str(tiny_llama), speculative_mode="draft", spec_draft_model=str(tiny_llama), **_KW)
+    draft = on.engine.draft
+    prompts = _prompts(5, seed=21) + _prompts(2, seed=22, repeat=True)
+    ref = generate_ids(off, prompts, greedy(30))
+    on.engine.spec_control = policy(64, 3)  # speculate, but every third step plain
+    assert generate_ids(on, prompts, greedy(30)) == ref
+    proposed, accepted = _accepted(on)
+    assert draft.skipped_steps > 0 and draft.caught_up_tokens > 0
+    assert accepted == proposed > 0
+    on.engine.check_idle()
+    # second turns: prompt + first answer, whose decode pages (from the tree) the draft
+    # never saw (nothing speculated in the first turn); then speculation all along
+    first_turn = [p + r for p, r in zip(prompts, ref, strict=True)]
+    on.engine.spec_control = policy(0, 10_000)  # never speculates
+    answers = generate_ids(off, first_turn, greedy(20))
+    got = on.generate(first_turn, greedy(20), use_tqdm=False)  # (the tree keeps them)
+    assert [o.token_ids for o in got] == answers
+    assert _accepted(on) == (proposed, accepted)
+    second = [[*t, *a, 5, 6, 7] for t, a in zip(first_turn, answers, strict=True)]
+    want = generate_ids(off, second, greedy(20))
+    on.engine.spec_control = policy(64, 10_000)  # always speculates
+    caught = draft.caught_up_tokens
+    hits = on.engine.prefix_cache.hit_tokens
+    got = on.generate(second, greedy(20), use_tqdm=False)
+    assert [o.token_ids for o in got] == want
+    assert on.engine.prefix_cache.hit_tokens - hits > sum(len(t) for t in first_turn)
+    assert draft.caught_up_tokens > caught
+    proposed2, accepted2 = _accepted(on)
+    assert accepted2 == proposed2 > proposed
+    on.engine.check_idle()
 
 
 def test_int4_copy_of_the_target_as_its_draft(tiny_llama, tiny_pair):
@@ -538,6 +632,7 @@ def test_priority_preemption_takes_a_speculating_request_out(loopy):
         kv_cache_memory_gb=0.00015,
         schedule_policy="priority",
         schedule_conservativeness=0.0,
+        spec_policy="always",
     )
     prompts = _prompts(8, seed=17, repeat=True)
     results = []

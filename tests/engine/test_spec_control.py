@@ -1,0 +1,137 @@
+"""The speculation cost controller, with no model: synthetic step times in, decisions out."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve.engine.spec_control import SpecController, bucket_label, bucket_of
+
+
+def _run(
+    ctl: SpecController,
+    batch: int,
+    steps: int,
+    plain_s: float,
+    spec_s: float,
+    spec_tokens_per_row: float,
+    noise: float = 0.0,
+    seed: int = 0,
+) -> list[bool]:
+    """Drive ``steps`` decisions at ``batch``: a plain step takes ``plain_s`` and emits one
+    token per row, a speculative one ``spec_s`` and ``spec_tokens_per_row`` per row
+    (times jittered by +-``noise``, relative)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(steps):
+        spec = ctl.decide(batch)
+        jitter = 1.0 + noise * (2 * rng.random() - 1)
+        if spec:
+            ctl.record(batch, True, spec_s * jitter, round(batch * spec_tokens_per_row))
+        else:
+            ctl.record(batch, False, plain_s * jitter, batch)
+        out.append(spec)
+    return out
+
+
+def test_buckets():
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 256, 257, 600)] == [
+        1, 2, 3, 4, 6, 6, 8, 8, 12, 16, 24, 256, 512, 1024,
+    ]  # fmt: skip
+    assert [bucket_label(e) for e in (1, 4, 6, 12, 512)] == ["1", "4", "5-6", "9-12", "257-512"]
+    with pytest.raises(ValueError):
+        bucket_of(0)
+
+
+def test_cold_start_follows_the_crossover_until_measured():
+    ctl = SpecController(cold_max_batch=4, explore_min=8)
+    # the first 7 decisions of a bucket are the cold default; the 8th explores
+    assert [ctl.decide(3) for _ in range(8)] == [True] * 7 + [False]
+    assert [ctl.decide(6) for _ in range(8)] == [False] * 7 + [True]
+    assert ctl.explorations == 2
+
+
+@pytest.mark.parametrize("cold", [0, 64])
+def test_switches_to_the_faster_side_whatever_the_cold_start(cold):
+    # speculation pays: 3 tokens per row for 1.5x the time of a plain step
+    ctl = SpecController(cold_max_batch=cold)
+    decisions = _run(ctl, 2, 300, plain_s=0.010, spec_s=0.015, spec_tokens_per_row=3.0)
+    assert sum(decisions[-100:]) >= 97  # on, bar an exploration step now and then
+    # speculation costs: 1.2 tokens per row for 2x the time
+    ctl = SpecController(cold_max_batch=cold)
+    decisions = _run(ctl, 16, 300, plain_s=0.020, spec_s=0.040, spec_tokens_per_row=1.2)
+    assert sum(decisions[-100:]) <= 2  # off, bar an exploration step now and then
+    assert ctl.table()[0]["speculate"] is False
+
+
+def test_exploration_backs_off_and_the_choice_follows_a_change():
+    ctl = SpecController(cold_max_batch=0, explore_min=4, explore_max=64)
+    _run(ctl, 8, 400, plain_s=0.010, spec_s=0.030, spec_tokens_per_row=1.5)
+    assert ctl.buckets[8].speculate is False
+    assert ctl.buckets[8].interval == 64  # confirmed again and again: explores rarely
+    # the requests change: proposals now mostly accepted, speculation pays
+    # (it notices within a few explorations: up to a few hundred steps at the longest
+    # interval)
+    decisions = _run(ctl, 8, 600, plain_s=0.010, spec_s=0.012, spec_tokens_per_row=3.5)
+    assert ctl.buckets[8].speculate is True
+    assert sum(decisions[-100:]) >= 97
+
+
+def test_buckets_decide_apart_and_noise_does_not_flip_a_clear_choice():
+    ctl = SpecController(cold_max_batch=4)
+    small = _run(ctl, 1, 300, 0.010, 0.012, 3.0, noise=0.3, seed=1)
+    large = _run(ctl, 16, 300, 0.030, 0.060, 1.3, noise=0.3, seed=2)
+    assert sum(small[-200:]) >= 190 and sum(large[-200:]) <= 10
+    assert [row["speculate"] for row in ctl.table()] == [True, False]
+    assert ctl.decisions[True] + ctl.decisions[False] == 600
+
+
+def test_near_ties_keep_the_choice_within_the_margin():
+    ctl = SpecController(cold_max_batch=4, hysteresis=0.05)
+    # speculation 2 % faster: inside the margin, the cold choice (off at 8) stays
+    decisions = _run(ctl, 8, 200, plain_s=0.010, spec_s=0.0196, spec_tokens_per_row=2.0)
+    assert ctl.buckets[8].speculate is False
+    assert sum(decisions) < 10
+
+
+def test_one_slow_step_does_not_decide():
+    """A step that met a new shape (or a burst of other load) takes 10x as long: the
+    median over the window ignores it; the choice stays with the faster side."""
+    ctl = SpecController(cold_max_batch=0, explore_min=2, explore_max=2)
+    ctl.record(16, False, 0.5, 16)  # the first plain step: 25x slower than the rest
+    for _ in range(40):
+        spec = ctl.decide(16)
+        ctl.record(16, spec, 0.030 if spec else 0.020, 20 if spec else 16)  # plain wins
+    assert ctl.buckets[16].speculate is False
+    assert ctl.decisions[True] == ctl.explorations  # it never chose to speculate
+
+
+def test_bimodal_acceptance_counts_by_its_mean():
+    """A proposer right 40 % of the time: a speculative step emits 5 tokens or 1, at 1.3x
+    the time of a plain step; on average 2.6 tokens, a 2x gain, which the controller takes
+    (a median of per-step rates would see 1 / 1.3 and call it a loss)."""
+    ctl = SpecController(cold_max_batch=0)
+    rng = random.Random(3)
+    for _ in range(300):
+        spec = ctl.decide(1)
+        if spec:
+            ctl.record(1, True, 0.013, 5 if rng.random() < 0.4 else 1)
+        else:
+            ctl.record(1, False, 0.010, 1)
+    assert ctl.buckets[1].speculate is True
+    assert (
+        ctl.decisions[True] > 200
+    )  # (a window of 8 steps with no 5 in it can turn it off a while)
+
+
+def test_bad_samples_are_ignored_and_arguments_checked():
+    ctl = SpecController(cold_max_batch=1)
+    ctl.record(1, True, 0.0, 3)
+    ctl.record(1, False, 0.01, 0)
+    assert not ctl.buckets  # nothing recorded, no bucket made
+    for kw in ({"window": 0}, {"explore_min": 0}, {"explore_min": 9, "explore_max": 8}):
+        with pytest.raises(ValueError):
+            SpecController(4, **kw)
+    with pytest.raises(ValueError):
+        SpecController(-1)
