@@ -127,7 +127,8 @@ with socket.socket() as s:
     port = s.getsockname()[1]
 app = create_router_app(RouterConfig(workers=("http://127.0.0.1:1",)))
 server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-threading.Thread(target=server.run, daemon=True).start()
+thread = threading.Thread(target=server.run, daemon=True)
+thread.start()
 deadline = time.monotonic() + 30
 while True:
     try:
@@ -138,6 +139,10 @@ while True:
         time.sleep(0.1)
 assert workers.status_code == 200, workers.text
 server.should_exit = True
+# wait for the server thread to end: exiting with it still inside the event loop could
+# crash the interpreter's shutdown (an exit code of -11 now and then)
+thread.join(30)
+assert not thread.is_alive(), "the router did not stop"
 assert "torch" not in sys.modules, "torch imported"
 """
 
