@@ -171,9 +171,9 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--spec-auto-max-batch",
         type=int,
-        default=4,
+        default=None,
         help="the crossover: measured starts by speculating at this many decoding requests "
-        "or fewer; threshold keeps that rule",
+        "or fewer; threshold keeps that rule (default: 1 with a draft model, 16 for n-gram)",
     )
 
 

@@ -108,7 +108,9 @@ class EngineConfig:
     # spec_auto_max_batch decodes" until both sides are measured; threshold keeps that
     # rule fixed; always speculates every step it can
     spec_policy: str = "measured"
-    spec_auto_max_batch: int = 4  # the crossover: cold start of measured, rule of threshold
+    # the crossover: cold start of measured, rule of threshold; None: per proposer, as
+    # measured on the development machine (docs/speculative.md): a draft model 1, n-gram 16
+    spec_auto_max_batch: int | None = None
     # KV tiers under the radix tree (docs/kv-tiers.md): pages evicted from the pool are
     # demoted into a host tier of kv_host_gb GiB (0: off) and promoted back on a match;
     # host-tier evictions are written to kv_cache_dir (at most kv_disk_gb GiB), which a
@@ -230,7 +232,7 @@ class EngineConfig:
             raise ValueError(
                 f"spec_policy must be one of {', '.join(SPEC_POLICIES)}; got {self.spec_policy!r}"
             )
-        if self.spec_auto_max_batch < 1:
+        if self.spec_auto_max_batch is not None and self.spec_auto_max_batch < 1:
             raise ValueError(f"spec_auto_max_batch must be >= 1, got {self.spec_auto_max_batch}")
         if self.speculative_mode != "off" and (
             self.simulated_device or self.tensor_parallel_size > 1
@@ -272,6 +274,14 @@ class EngineConfig:
     def speculative(self) -> bool:
         """Whether speculative decoding may run (``auto`` decides per step)."""
         return self.speculative_mode != "off"
+
+    @property
+    def spec_crossover(self) -> int:
+        """``spec_auto_max_batch`` as given, else the measured default of the proposer in
+        use: a draft model pays at one decoding request at most, n-gram lookup up to 16."""
+        if self.spec_auto_max_batch is not None:
+            return self.spec_auto_max_batch
+        return 1 if self.spec_draft_model is not None else 16
 
     @property
     def overlap(self) -> bool:

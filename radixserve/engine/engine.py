@@ -291,13 +291,13 @@ class Engine:
             )
         policy = config.spec_policy
         if policy == "measured":
-            self.spec_control = SpecController(config.spec_auto_max_batch)
+            self.spec_control = SpecController(config.spec_crossover)
             line += (
                 f"; on where measured tokens/s say it pays, per batch size (cold start: at "
-                f"most {config.spec_auto_max_batch} decoding requests)"
+                f"most {config.spec_crossover} decoding requests)"
             )
         elif policy == "threshold":
-            line += f"; while at most {config.spec_auto_max_batch} requests decode"
+            line += f"; while at most {config.spec_crossover} requests decode"
         else:
             line += "; every step"
         logger.info("%s", line)
@@ -319,7 +319,7 @@ class Engine:
             if not self.spec_control.decide(len(running)):
                 self.spec_declined += 1
                 return None
-        elif policy == "threshold" and len(running) > cfg.spec_auto_max_batch:
+        elif policy == "threshold" and len(running) > cfg.spec_crossover:
             self.spec_declined += 1
             return None
         if self._in_flight is not None:  # proposals need every token: finish that step

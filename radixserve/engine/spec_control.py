@@ -21,6 +21,7 @@ so a wrong decision costs time, never correctness.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -98,6 +99,12 @@ class SpecController:
         takes the other side; the interval starts at ``explore_min``, stays there until
         both sides have ``min_samples``, then doubles with each exploration (up to
         ``explore_max``), and falls back to ``explore_min`` when the choice changes;
+      * once both sides are measured, an exploration of a side measured ``c`` times slower
+        than the chosen one costs about ``c - 1`` steps' time, so the interval is also at
+        least ``(c - 1) / explore_budget`` (up to ``explore_cap``, by default 512 or
+        ``explore_max`` if larger): explorations cost at most
+        about ``explore_budget`` of the time (a draft model's exploration at a large batch,
+        its catch-up included, measured 4-5 plain steps);
       * before both sides of a bucket have ``min_samples`` recorded steps, the choice is the
         cold-start default: speculate iff the batch holds at most ``cold_max_batch``
         requests (the crossover measured on the reference machine);
@@ -118,6 +125,8 @@ class SpecController:
         explore_max: int = 64,
         min_samples: int = 3,
         hysteresis: float = 0.03,
+        explore_budget: float = 0.02,
+        explore_cap: int | None = None,
     ) -> None:
         if cold_max_batch < 0:
             raise ValueError(f"cold_max_batch must be >= 0, got {cold_max_batch}")
@@ -127,12 +136,18 @@ class SpecController:
             raise ValueError(f"need 1 <= explore_min <= explore_max, got {explore_min}")
         if min_samples < 1 or hysteresis < 0:
             raise ValueError("min_samples must be >= 1 and hysteresis >= 0")
+        if explore_cap is None:
+            explore_cap = max(512, explore_max)
+        if explore_budget <= 0 or explore_cap < explore_max:
+            raise ValueError("explore_budget must be > 0 and explore_cap >= explore_max")
         self.cold_max_batch = cold_max_batch
         self.window = window
         self.explore_min = explore_min
         self.explore_max = explore_max
         self.min_samples = min_samples
         self.hysteresis = hysteresis
+        self.explore_budget = explore_budget
+        self.explore_cap = explore_cap
         self.buckets: dict[int, _Bucket] = {}
         self.decisions = {True: 0, False: 0}  # steps told to speculate / not
         self.explorations = 0
@@ -159,13 +174,22 @@ class SpecController:
         if b.countdown <= 0:
             b.countdown = b.interval
             if min(b.spec.samples, b.plain.samples) >= self.min_samples:
-                b.interval = min(2 * b.interval, self.explore_max)
+                b.interval = max(min(2 * b.interval, self.explore_max), self._priced(b))
             self.explorations += 1
             choice = not b.speculate
         else:
             choice = b.speculate
         self.decisions[choice] += 1
         return choice
+
+    def _priced(self, b: _Bucket) -> int:
+        """The interval at which exploring the other side costs ``explore_budget`` of the
+        time, from how much slower it measured (1 when it is not slower)."""
+        chosen, other = (b.spec, b.plain) if b.speculate else (b.plain, b.spec)
+        if other.rate <= 0.0:
+            return self.explore_cap
+        slower = chosen.rate / other.rate - 1.0
+        return min(self.explore_cap, max(1, math.ceil(slower / self.explore_budget)))
 
     def record(self, batch: int, speculated: bool, seconds: float, tokens: int) -> None:
         """A pure decode step of ``batch`` requests took ``seconds`` and emitted ``tokens``

@@ -135,3 +135,33 @@ def test_bad_samples_are_ignored_and_arguments_checked():
             SpecController(4, **kw)
     with pytest.raises(ValueError):
         SpecController(-1)
+
+
+def test_exploring_a_far_slower_side_is_rarer():
+    """Once measured, a side five times slower is explored at most about every
+    (5 - 1) / budget steps: its explorations cost about ``explore_budget`` of the time,
+    where the plain doubling alone would stop at ``explore_max``."""
+    ctl = SpecController(16, explore_budget=0.02, explore_cap=512)
+    # speculating: 5 s a step for 16 tokens against plain 1 s for 16 (5x slower)
+    decisions = _run(ctl, 16, 2000, plain_s=1.0, spec_s=5.0, spec_tokens_per_row=1.0)
+    assert not ctl.buckets[16].speculate
+    assert ctl.buckets[16].interval == 200  # ceil((5 - 1) / 0.02)
+    late = decisions[1000:]
+    assert 0 < sum(late) <= len(late) // 200 + 1
+    # a near tie keeps the ordinary doubling: at most explore_max
+    tie = SpecController(16)
+    _run(tie, 16, 2000, plain_s=1.0, spec_s=1.1, spec_tokens_per_row=1.0)
+    assert tie.buckets[16].interval == tie.explore_max
+    with pytest.raises(ValueError):
+        SpecController(4, explore_cap=8)  # below explore_max
+
+
+def test_cold_start_defaults_per_proposer():
+    from radixserve.engine.config import EngineConfig
+
+    assert EngineConfig(speculative_mode="ngram").spec_crossover == 16
+    assert EngineConfig(speculative_mode="auto", spec_auto_max_batch=3).spec_crossover == 3
+    draft = EngineConfig(speculative_mode="draft", spec_draft_model="some/draft")
+    assert draft.spec_crossover == 1
+    with pytest.raises(ValueError):
+        EngineConfig(speculative_mode="ngram", spec_auto_max_batch=0)
