@@ -21,7 +21,9 @@ that had produced output and ended with an engine or worker failure event then
 ``[DONE]``, while a kill happened during it — an expected error). ``lost``: no complete
 answer; ``unexpected_5xx``: any other 5xx, including a failure event in a stream with no
 kill during it. ``retried`` is the router's ``radixserve_router_retries_total`` summed over
-workers. At the end each replica's engine must go idle and its KV pages all be free
+workers (it also counts requests a replica refused as overloaded, sent to another);
+``retried_around_kills`` the part of it from just before each kill until the router has
+the replica back. At the end each replica's engine must go idle and its KV pages all be free
 (``/debug/flush_cache``). The last line is JSON with ``lost``, ``unexpected_5xx``,
 ``retried``, ``failed_midstream``, ``kills``, per-tenant TTFT and the rest; the exit code is
 1 if any of lost, unexpected_5xx, wrong, pages_leaked is non-zero.
@@ -218,12 +220,21 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     started = time.monotonic()
     deadline = started + args.duration
 
+    async def router_retries() -> float | None:
+        with contextlib.suppress(Lost, OSError, ValueError):
+            answer = await http("127.0.0.1", port, "GET", "/metrics", timeout_s=30)
+            return labelled_sum(answer.body.decode(), "radixserve_router_retries_total")
+        return None
+
     async def killer() -> None:
         nonlocal skipped
         rng = random.Random(f"{args.seed}-kills")
         mean = args.kill_every
         while True:
-            await asyncio.sleep(min(max(rng.expovariate(1 / mean), mean / 4), 3 * mean))
+            gap = min(max(rng.expovariate(1 / mean), mean / 4), 3 * mean)
+            if time.monotonic() + gap > deadline - 2:
+                return
+            await asyncio.sleep(gap)
             if time.monotonic() > deadline - 2:
                 return
             try:
@@ -239,6 +250,7 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
             victim = rng.choice([i for i, w in enumerate(state) if w["load"] == most])
             info = (await replicas[victim].get("/debug/engine")).json()
             pid = info["engine_pid"]
+            retries_before = await router_retries()
             os.kill(pid, signal.SIGKILL)
             at = time.monotonic()
             kill_times.append(at)
@@ -247,6 +259,7 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
                 "replica": victim,
                 "load": most,
                 "restart_s": None,
+                "retried": None,
             }
             kill_log.append(entry)
             print(
@@ -262,6 +275,14 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
                         break
             else:
                 return  # did not come back: no further kills (the report shows it)
+            while time.monotonic() - at < args.restart_timeout:  # the router takes it back
+                with contextlib.suppress(Lost, OSError, ValueError, KeyError):
+                    if (await deployment.workers())[victim]["healthy"]:
+                        break
+                await asyncio.sleep(0.2)
+            retries_after = await router_retries()
+            if retries_before is not None and retries_after is not None:
+                entry["retried"] = retries_after - retries_before
 
     async def loop(make) -> list[Outcome]:
         outs: list[Outcome] = []
@@ -278,7 +299,7 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
 
     async def bursts() -> None:
         while True:
-            await asyncio.sleep(args.burst_every)
+            await asyncio.sleep(min(args.burst_every, max(deadline - time.monotonic(), 0)))
             if time.monotonic() > deadline - 5:
                 return
             mixed.outcomes.extend(await mixed.burst())
@@ -314,6 +335,7 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
         "lost": counts["lost"],
         "unexpected_5xx": counts["unexpected_5xx"],
         "retried": retried,
+        "retried_around_kills": sum(k["retried"] or 0 for k in kill_log),
         "failed_midstream": counts["failed_midstream"],
         "kills": len(kill_log),
         "kills_skipped": skipped,
@@ -371,7 +393,10 @@ def run_router_soak(args: argparse.Namespace) -> int:
     for name, t in report["tenants"].items():
         print(f"{name:>8}: {t['requests']} requests, {t['ok']} ok, TTFT {t['ttft_s']}")
     print(f"kills {report['kills']} (restart s {[k['restart_s'] for k in report['kill_log']]})")
-    print(f"retried {report['retried']}, failed mid-stream {report['failed_midstream']}")
+    print(
+        f"retried {report['retried']} ({report['retried_around_kills']} around kills), "
+        f"failed mid-stream {report['failed_midstream']}"
+    )
     for line in report["examples"]:
         print("  !", line)
     print(json.dumps(report))

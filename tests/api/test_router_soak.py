@@ -62,10 +62,10 @@ def test_labelled_sum_adds_a_counter_over_its_labels():
 
 @pytest.mark.slow
 def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
-    """A 25 s soak through the router over two tiny replicas, a replica's engine killed
+    """A 25 s soak through the router over two tiny replicas (no bursts), a replica's engine killed
     within the first 12 s (kills are only made while both replicas serve, and the first
     comes at most 3 x --kill-every after the start)."""
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -79,9 +79,7 @@ def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
             "--concurrency",
             "4",
             "--burst-every",
-            "8",
-            "--burst-size",
-            "16",
+            "1000",  # no bursts: nothing overloads, so every retry is a kill's
             "--huge-body-mb",
             "2",
             "--heavy-concurrency",
@@ -106,16 +104,21 @@ def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
             "--max-num-batched-tokens",
             "64",
             "--max-waiting-requests",
-            "8",
+            "64",
             "--max-body-mb",
             "1",
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )
-    print(proc.stdout[-3000:])
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # SIGTERM: the soak stops the replicas and the router it launched
+        stdout, stderr = proc.communicate(timeout=90)
+    print(stdout[-3000:])
+    report = json.loads(stdout.strip().splitlines()[-1])
     assert report["lost"] == 0, report["examples"]
     assert report["unexpected_5xx"] == 0, report["examples"]
     assert report["wrong"] == 0, report["examples"]
@@ -127,9 +130,11 @@ def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
     # takes it out (two failed health checks 0.5 s apart) new requests reach it too: each
     # one that had no output yet is retried, each with output ends as failed_midstream.
     # Not certain by construction (every request on it could finish in the instant before
-    # the kill, and none arrive before it is out), so both are asserted together.
+    # the kill, and none arrive before it is out), so the two are asserted together; with
+    # no overload, a retry away from a kill would be a failure the soak did not cause.
     assert report["retried"] + report["failed_midstream"] >= 1
+    assert report["retried"] == report["retried_around_kills"]
     tenants = report["tenants"]
     assert all(tenants[t]["ok"] >= 1 for t in ("mixed", "heavy", "light"))
     assert report["light_ttft_p99_s"] is not None
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, stderr[-3000:]
