@@ -376,6 +376,8 @@ def labelled_sum(text: str, name: str) -> float:
 def run_router_soak(args: argparse.Namespace) -> int:
     if args.replicas < 2:
         raise ValueError("--replicas must be at least 2 (one serves while another restarts)")
+    if args.url is not None:
+        raise ValueError("--router launches its own replicas and router; --url is not used")
     if args.kill_every <= 0:
         raise ValueError("--kill-every must be positive")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -412,7 +414,11 @@ def run_router_soak(args: argparse.Namespace) -> int:
 
 def add_router_soak_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("--router: replicas behind the router, engines killed")
-    g.add_argument("--router", action="store_true", help="soak a router over replicas")
+    g.add_argument(
+        "--router",
+        action="store_true",
+        help="soak a router over replicas (with the --heavy-*/--light-* flags of --tenants)",
+    )
     g.add_argument("--replicas", type=int, default=2, help="serve processes (at least 2)")
     g.add_argument("--kill-every", type=float, default=15.0, help="mean seconds between kills")
     g.add_argument("--restart-timeout", type=float, default=120.0, help="seconds")
