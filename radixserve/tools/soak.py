@@ -756,6 +756,9 @@ def add_soak_args(parser: argparse.ArgumentParser) -> None:
     from radixserve.tools.tenant_soak import add_tenant_soak_args
 
     add_tenant_soak_args(parser)
+    from radixserve.tools.router_soak import add_router_soak_args
+
+    add_router_soak_args(parser)
     parser.add_argument(
         "serve_args", nargs=argparse.REMAINDER, help="after --: flags for radixserve serve"
     )
@@ -766,6 +769,10 @@ def run_soak(args: argparse.Namespace) -> int:
         args.duration = 90.0
     if args.serve_args and args.serve_args[0] == "--":
         args.serve_args = args.serve_args[1:]
+    if args.router:
+        from radixserve.tools.router_soak import run_router_soak
+
+        return run_router_soak(args)
     if args.tenants:
         from radixserve.tools.tenant_soak import run_tenant_soak
 
