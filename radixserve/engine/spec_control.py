@@ -99,7 +99,7 @@ class SpecController:
         takes the other side; the interval starts at ``explore_min``, stays there until
         both sides have ``min_samples``, then doubles with each exploration (up to
         ``explore_max``), and falls back to ``explore_min`` when the choice changes;
-      * once both sides are measured, an exploration of a side measured ``c`` times slower
+      * once both sides have a sample, an exploration of a side measured ``c`` times slower
         than the chosen one costs about ``c - 1`` steps' time, so the interval is also at
         least ``(c - 1) / explore_budget`` (up to ``explore_cap``, by default 512 or
         ``explore_max`` if larger): explorations cost at most
@@ -172,9 +172,12 @@ class SpecController:
         b = self._bucket(batch)
         b.countdown -= 1
         if b.countdown <= 0:
+            measured = min(b.spec.samples, b.plain.samples)
+            if measured >= self.min_samples:
+                b.interval = min(2 * b.interval, self.explore_max)
+            if measured >= 1:  # what an exploration costs is known from its first sample
+                b.interval = max(b.interval, self._priced(b))
             b.countdown = b.interval
-            if min(b.spec.samples, b.plain.samples) >= self.min_samples:
-                b.interval = max(min(2 * b.interval, self.explore_max), self._priced(b))
             self.explorations += 1
             choice = not b.speculate
         else:
@@ -198,6 +201,10 @@ class SpecController:
             return
         b = self._bucket(batch)
         (b.spec if speculated else b.plain).add(seconds, tokens)
+        if speculated != b.speculate and min(b.spec.samples, b.plain.samples) >= 1:
+            # an exploration just measured: the next one no sooner than its price says
+            b.interval = max(b.interval, self._priced(b))
+            b.countdown = max(b.countdown, b.interval)
         if min(b.spec.samples, b.plain.samples) < self.min_samples:
             return
         chosen, other = (b.spec, b.plain) if b.speculate else (b.plain, b.spec)

@@ -165,3 +165,13 @@ def test_cold_start_defaults_per_proposer():
     assert draft.spec_crossover == 1
     with pytest.raises(ValueError):
         EngineConfig(speculative_mode="ngram", spec_auto_max_batch=0)
+
+
+def test_one_costly_exploration_is_enough_to_back_off():
+    """A side whose first sample is five times slower is not tried again within the
+    priced interval, although the choice itself waits for ``min_samples``."""
+    ctl = SpecController(0, explore_min=8, min_samples=3)  # cold: plain
+    decisions = _run(ctl, 16, 100, plain_s=1.0, spec_s=5.0, spec_tokens_per_row=1.0)
+    assert decisions.index(True) == 7  # the first exploration, at the 8th step
+    assert sum(decisions) == 1  # the next one would be 200 steps later
+    assert ctl.buckets[16].interval == 200 and not ctl.buckets[16].speculate

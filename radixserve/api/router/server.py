@@ -343,8 +343,11 @@ class Router:
             worker.flights.discard(flight)
             self.balancer.release(flight.worker)
 
-    def _failure(self, flight: _Flight, message: str) -> APIError:
-        self.failed.labels(self.workers[flight.worker].url).inc()
+    def _failure(self, flight: _Flight, message: str, count: bool = True) -> APIError:
+        """The error for a request whose worker failed; ``count``: it fails the client's
+        request (``radixserve_router_worker_failures_total``), rather than being retried."""
+        if count:
+            self.failed.labels(self.workers[flight.worker].url).inc()
         # an unanswered connection error may be a worker that just died: check it now
         asyncio.get_running_loop().create_task(self._check(flight.worker))
         return APIError(502, message, type_="worker_error", code="worker_failed")
@@ -383,7 +386,8 @@ class Router:
             except NoWorkerAvailable:
                 if isinstance(last_failure, Response):
                     return last_failure, last_worker
-                if last_failure is not None:
+                if last_failure is not None:  # no worker left to retry on: it fails now
+                    self.failed.labels(self.workers[last_worker].url).inc()
                     raise last_failure from None
                 if pinned is not None:
                     raise _unavailable(self.workers[pinned].url) from None
@@ -408,7 +412,9 @@ class Router:
                 if answer.refused:  # nothing listens there: out at once
                     self.take_out(worker, "refused a connection")
                 else:
-                    last_failure = answer.failure or self._failure(flight, answer.message)
+                    last_failure = answer.failure or self._failure(
+                        flight, answer.message, count=False
+                    )
                 tried.add(worker)
                 last_worker = worker
                 if pinned is None:
@@ -560,10 +566,12 @@ class Router:
         to another healthy worker."""
         tried: set[int] = set()
         last_failure: APIError | None = None
+        last_worker = -1
         while True:
             healthy = [i for i, w in enumerate(self.workers) if w.healthy and i not in tried]
             if not healthy:
-                if last_failure is not None:
+                if last_failure is not None:  # no worker left to ask: it fails now
+                    self.failed.labels(self.workers[last_worker].url).inc()
                     raise last_failure
                 raise APIError(
                     503, "no healthy worker", "service_unavailable_error", code="no_healthy_worker"
@@ -584,8 +592,7 @@ class Router:
             if kind == "connect":  # nothing reached it: take it out, ask another
                 self.take_out(i, "refused a connection")
             else:  # failed before its answer began (not a failed request yet): ask another
-                asyncio.get_running_loop().create_task(self._check(i))
-                last_failure = APIError(502, value, type_="worker_error", code="worker_failed")
+                last_failure, last_worker = self._failure(flight, value, count=False), i
             self.retried.labels(self.workers[i].url).inc()
 
     # -- routes ---------------------------------------------------------------------------
