@@ -500,8 +500,10 @@ class Router:
         async def has_it(i: int) -> bool:
             url = f"{self.workers[i].url}{RESPONSES_PATH}/{response_id}"
             try:
-                answer = await self.http.get(url, headers=headers)
-            except httpx.HTTPError:
+                answer = await self.http.get(
+                    url, headers=headers, timeout=self.config.health_check_timeout_s
+                )
+            except httpx.HTTPError:  # a hung or dead replica does not hold it up
                 return False
             return answer.status_code == 200
 
