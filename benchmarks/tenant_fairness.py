@@ -45,13 +45,14 @@ def trace(args: argparse.Namespace, flood: bool) -> list[TraceRequest]:
     return out
 
 
-def simulate(args: argparse.Namespace, policy: str, flood: bool) -> dict:
+def simulate(args: argparse.Namespace, policy: str, flood: bool, cap: int | None = None) -> dict:
     config = SchedulerConfig(
         max_num_batched_tokens=args.budget,
         max_num_seqs=args.max_seqs,
         long_prefill_threshold=args.chunk,
         policy=policy,
         fair_prefill_yield_tokens=args.fair_yield,
+        fair_step_prefill_tokens=cap,
     )
     sim = Simulator(config, num_pages=args.pages, page_size=16, cost=CostModel())
     outputs: dict[str, int] = {"heavy": 0, "light": 0}
@@ -75,8 +76,14 @@ def simulate(args: argparse.Namespace, policy: str, flood: bool) -> dict:
     # steps that ended after a light request arrived, up to the one giving its first token:
     # the scheduler's part of its TTFT (the step running when it arrives counts as one)
     steps = [int(np.count_nonzero((end > a) & (end <= f))) for a, f in light_first.values()]
+    # the light requests that arrived once the engine had seen the tenant (after its first
+    # first token): a tenant's very first request waits for whatever step is running
+    seen = min(f for _, f in light_first.values())
+    later = [f - a for a, f in light_first.values() if a > seen]
     return {
-        "policy": policy,
+        "policy": policy if cap is None or policy != "fair" else f"fair/{cap}",
+        "light_ttft_p99_seen_s": float(np.percentile(later, 99)),
+        "heavy_tok_s": outputs["heavy"] / end[-1],
         "flood": flood,
         "light_requests": len(light),
         "light_ttft_p50_s": float(np.percentile(light, 50)),
@@ -108,6 +115,13 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=2048, help="16-token KV pages")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--fair-step-prefill-tokens",
+        type=int,
+        default=128,
+        help="fair: prompt tokens per step while more than one tenant is active (0: no cap; "
+        "the table also shows fair without the cap)",
+    )
+    parser.add_argument(
         "--fair-yield",
         type=int,
         default=0,
@@ -115,25 +129,35 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    cap = args.fair_step_prefill_tokens or None
     alone = simulate(args, "fcfs", flood=False)
-    rows = [alone, simulate(args, "fair", flood=True), simulate(args, "fcfs", flood=True)]
-    print(f"{'policy':8} {'flood':6} {'light p50 s':>12} {'light p99 s':>12} "
-          f"{'p99 steps':>10} {'step p50 s':>11} {'heavy p50 s':>12} {'heavy share':>12} "
-          f"{'preempt':>8}")  # fmt: skip
-    for r in rows:
+    rows = [alone, simulate(args, "fair", flood=True, cap=cap)]
+    rows.append(simulate(args, "fair", flood=True) if cap is not None else rows[1])
+    rows.append(simulate(args, "fcfs", flood=True))
+    print(f"{'policy':9} {'flood':6} {'light p50 s':>12} {'light p99 s':>12} {'p99 seen s':>11} "
+          f"{'p99 steps':>10} {'step p50 s':>11} {'heavy p50 s':>12} {'heavy tok/s':>12} "
+          f"{'heavy share':>12} {'preempt':>8}")  # fmt: skip
+    for r in rows[:2] + rows[2 if cap is not None else 3 :]:
         heavy = "-" if r["heavy_ttft_p50_s"] is None else f"{r['heavy_ttft_p50_s']:.3f}"
         print(
-            f"{r['policy']:8} {r['flood']!s:6} {r['light_ttft_p50_s']:12.3f} "
-            f"{r['light_ttft_p99_s']:12.3f} {r['light_ttft_p99_steps']:10.1f} "
-            f"{r['step_p50_s']:11.3f} {heavy:>12} {r['heavy_share']:12.3f} "
-            f"{r['preemptions']:8d}"
+            f"{r['policy']:9} {r['flood']!s:6} {r['light_ttft_p50_s']:12.3f} "
+            f"{r['light_ttft_p99_s']:12.3f} {r['light_ttft_p99_seen_s']:11.3f} "
+            f"{r['light_ttft_p99_steps']:10.1f} {r['step_p50_s']:11.3f} {heavy:>12} "
+            f"{r['heavy_tok_s']:12.1f} {r['heavy_share']:12.3f} {r['preemptions']:8d}"
         )
+    rows = [rows[0], rows[1], rows[3]]  # alone, fair (as configured), fcfs
     base = alone["light_ttft_p99_s"]
     print(
         json.dumps(
             {
                 "light_tenant_ttft_p99_ratio": round(rows[1]["light_ttft_p99_s"] / base, 3),
                 "light_tenant_ttft_p99_ratio_fcfs": round(rows[2]["light_ttft_p99_s"] / base, 3),
+                "light_tenant_ttft_p99_ratio_seen": round(
+                    rows[1]["light_ttft_p99_seen_s"] / alone["light_ttft_p99_seen_s"], 3
+                ),
+                "heavy_tok_s_fair_over_fcfs": round(
+                    rows[1]["heavy_tok_s"] / rows[2]["heavy_tok_s"], 3
+                ),
                 "light_ttft_p99_steps_fair": round(rows[1]["light_ttft_p99_steps"], 1),
                 "light_ttft_p99_steps_fcfs": round(rows[2]["light_ttft_p99_steps"], 1),
                 "heavy_share_fair": round(rows[1]["heavy_share"], 3),

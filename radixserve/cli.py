@@ -214,6 +214,21 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--schedule-conservativeness", type=float, default=1.0, help="decode reserve, 0..1"
     )
+    g.add_argument(
+        "--fair-step-prefill-tokens",
+        type=int,
+        default=128,
+        metavar="N",
+        help="policy fair: while a tenant served less is active, the tenants served more add "
+        "at most N prefill tokens per step between them (0: no cap)",
+    )
+    g.add_argument(
+        "--fair-active-window",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="policy fair: a tenant counts as active this long after its last request",
+    )
 
 
 def add_supervision_args(parser: argparse.ArgumentParser) -> None:
@@ -308,6 +323,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_queue_time_s": args.max_queue_time,
         "batch_wait_ms": args.batch_wait_ms,
         "schedule_conservativeness": args.schedule_conservativeness,
+        "fair_step_prefill_tokens": args.fair_step_prefill_tokens or None,
+        "fair_active_window_s": args.fair_active_window,
         "tensor_parallel_size": args.tensor_parallel_size,
         "nnodes": args.nnodes,
         "node_rank": args.node_rank,

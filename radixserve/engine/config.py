@@ -39,6 +39,11 @@ class EngineConfig:
     # Scales the decode reserve kept at admission: 0 admits as much as fits now (more
     # preemptions later), 1 is the default, smaller values trade safety for batch size.
     schedule_conservativeness: float = 1.0
+    # policy fair: while a tenant served less has been active (a request waiting or running)
+    # within fair_active_window_s, the tenants served more add at most this many prefill
+    # tokens per step between them (None: no cap)
+    fair_step_prefill_tokens: int | None = 128
+    fair_active_window_s: float = 10.0
     # No weights: instant synthetic tokens from a simulated device (for measuring the
     # scheduler, the API and the server around the model).
     simulated_device: bool = False
@@ -135,6 +140,10 @@ class EngineConfig:
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.fair_step_prefill_tokens is not None and self.fair_step_prefill_tokens < 1:
+            raise ValueError("fair_step_prefill_tokens must be >= 1 (None: no cap)")
+        if not self.fair_active_window_s >= 0:
+            raise ValueError("fair_active_window_s must be >= 0")
         if not 0 <= self.schedule_conservativeness <= 1:
             raise ValueError(
                 f"schedule_conservativeness must be in [0, 1], got {self.schedule_conservativeness}"

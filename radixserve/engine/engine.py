@@ -154,6 +154,8 @@ class Engine:
                 batch_wait_s=config.batch_wait_ms / 1000,
                 reserve_ratio_init=0.7 * config.schedule_conservativeness,
                 reserve_ratio_min=0.1 * config.schedule_conservativeness,
+                fair_step_prefill_tokens=config.fair_step_prefill_tokens,
+                fair_active_window_s=config.fair_active_window_s,
             ),
             self.kv_manager,
         )

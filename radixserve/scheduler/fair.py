@@ -120,6 +120,36 @@ class FairQueue(WaitingQueue):
             del self.by_tenant[name]
 
 
+class PrefillShares:
+    """(fair) The prefill tokens tenants may still add to the step being built: a tenant
+    named in ``limits`` has its own allowance (the yield to a tenant served less), and when
+    ``pool`` is not None every tenant also draws from that one allowance (the step's cap
+    while tenants share the engine). ``room`` is None for no limit.
+
+    Invariant: an allowance never goes below zero; ``take`` is only ever given at most
+    ``room`` tokens."""
+
+    def __init__(self, pool: int | None = None) -> None:
+        self.limits: dict[str, int] = {}
+        self.pool = pool
+
+    def room(self, name: str) -> int | None:
+        own = self.limits.get(name)
+        if self.pool is None:
+            return own
+        return self.pool if own is None else min(own, self.pool)
+
+    def take(self, name: str, n: int) -> None:
+        if name in self.limits:
+            self.limits[name] -= n
+        if self.pool is not None:
+            self.pool -= n
+
+    def cap(self, name: str, cut: int) -> None:
+        """At most ``cut`` more tokens for ``name`` (never raises an allowance)."""
+        self.limits[name] = min(self.limits.get(name, cut), cut)
+
+
 class FairPolicy:
     """Admission order of policy ``fair`` (see the module docstring). ``order`` is lazy: it
     picks the next tenant only when the scheduler asks for the next request, after the
@@ -145,6 +175,23 @@ class FairPolicy:
         self.window = window
         self._stamp = itertools.count(1)
         self._passed: set[str] = set()  # tenants passed over in the current ``order``
+        self._last_active: dict[str, float] = {}  # tenant -> last step it had requests
+
+    def shared(self, now: float, window: float) -> bool:
+        """Note the tenants with requests waiting or running as active at ``now``; True
+        when more than one tenant has been active within the last ``window`` seconds. A
+        tenant between two requests still counts for ``window`` seconds: a step scheduled
+        while it is idle is the one its next request will wait for."""
+        last = self._last_active
+        for name in self.queue.by_tenant:
+            last[name] = now
+        for req in self._running():
+            last[req.tenant.name] = now
+        if len(last) > 1:
+            since = now - window
+            for name in [n for n, t in last.items() if t < since]:
+                del last[name]
+        return len(last) > 1
 
     def order(self, waiting: WaitingQueue) -> Iterator[Request]:
         assert waiting is self.queue

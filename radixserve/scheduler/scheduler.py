@@ -19,6 +19,7 @@ from radixserve.scheduler.fair import (
     DEFAULT_PROMPT_WEIGHT,
     FairPolicy,
     FairQueue,
+    PrefillShares,
     VirtualTokenCounter,
 )
 from radixserve.scheduler.kv_manager import KVManager
@@ -58,6 +59,12 @@ class SchedulerConfig:
     # policy "fair": in a step that admits a request of a tenant served less, the prefill
     # chunks of tenants served more take at most this many tokens
     fair_prefill_yield_tokens: int = 0
+    # policy "fair": while more than one tenant has had a request waiting or running within
+    # the last ``fair_active_window_s`` seconds, a step computes at most this many prompt
+    # tokens (None: no cap): the step running when a tenant's next request arrives is
+    # short, so is its wait for it (one tenant alone keeps the whole budget)
+    fair_step_prefill_tokens: int | None = None  # (the engine's default: 128)
+    fair_active_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -76,6 +83,12 @@ class SchedulerConfig:
             raise ValueError("batch_wait must be >= 0")
         if not 0 <= self.reserve_ratio_min <= self.reserve_ratio_init <= 1:
             raise ValueError("need 0 <= reserve_ratio_min <= reserve_ratio_init <= 1")
+        if self.fair_prefill_yield_tokens < 0:
+            raise ValueError("fair_prefill_yield_tokens must be >= 0")
+        if self.fair_step_prefill_tokens is not None and self.fair_step_prefill_tokens < 1:
+            raise ValueError("fair_step_prefill_tokens must be >= 1 (None: no cap)")
+        if not self.fair_active_window_s >= 0:
+            raise ValueError("fair_active_window_s must be >= 0")
 
 
 @dataclass
@@ -309,7 +322,9 @@ class Scheduler:
         budget left."""
         fair = self._fair
         assert fair is not None
-        limits: dict[str, int] = {}
+        cut = self.config.fair_step_prefill_tokens
+        shared = cut is not None and fair.shared(self.clock(), self.config.fair_active_window_s)
+        limits = PrefillShares(cut if shared else None)
         at_start = fair.standing({r.tenant.name for r in held} | fair.waiting_tenants())
         first, later = fair.split_held(held) if held else ([], [])
         budget = self._schedule_held(first, budget, cap, scheduled, counts, failed, limits)
@@ -327,11 +342,11 @@ class Scheduler:
         scheduled: list[Request],
         counts: list[int],
         failed: list[Request],
-        limits: dict[str, int] | None = None,
+        limits: PrefillShares | None = None,
     ) -> int:
         """Prefill chunks held back by policy fair, in order, with the budget left (never
-        preempting: the growing is done) and ``limits`` (tokens left to each tenant named
-        in it this step; used up here). Returns the budget left."""
+        preempting: the growing is done) and ``limits`` (the tokens tenants may still add
+        to this step; used up here). Returns the budget left."""
         for req in held:
             if budget <= 0:
                 break
@@ -339,8 +354,9 @@ class Scheduler:
                 continue  # preempted meanwhile (to make room for an earlier one here)
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             name = req.tenant.name
-            if limits is not None and name in limits:
-                n = min(n, limits[name])
+            room = None if limits is None else limits.room(name)
+            if room is not None:
+                n = min(n, room)
                 if n <= 0:
                     continue
             grown = self.kv.grow(req, req.num_computed_tokens + n)
@@ -355,8 +371,8 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
                 self._fair.charge_prompt(req, req.num_computed_tokens + n)
-                if limits is not None and name in limits:
-                    limits[name] -= n
+                if limits is not None:
+                    limits.take(name, n)
         return budget
 
     def _take_proposals(self, req: Request, draft: np.ndarray, room: int, others: int) -> int:
@@ -400,7 +416,7 @@ class Scheduler:
         counts: list[int],
         failed: list[Request],
         spec: list[int] | None = None,
-        limits: dict[str, int] | None = None,
+        limits: PrefillShares | None = None,
         standing: dict[str, tuple[float, int]] | None = None,
     ) -> int:
         """Admit waiting requests in policy order; ``spec`` (proposals per scheduled decode,
@@ -433,7 +449,7 @@ class Scheduler:
                 if deferrals_left == 0:
                     break  # bounded work per step; the rest would most likely wait too
                 continue
-            limit = None if limits is None else limits.get(req.tenant.name)
+            limit = None if limits is None else limits.room(req.tenant.name)
             if limit is not None and limit <= 0:  # (fair) its share of the step is used up
                 self._fair.pass_over(req.tenant.name)
                 continue
@@ -466,8 +482,7 @@ class Scheduler:
             if self._fair is not None:  # charged now: the next admission sees it
                 self._fair.charge_prompt(req, req.num_computed_tokens + n)
             if limits is not None:
-                if req.tenant.name in limits:
-                    limits[req.tenant.name] -= n
+                limits.take(req.tenant.name, n)
                 if standing is not None and req.num_computed_tokens + n == req.num_tokens:
                     self._yield_to(req.tenant.name, limits, standing)
             key = self._prefix_key(req, req.num_computed_tokens) if self.kv.cache else None
@@ -478,7 +493,7 @@ class Scheduler:
         return budget
 
     def _yield_to(
-        self, name: str, limits: dict[str, int], standing: dict[str, tuple[float, int]]
+        self, name: str, limits: PrefillShares, standing: dict[str, tuple[float, int]]
     ) -> None:
         """(fair) Tenant ``name`` has a prompt finishing its prefill in this step: every
         tenant ranked after it at the step's start (a greater counter, or the same with more
@@ -489,7 +504,7 @@ class Scheduler:
         cut = self.config.fair_prefill_yield_tokens
         for other, rank in standing.items():
             if rank > mine:
-                limits[other] = min(limits.get(other, cut), cut)
+                limits.cap(other, cut)
 
     @staticmethod
     def _room(budget: int, limit: int | None) -> int:

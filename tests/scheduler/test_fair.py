@@ -26,12 +26,21 @@ def _prompts(rng: np.random.Generator, length: int):
     return rng.integers(0, 32000, length, dtype=np.int32)
 
 
-def _sim(policy: str, max_seqs: int, budget: int, chunk: int, pages: int, cache=False):
+def _sim(
+    policy: str,
+    max_seqs: int,
+    budget: int,
+    chunk: int,
+    pages: int,
+    cache=False,
+    step_cap: int | None = None,
+):
     config = SchedulerConfig(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
         long_prefill_threshold=chunk,
         policy=policy,
+        fair_step_prefill_tokens=step_cap,
     )
     return Simulator(config, num_pages=pages, page_size=16, cost=COST, enable_cache=cache)
 
@@ -128,9 +137,12 @@ def test_weight_two_tenant_gets_twice_the_service():
     assert 1.8 <= raw_a / raw_b <= 2.2, raw_a / raw_b
 
 
-def _flood(policy: str, cap: int | None = None, duration_s: float = 20.0):
+def _flood(
+    policy: str, cap: int | None = None, duration_s: float = 20.0, step_cap: int | None = None
+):
     """ "heavy" sends 1,024-token prompts far faster than they can be served; "light" one
-    64-token prompt every 0.5 s. Returns (simulation result, meter, bound in seconds)."""
+    64-token prompt every 0.5 s. Returns (simulation result, meter, bound in seconds);
+    ``meter.prompt_tokens`` holds the prompt tokens each step computed."""
     rng = np.random.default_rng(2)
     heavy, light = Tenant("heavy", max_running=cap), Tenant("light")
     h_in, h_out, l_in, l_out = 1024, 32, 64, 8
@@ -145,21 +157,30 @@ def _flood(policy: str, cap: int | None = None, duration_s: float = 20.0):
     max_seqs, chunk = 8, 256
     budget = max_seqs * chunk  # every running request gets a full chunk or a token each step
     pages = max_seqs * math.ceil((h_in + h_out) / 16) + 64  # memory never binds: no preemption
-    sim = _sim(policy, max_seqs, budget, chunk, pages)
+    sim = _sim(policy, max_seqs, budget, chunk, pages, step_cap=step_cap)
     meter = ServiceMeter()
     ends: list[float] = []  # when each step ended
+    prompt_tokens: list[int] = []
 
     light_first: dict[str, tuple[float, float]] = {}  # (arrival, first token) per request
 
     def on_step(batch, got):
         meter.step(batch, got, sim.scheduler)
         ends.append(sim.clock.now)
+        starts, counts = batch.starts.tolist(), batch.num_new_tokens.tolist()
+        prompt_tokens.append(
+            sum(
+                max(0, min(start + n, r.num_prompt_tokens) - start)
+                for r, start, n in zip(batch.requests, starts, counts, strict=True)
+            )
+        )
         for req in got:
             if req.tenant.name == "light" and req.request_id not in light_first:
                 light_first[req.request_id] = (req.arrival_time, sim.clock.now)
 
     result = sim.run(trace, on_step=on_step)
     meter.step_ends = ends
+    meter.prompt_tokens = prompt_tokens
     meter.light_first = list(light_first.values())
     meter.fair_preemptions = sim.scheduler.stats.num_fair_preemptions
     assert result.num_finished == len(trace) and result.num_failed == 0  # nothing starves
@@ -203,6 +224,86 @@ def test_light_tenant_first_token_within_a_few_steps_of_arrival():
     assert max(waits) <= 3, sorted(waits)[-5:]
     _, fcfs_meter, _ = _flood("fcfs")
     assert max(_steps_to_first_token(fcfs_meter)) > 30
+
+
+def test_while_tenants_share_the_engine_a_step_computes_at_most_the_cap():
+    """With ``fair_step_prefill_tokens``, every step scheduled while the light tenant is
+    active computes at most that many prompt tokens, so the step a light request arrives
+    in is short: its TTFT is at most that step and its own (3 steps allowed, as above),
+    well under the TTFT without the cap. The heavy tenant pays in throughput, boundedly."""
+    cap = 128
+    result, meter, _ = _flood("fair", step_cap=cap)
+    ends, tokens = np.asarray(meter.step_ends), np.asarray(meter.prompt_tokens)
+    first_arrival = min(a for a, _ in meter.light_first)
+    seen = min(f for _, f in meter.light_first)
+    last = max(f for _, f in meter.light_first)
+    shared = tokens[(ends > seen) & (ends <= last)]  # steps scheduled once light was seen
+    assert shared.size > 100 and shared.max() <= cap, shared.max()
+    assert tokens.max() > 4 * cap  # alone (before light came, after it left): full budget
+    # a capped step: its prompt tokens, a decode token per other row, and their KV
+    max_seqs, h_in, h_out = 8, 1024, 32
+    step = (
+        COST.step_s + COST.token_s * (cap + max_seqs) + COST.kv_token_s * max_seqs * (h_in + h_out)
+    )
+    later = [f - a for a, f in meter.light_first if a > seen]
+    assert max(later) <= 3 * step, (max(later), step)
+    assert max(_steps_to_first_token(meter)) <= 3
+    without, meter_without, _ = _flood("fair")
+    light, light_without = result.ttft_by_tenant["light"], without.ttft_by_tenant["light"]
+    assert max(light) < 0.5 * max(light_without), (max(light), max(light_without))
+    assert first_arrival < seen
+    # the heavy tenant's cost: the same work done in at most 10 % more time
+    assert meter.step_ends[-1] <= 1.10 * meter_without.step_ends[-1]
+    assert meter.service["heavy"] == meter_without.service["heavy"]
+
+
+def test_the_step_cap_is_off_for_a_tenant_alone_and_after_the_others_leave():
+    now = [0.0]
+    s = make(
+        num_pages=2048,
+        page_size=4,
+        budget=256,
+        max_seqs=8,
+        threshold=256,
+        policy="fair",
+        fair_step_prefill_tokens=32,
+        fair_active_window_s=5.0,
+    )
+    s.clock = lambda: now[0]
+    heavy, light = Tenant("heavy"), Tenant("light")
+
+    def prompt_tokens(batch) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for r, start, n in zip(
+            batch.requests, batch.starts.tolist(), batch.num_new_tokens.tolist(), strict=True
+        ):
+            out[r.tenant.name] += max(0, min(start + n, r.num_prompt_tokens) - start)
+        return out
+
+    for i in range(6):
+        s.add_request(Request(f"h{i}", [3 + i] * 600, SamplingParams(max_tokens=2), tenant=heavy))
+    batch = s.schedule()
+    assert prompt_tokens(batch)["heavy"] == 256  # alone: the whole budget
+    apply(s, batch, [])
+    now[0] = 1.0
+    s.add_request(Request("l0", [5] * 20, SamplingParams(max_tokens=1), tenant=light))
+    batch = s.schedule()
+    got = prompt_tokens(batch)
+    assert got["light"] == 20 and got["light"] + got["heavy"] <= 32, got
+    ended: list[Request] = []
+    apply(s, batch, ended)
+    assert [r.request_id for r in ended] == ["l0"]
+    for t in (2.0, 4.0, 5.9):  # light is idle, but within the window: still capped
+        now[0] = t
+        batch = s.schedule()
+        assert prompt_tokens(batch)["heavy"] <= 32
+        apply(s, batch, [])
+    now[0] = 6.5  # the window since light's last request has passed: the budget is back
+    batch = s.schedule()
+    assert prompt_tokens(batch)["heavy"] > 200
+    apply(s, batch, [])
+    run(s)
+    check_accounting(s)
 
 
 def _steps_to_first_token(meter: ServiceMeter) -> list[int]:
