@@ -7,6 +7,13 @@ after another), while a killer SIGKILLs one replica's engine process at random i
 (exponential with mean ``--kill-every`` seconds, clipped to [0.25, 3] × the mean, seeded by
 ``--seed``) and the replica's supervisor restarts it.
 
+Before all that, the light tenant runs alone through the router for ``--light-alone-s``
+seconds (no other tenant, no kill): the baseline of ``light_tenant_ttft_p99_ratio``, the
+light tenant's p99 TTFT during the rest (flood, mixed traffic and kills) over its p99 alone;
+``light_tenant_ttft_p99_ratio_between_kills`` leaves out the light requests that started
+or waited for their first token between a kill and the killed replica's return (when the
+deployment is one replica short).
+
 The engine process is killed, not the whole replica: the replica's HTTP server stays up and
 answers 503 ``engine_dead``/``engine_restarting`` until its engine is back, which is the
 path a replica takes in production when its engine crashes, and the one on which the
@@ -25,7 +32,8 @@ workers (it also counts requests a replica refused as overloaded, sent to anothe
 ``retried_around_kills`` the part of it from just before each kill until the router has
 the replica back. At the end each replica's engine must go idle and its KV pages all be free
 (``/debug/flush_cache``). The last line is JSON with ``lost``, ``unexpected_5xx``,
-``retried``, ``failed_midstream``, ``kills``, per-tenant TTFT and the rest; the exit code is
+``retried``, ``light_tenant_ttft_p99_ratio``, ``failed_midstream``, ``kills``, per-tenant
+TTFT and the rest; the exit code is
 1 if any of lost, unexpected_5xx, wrong, pages_leaked is non-zero.
 """
 
@@ -217,6 +225,14 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     replicas = [RouterSoak(args, p, "mixed", kill_times) for _, p in deployment.replicas]
     kill_log: list[dict[str, Any]] = []
     skipped = 0
+    # the light tenant alone through the router first (no other tenant, no kill): the
+    # baseline of light_tenant_ttft_p99_ratio
+    alone_until = time.monotonic() + args.light_alone_s
+    await light.light_one()  # one warm-up request, not counted
+    alone: list[Outcome] = []
+    while time.monotonic() < alone_until:
+        alone.append(await light.light_one())
+        await asyncio.sleep(args.light_gap)
     started = time.monotonic()
     deadline = started + args.duration
 
@@ -324,7 +340,24 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     )
 
     tenants = {"mixed": mixed.outcomes, "heavy": heavy.outcomes, "light": light.outcomes}
-    everything = [o for outs in tenants.values() for o in outs]
+    everything = [o for outs in tenants.values() for o in outs] + alone
+    # light requests under the flood: all of them, and those that neither started nor got
+    # their first token between a kill and the killed replica's return (one replica short)
+    windows = [
+        (k, k + (e["restart_s"] if e["restart_s"] is not None else args.restart_timeout))
+        for k, e in zip(kill_times, kill_log, strict=True)
+    ]
+
+    def clear(o: Outcome) -> bool:
+        end = o.started + (o.ttft_s or 0.0)
+        return not any(a - KILL_SLACK_S <= end and o.started <= b for a, b in windows)
+
+    def p99(outs: list[Outcome]) -> float | None:
+        ttfts = [o.ttft_s for o in outs if o.ttft_s is not None]
+        return percentiles(ttfts)["p99"] if ttfts else None
+
+    p_alone, p_flood = p99(alone), p99(light.outcomes)
+    p_clear = p99([o for o in light.outcomes if clear(o)])
     counts = Counter(o.outcome for o in everything)
     by_kind: dict[str, Counter] = {}
     for o in everything:
@@ -354,14 +387,20 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
             }
             for name, outs in tenants.items()
         },
-        "light_ttft_p99_s": percentiles([o.ttft_s for o in light.outcomes if o.ttft_s is not None])[
-            "p99"
-        ],
+        "light_ttft_p99_s": p_flood,
+        "light_alone_ttft_s": percentiles([o.ttft_s for o in alone if o.ttft_s is not None]),
+        "light_alone_requests": len(alone),
+        "light_tenant_ttft_p99_ratio": _ratio(p_flood, p_alone),
+        "light_tenant_ttft_p99_ratio_between_kills": _ratio(p_clear, p_alone),
         "kill_log": kill_log,
         "replicas": len(replicas),
         "duration_s": round(wall, 1),
         "examples": [f"{o.kind}: {o.outcome}: {o.detail}" for o in bad[:10]],
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
 
 
 def labelled_sum(text: str, name: str) -> float:
@@ -396,6 +435,13 @@ def run_router_soak(args: argparse.Namespace) -> int:
         print(f"{name:>8}: {t['requests']} requests, {t['ok']} ok, TTFT {t['ttft_s']}")
     print(f"kills {report['kills']} (restart s {[k['restart_s'] for k in report['kill_log']]})")
     print(
+        f"light TTFT p99: alone {report['light_alone_ttft_s']['p99']} s "
+        f"({report['light_alone_requests']} requests), under the flood "
+        f"{report['light_ttft_p99_s']} s: light_tenant_ttft_p99_ratio "
+        f"{report['light_tenant_ttft_p99_ratio']} "
+        f"({report['light_tenant_ttft_p99_ratio_between_kills']} between kills)"
+    )
+    print(
         f"retried {report['retried']} ({report['retried_around_kills']} around kills), "
         f"failed mid-stream {report['failed_midstream']}"
     )
@@ -421,6 +467,12 @@ def add_router_soak_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--replicas", type=int, default=2, help="serve processes (at least 2)")
     g.add_argument("--kill-every", type=float, default=15.0, help="mean seconds between kills")
+    g.add_argument(
+        "--light-alone-s",
+        type=float,
+        default=20.0,
+        help="seconds of the light tenant alone first (the ratio's baseline)",
+    )
     g.add_argument("--restart-timeout", type=float, default=120.0, help="seconds")
     g.add_argument("--router-policy", default="cache-aware", help="the router's --policy")
     g.add_argument("--router-health-interval", type=float, default=0.5, help="seconds")

@@ -76,6 +76,8 @@ def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
             "25",
             "--kill-every",
             "4",
+            "--light-alone-s",
+            "3",
             "--concurrency",
             "4",
             "--burst-every",
@@ -137,4 +139,8 @@ def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
     tenants = report["tenants"]
     assert all(tenants[t]["ok"] >= 1 for t in ("mixed", "heavy", "light"))
     assert report["light_ttft_p99_s"] is not None
+    assert report["light_alone_requests"] >= 3  # the light tenant alone first: the baseline
+    assert report["light_tenant_ttft_p99_ratio"] == round(
+        report["light_ttft_p99_s"] / report["light_alone_ttft_s"]["p99"], 3
+    )
     assert proc.returncode == 0, stderr[-3000:]
