@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument(
         "--fair-step-prefill-tokens",
         type=int,
-        default=128,
+        default=256,
         help="fair: prompt tokens per step while more than one tenant is active (0: no cap; "
         "the table also shows fair without the cap)",
     )

@@ -42,7 +42,7 @@ class EngineConfig:
     # policy fair: while a tenant served less has been active (a request waiting or running)
     # within fair_active_window_s, the tenants served more add at most this many prefill
     # tokens per step between them (None: no cap)
-    fair_step_prefill_tokens: int | None = 128
+    fair_step_prefill_tokens: int | None = 256
     fair_active_window_s: float = 10.0
     # No weights: instant synthetic tokens from a simulated device (for measuring the
     # scheduler, the API and the server around the model).
