@@ -46,8 +46,11 @@ def encode_blocks(type_name: str, rows: int, cols: int, seed: int, std: float = 
     nb = cols // QK_K
     if type_name == "Q2_K":  # 4-bit scales and mins 16, qs 64, d, dmin
         body = rng.integers(0, 256, size=(rows, nb, 16 + 64), dtype=np.uint8)
+        # dmin = 1.5 d: the mins offset the codes' mean (1.5 sc) on average, as in a real
+        # file (weights far from zero mean make the tiny models' bfloat16 runs part from
+        # float32 ones at the first steps)
         d = _f16_bytes(np.full((rows, nb), 2 * std / (4 * 8)))
-        dmin = _f16_bytes(np.full((rows, nb), std / 8))
+        dmin = _f16_bytes(np.full((rows, nb), 1.5 * 2 * std / (4 * 8)))
         return np.concatenate([body, d, dmin], axis=-1).reshape(rows, -1)
     if type_name == "Q3_K":  # hmask 32, qs 64, 12 bytes of packed 6-bit scales, d
         body = rng.integers(0, 256, size=(rows, nb, 32 + 64 + 12), dtype=np.uint8)
