@@ -33,17 +33,29 @@ def _f16_bytes(values: np.ndarray) -> np.ndarray:
 def encode_blocks(type_name: str, rows: int, cols: int, seed: int, std: float = 0.05) -> np.ndarray:
     """Valid raw blocks of ``type_name`` for a [rows, cols] tensor of about ``std``: the
     gguf package's own quantizer where it has one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); for the
-    K-quants (it has none) random codes, random 6-bit (Q6_K: 8-bit) sub-block scales and
-    mins, and float16 super-block scales sized for ``std``. The reference for everything
-    is the gguf package's dequantizer, whatever made the bytes."""
+    K-quants (it has none) random codes, random 6-bit (Q2_K: 4-bit, Q6_K: 8-bit) sub-block
+    scales and mins, and float16 super-block scales sized for ``std``. The reference for
+    everything is the gguf package's dequantizer, whatever made the bytes."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
     rng = np.random.default_rng(seed)
-    if type_name not in ("Q4_K", "Q5_K", "Q6_K"):
+    if type_name not in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
         w = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
         return quantize(w, GGMLQuantizationType[type_name])
     nb = cols // QK_K
+    if type_name == "Q2_K":  # 4-bit scales and mins 16, qs 64, d, dmin
+        body = rng.integers(0, 256, size=(rows, nb, 16 + 64), dtype=np.uint8)
+        # dmin = 1.5 d: the mins offset the codes' mean (1.5 sc) on average, as in a real
+        # file (weights far from zero mean make the tiny models' bfloat16 runs part from
+        # float32 ones at the first steps)
+        d = _f16_bytes(np.full((rows, nb), 2 * std / (4 * 8)))
+        dmin = _f16_bytes(np.full((rows, nb), 1.5 * 2 * std / (4 * 8)))
+        return np.concatenate([body, d, dmin], axis=-1).reshape(rows, -1)
+    if type_name == "Q3_K":  # hmask 32, qs 64, 12 bytes of packed 6-bit scales, d
+        body = rng.integers(0, 256, size=(rows, nb, 32 + 64 + 12), dtype=np.uint8)
+        d = _f16_bytes(np.full((rows, nb), 2 * std / (4 * 32)))
+        return np.concatenate([body, d], axis=-1).reshape(rows, -1)
     if type_name == "Q6_K":  # ql 128, qh 64, int8 scales 16, d
         body = rng.integers(0, 256, size=(rows, nb, 192), dtype=np.uint8)
         scales = rng.integers(-64, 64, size=(rows, nb, 16)).astype(np.int8).view(np.uint8)
@@ -82,6 +94,25 @@ def test_codes_equal_gguf_dequantize(type_name):
     assert err <= 2.0**-22 * ref.abs().max().item(), err
 
 
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K"])
+def test_low_bit_k_quants_fold_their_sub_block_scales(type_name):
+    """Q2_K / Q3_K: the sub-block scale is folded into the code, so the scale left is the
+    super-block's float16 ``d`` (Q3_K: ``-d``) itself; the codes span their whole range
+    (Q3_K's -128 from q = -4 at a sub-scale of -32 among them, at 4000 rows of random
+    blocks)."""
+    rows, cols = 4000, 256
+    raw = encode_blocks(type_name, rows, cols, seed=3)
+    codes = decode_codes(raw, type_name, (rows, cols))
+    d = raw.reshape(rows, -1)[:, -4:-2] if type_name == "Q2_K" else raw.reshape(rows, -1)[:, -2:]
+    d = torch.from_numpy(np.ascontiguousarray(d).view(np.float16).astype(np.float32))
+    want = d if type_name == "Q2_K" else -d
+    assert torch.equal(codes.scale, want.expand_as(codes.scale))
+    assert torch.equal(codes.scale.half().float(), codes.scale)  # float16 holds it exactly
+    lo, hi = (0, 45) if type_name == "Q2_K" else (-128, 124)
+    assert (int(codes.q.min()), int(codes.q.max())) == (lo, hi)
+    assert (codes.zero is not None) == (type_name == "Q2_K")
+
+
 def _group_bound(ref: torch.Tensor, group: int, rel: float) -> torch.Tensor:
     rows, cols = ref.shape
     gmax = ref.reshape(rows, cols // group, group).abs().amax(dim=2, keepdim=True)
@@ -117,12 +148,24 @@ def test_executed_weights_match_gguf_dequantize(type_name):
         bound = _group_bound(ref, group, 2.0**-10)
     err = (_executed_weight(layer) - ref).abs()
     assert torch.all(err <= bound + 1e-9), (err - bound).max()
+    if type_name in EXACT:  # every scale and zero a float16 as it is: no rounding at all
+        assert err.max().item() <= 2.0**-22 * ref.abs().max().item(), err.max()
 
 
-def test_fused_parts_of_different_types_stay_exact():
-    """q/k/v of Q4_K, Q5_0 and Q6_K fused into one layer: the widest form (int8, groups of
-    16, zero points) holds each part's values as they are."""
-    shapes = [("Q4_K", 32), ("Q5_0", 16), ("Q6_K", 16)]
+# the types whose executed weights are the file's exactly (docs/models.md says so)
+EXACT = ("Q3_K", "Q5_0", "Q5_1", "Q8_0")
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [("Q4_K", 32), ("Q5_0", 16), ("Q6_K", 16)],
+        [("Q3_K", 32), ("Q2_K", 16), ("Q4_K", 16)],
+    ],
+)
+def test_fused_parts_of_different_types_stay_exact(shapes):
+    """q/k/v of Q4_K, Q5_0 and Q6_K (or Q3_K, Q2_K and Q4_K) fused into one layer: the
+    widest form (int8, groups of 16, zero points) holds each part's values as they are."""
     parts, refs = [], []
     for i, (type_name, rows) in enumerate(shapes):
         raw = encode_blocks(type_name, rows, 256, seed=10 + i)

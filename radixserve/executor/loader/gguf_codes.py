@@ -8,6 +8,8 @@ same arithmetic as the ``gguf`` package's dequantizers, which are the reference:
 ========  =====  ===========  =======================================================
 type      group  q            scale, zero
 ========  =====  ===========  =======================================================
+Q2_K      16     0..45        d, -dmin m[j]       (q = sc[j] q2: the 4-bit sub-scale folded in)
+Q3_K      32     -128..124    -d, none            (q = -(sc[j] - 32) q3: the 6-bit one folded in)
 Q4_0      32     -8..7        d, none
 Q4_1      32     -8..7        d, m + 8 d
 Q4_K      32     -8..7        d sc[j], 8 d sc[j] - dmin m[j]
@@ -21,6 +23,13 @@ Q8_0      32     -127..127    d, none
 The 4-bit types (``bits == 4``) fit the int4 kernels (code ``q + 8`` in 0..15), the others
 the int8 group-wise ones. Scales and zeros are float32 here, exact (a float16 times an
 integer below 2**8); the kernels round them to 16 bits.
+
+Q2_K and Q3_K (2- and 3-bit codes, a sub-block scale per 16 inputs, a float16 ``d`` per
+256) fold the sub-block scale into the code, which still fits a byte, so the scale left is
+the super-block's float16 ``d`` itself (Q3_K: ``-d``, which keeps ``q`` in -128..124):
+no rounding of it at all in the int8 kernels' float16 scales. Q3_K then has one scale per
+256 inputs (any group dividing 256 holds it; 32, as the other int8 types); Q2_K keeps
+groups of 16 for its zeros ``-dmin m[j]``, which float16 rounds as Q5_K's.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ import torch
 QK_K = 256
 # GGML type name -> (group, bits of the codes' range)
 CODE_TYPES: dict[str, tuple[int, int]] = {
+    "Q2_K": (16, 8),
+    "Q3_K": (32, 8),
     "Q4_0": (32, 4),
     "Q4_1": (32, 4),
     "Q4_K": (32, 4),
@@ -139,6 +150,44 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+def _q2_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q2_K blocks [n, nb, 84] (scales 16, qs 64, d, dmin) → scale [n, nb, 16] (``d``),
+    zero [n, nb, 16] (``-dmin m[j]``) and codes [n, nb, 16, 16] (``sc[j] q``, 0..45), element
+    ``32 (4 h + s) + l`` of a block being bits ``2 s`` of byte ``32 h + l`` (gguf's rule)."""
+    n, nb = blocks.shape[:2]
+    scales, qs = blocks[..., 0:16], blocks[..., 16:80]
+    d, dmin = _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])  # [n, nb, 1]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    q2 = (qs.reshape(n, nb, 2, 1, 32) >> shifts) & 3  # [n, nb, half, shift, 32]
+    sc = (scales & 0x0F).reshape(n, nb, 16, 1)
+    q = (q2.reshape(n, nb, 16, 16) * sc).astype(np.int8)  # at most 3 * 15
+    scale = np.broadcast_to(d, (n, nb, 16))
+    zero = -(dmin * (scales >> 4).astype(np.float32))
+    return scale, zero, q
+
+
+def _q3_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q3_K blocks [n, nb, 110] (hmask 32, qs 64, 12 bytes of packed 6-bit scales, d) →
+    scale [n, nb, 8] (``-d`` per group of 32) and codes [n, nb, 16, 16]
+    (``-(sc[j] - 32) q``, ``q`` = the 2 low bits minus 4 where the hmask bit is 0; in
+    -128..124), in gguf's element order (as ``_q2_k``; hmask bit ``e // 32`` of byte
+    ``e % 32``)."""
+    n, nb = blocks.shape[:2]
+    hmask, qs, packed = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    d = _f16(blocks[..., 108:110])  # [n, nb, 1]
+    low = packed[..., 0:8].reshape(n, nb, 1, 8) >> np.array([0, 4], dtype=np.uint8)[:, None]
+    high = packed[..., 8:12].reshape(n, nb, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    sc6 = (low.reshape(n, nb, 16) & 0x0F) | ((high.reshape(n, nb, 16) & 0x03) << 4)
+    sc = sc6.astype(np.int16) - 32  # -32..31
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    q2 = (qs.reshape(n, nb, 2, 1, 32) >> shifts) & 3  # [n, nb, half, shift, 32]
+    hbit = (hmask.reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    q3 = q2.reshape(n, nb, 16, 16).astype(np.int16) - 4 * (1 - hbit.reshape(n, nb, 16, 16))
+    q = (-(q3 * sc[..., None])).astype(np.int8)  # -(-4 * -32) = -128 fits; 128 would not
+    scale = np.broadcast_to(-d, (n, nb, QK_K // 32))
+    return scale, q
+
+
 def decode_codes(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GroupCodes:
     """The codes of a tensor of ``shape`` [N, K] from its raw blocks (uint8, any shape
     holding them in order). ``ValueError`` for a type not in ``CODE_TYPES``."""
@@ -192,6 +241,10 @@ def decode_codes(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Gro
             q = (low | (high.reshape(n, k // QK_K, 4, 2, 32) << 4)).astype(np.int8)
             zero = -m
         scale, zero = scale.reshape(n, -1), zero.reshape(n, -1)
+    elif type_name == "Q2_K":
+        scale, zero, q = _q2_k(b.reshape(n, k // QK_K, -1))
+    elif type_name == "Q3_K":
+        scale, q = _q3_k(b.reshape(n, k // QK_K, -1))
     else:  # Q6_K
         blocks = b.reshape(n, k // QK_K, -1)
         ql = blocks[..., 0:128].reshape(n, -1, 2, 64)
