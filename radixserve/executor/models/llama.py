@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixserve.executor.attention import AttentionBackend
+from radixserve.executor import decode_program
+from radixserve.executor.attention import AttentionBackend, TorchNativeMetadata
 from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.layers.attention import AttentionSpec
 from radixserve.executor.layers.linear import Linear, fused
@@ -106,6 +107,10 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype
         )
+        # one-token decode steps as one native call (executor/decode_program.py), built at
+        # the first such step for its attention backend; None: not looked at yet
+        self._program: decode_program.DecodeProgram | None = None
+        self._program_for: object | None = None  # the backend it was built (or refused) for
 
     def forward(
         self,
@@ -115,6 +120,10 @@ class LlamaForCausalLM:
         attn_meta: object,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
+        if input_ids.shape[0] == 1:
+            program = self._decode_program(attention, attn_meta)
+            if program is not None and program.accepts(input_ids, positions, attn_meta):
+                return program.run(input_ids, positions, attn_meta)
         c = self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
@@ -149,6 +158,27 @@ class LlamaForCausalLM:
             sublayer_out = self.tp.reduce(self._mlp(w, x))
         return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
 
+    def _decode_program(
+        self, attention: AttentionBackend, meta: object
+    ) -> decode_program.DecodeProgram | None:
+        """The one-call decode program for a one-token decode step over ``attention`` (None:
+        this step or this model runs op by op)."""
+        if (
+            not isinstance(meta, TorchNativeMetadata)
+            or meta.decode is None
+            or not meta.decode.whole_batch
+            or meta.decode.prefix is not None
+        ):
+            return None
+        program = self._program
+        if self._program_for is not attention or (
+            program is not None
+            and (not program.matches(self) or program.threads != torch.get_num_threads())
+        ):
+            program = decode_program.build(self, attention)
+            self._program, self._program_for = program, attention
+        return program
+
     def attention_specs(self) -> list[AttentionSpec]:
         c = self.config
         scale = c.head_dim**-0.5
@@ -160,6 +190,7 @@ class LlamaForCausalLM:
     def use_layer_ops(self, ops: LayerOps) -> None:
         """Run the row-wise ops with ``ops`` (the CUDA path's Triton kernels)."""
         self.ops = ops
+        self._program = self._program_for = None
 
     def to_device(self, device: torch.device) -> None:
         """Move the rotary tables to ``device`` (the loader placed the weights)."""

@@ -1,0 +1,134 @@
+"""The one-call decode program (executor/decode_program.py) against the op-by-op forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve import LLM
+from radixserve.executor import decode_program
+from radixserve.executor.models.llama import LlamaForCausalLM
+from tests.executor.test_gguf_codes import LAYER_TENSORS, MIXED, write_gguf
+from tests.helpers import greedy
+
+PROMPTS = [[5, 17, 101, 9], [200, 3], [42]]
+
+
+def _run_both(monkeypatch, llm: LLM) -> dict[str, int]:
+    """Generates each prompt alone (batch-1 decode steps) with every one-token step run
+    twice, through the program and op by op (the second writes the same KV again), and
+    asserts the hidden states are equal bit for bit. Returns the step counts."""
+    seen = {"one_token": 0, "program": 0}
+    forward = LlamaForCausalLM.forward
+
+    def both(self, input_ids, positions, attention, meta):
+        out = forward(self, input_ids, positions, attention, meta)
+        if input_ids.shape[0] == 1:
+            seen["one_token"] += 1
+            program = self._program
+            if program is not None:
+                seen["program"] += 1
+                self._program = None  # built for this backend: the op-by-op path
+                try:
+                    plain = forward(self, input_ids, positions, attention, meta)
+                finally:
+                    self._program = program
+                assert torch.equal(out, plain), (out.float() - plain.float()).abs().max()
+        return out
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", both)
+    for prompt in PROMPTS:
+        llm.generate([prompt], greedy(9, logprobs=2), use_tqdm=False)
+        llm.engine.check_idle()  # every page back
+    return seen
+
+
+@pytest.mark.parametrize("types", ["Q4_1", "Q8_0", "mixed"])
+def test_program_equals_op_by_op(tmp_path, monkeypatch, types):
+    """A tiny GGUF file run by ``auto`` (int4 panels, int8 group panels, or both in one
+    model, tied Q8_0 head): every batch-1 decode step goes through the program, and its
+    hidden states equal the op-by-op forward's exactly."""
+    table = MIXED if types == "mixed" else {name: types for name in LAYER_TENSORS}
+    path = write_gguf(tmp_path / f"tiny-{types}.gguf", table, tied="Q8_0")
+    llm = LLM(str(path))
+    try:
+        if (
+            decode_program.load_decode_program() is None
+            or decode_program.load_int4_panels() is None
+        ):
+            pytest.skip("the native kernels are not built on this machine")
+        seen = _run_both(monkeypatch, llm)
+    finally:
+        llm.engine.close()
+    # 8 decode steps a prompt, and the one-token prompt's own step
+    assert seen["program"] == seen["one_token"] == len(PROMPTS) * 8 + 1
+
+
+def test_program_greedy_and_logprobs_unchanged(tmp_path, monkeypatch):
+    """Tokens and logprobs of greedy batch-1 generations with the program and without it
+    (``build`` refusing every model) are the same."""
+    path = write_gguf(tmp_path / "tiny-Q4_0.gguf", {n: "Q4_0" for n in LAYER_TENSORS}, tied="Q8_0")
+    llm = LLM(str(path))
+    try:
+        runs = []
+        for refuse in (False, True):
+            if refuse:
+                monkeypatch.setattr(decode_program, "build", lambda model, attention: None)
+            llm.engine.runner.model._program_for = None  # look again
+            outs = [
+                llm.generate([p], greedy(9, logprobs=3), use_tqdm=False)[0].outputs[0]
+                for p in PROMPTS
+            ]
+            llm.engine.check_idle()
+            used = llm.engine.runner.model._program is not None
+            runs.append(
+                (
+                    used,
+                    [
+                        (o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs])
+                        for o in outs
+                    ],
+                )
+            )
+    finally:
+        llm.engine.close()
+    (used_fast, fast), (used_plain, plain) = runs
+    if decode_program.load_decode_program() is None:
+        pytest.skip("the native kernels are not built on this machine")
+    assert used_fast and not used_plain
+    assert fast == plain
+
+
+def test_program_not_built_for_bfloat16_layers(tiny_llama):
+    """A model whose dense layers are bfloat16 ``Linear``s (oneDNN) runs op by op."""
+    llm = LLM(str(tiny_llama), quantization="none")
+    try:
+        llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)
+        llm.engine.check_idle()
+        model = llm.engine.runner.model
+        assert model._program_for is not None and model._program is None
+    finally:
+        llm.engine.close()
+
+
+def test_program_rebuilt_when_the_layers_change(tmp_path, monkeypatch):
+    """Replacing a layer's linear after the program was built makes the next step build
+    a new one (the old one points at the old weights)."""
+    path = write_gguf(tmp_path / "tiny-Q4_1.gguf", {n: "Q4_1" for n in LAYER_TENSORS}, tied="Q8_0")
+    llm = LLM(str(path))
+    try:
+        llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+        model = llm.engine.runner.model
+        first = model._program
+        if first is None:
+            pytest.skip("the native kernels are not built on this machine")
+        layer = model.layers[0]
+        q, scale, zero = layer.down.codes()
+        layer.down = type(layer.down)(q, scale, zero, layer.down.group_size)
+        assert not first.matches(model)
+        llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+        llm.engine.check_idle()
+        assert model._program is not None and model._program is not first
+        assert model._program.matches(model)
+    finally:
+        llm.engine.close()
