@@ -14,11 +14,13 @@ rank, the native ``LayerOps``, the native KV write and paged decode, no per-head
 and every dense layer held as int4 panels or int8 group panels without a bias (what
 ``--quantization auto`` makes of a Q4_0/Q4_1/Q8_0 GGUF file; a bfloat16 ``Linear`` goes
 through oneDNN, which has no entry point here). Elsewhere ``build`` returns None and the
-model keeps its op-by-op forward.
+model keeps its op-by-op forward; ``RADIXSERVE_DECODE_PROGRAM=0`` (or ``ENABLED = False``
+before a model's first step) keeps it everywhere.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,8 @@ from radixserve.executor.quant import Int4Linear, Int8GroupLinear
 # op kinds and the row width of native/decode_program.c
 _EMBED, _NORM, _INT4, _INT8, _ROTARY, _KV_WRITE, _DECODE, _SILU = range(1, 9)
 _OP_WIDTH = 20
+
+ENABLED = os.environ.get("RADIXSERVE_DECODE_PROGRAM", "1") != "0"
 
 
 def _bits(value: float) -> int:
@@ -296,7 +300,8 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
     None where a step's op has no native kernel (see the module docstring)."""
     c = model.config
     if (
-        load_decode_program() is None
+        not ENABLED
+        or load_decode_program() is None
         or not isinstance(attention, TorchNativeAttention)
         or attention.native is None
         or type(model.ops) is not LayerOps
