@@ -8,8 +8,16 @@ import torch
 from radixserve import LLM
 from radixserve.executor import decode_program
 from radixserve.executor.models.llama import LlamaForCausalLM
-from tests.executor.test_gguf_codes import LAYER_TENSORS, MIXED, write_gguf
-from tests.helpers import greedy
+from tests.executor.test_gguf_codes import (
+    LAYER_TENSORS,
+    MIXED,
+    NEW_TOKENS,
+    TIE_MARGIN,
+    _hf_top,
+    write_gguf,
+)
+from tests.executor.test_gguf_codes import PROMPTS as HF_PROMPTS
+from tests.helpers import greedy, hf_greedy
 
 PROMPTS = [[5, 17, 101, 9], [200, 3], [42]]
 
@@ -132,3 +140,67 @@ def test_program_rebuilt_when_the_layers_change(tmp_path, monkeypatch):
         assert model._program.matches(model)
     finally:
         llm.engine.close()
+
+
+def test_program_refuses_an_id_or_position_out_of_range(tmp_path, monkeypatch):
+    """A token id beyond the vocabulary or a position beyond the rotary tables: the
+    program raises instead of reading past a table."""
+    path = write_gguf(tmp_path / "tiny-Q4_1.gguf", {n: "Q4_1" for n in LAYER_TENSORS}, tied="Q8_0")
+    llm = LLM(str(path))
+    steps = []
+    forward = LlamaForCausalLM.forward
+
+    def keep(self, input_ids, positions, attention, meta):
+        if input_ids.shape[0] == 1:
+            steps.append((input_ids.clone(), positions.clone(), meta))
+        return forward(self, input_ids, positions, attention, meta)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", keep)
+    try:
+        llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False)
+        llm.engine.check_idle()
+        program = llm.engine.runner.model._program
+        if program is None:
+            pytest.skip("the native kernels are not built on this machine")
+        ids, positions, meta = steps[-1]
+        vocab = llm.engine.runner.model.config.vocab_size
+        tables = llm.engine.runner.model.rotary.cos.shape[0]
+        with pytest.raises(RuntimeError, match="op 0 refused"):
+            program.run(torch.tensor([vocab]), positions, meta)
+        with pytest.raises(RuntimeError, match="op 3 refused"):  # layer 0's rotary
+            program.run(ids, torch.tensor([tables]), meta)
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("types", ["Q4_1", "mixed"])
+def test_batch1_greedy_equals_transformers(tmp_path, types):
+    """Each prompt alone (every decode step through the program): greedy continuations
+    equal transformers' (float32, the file's dequantized weights) up to the first near-tie
+    of transformers' logits (``TIE_MARGIN``, as ``test_tiny_file_greedy_equals_transformers``,
+    whose prompts decode together and so never reach the program); at least half the
+    tokens are compared."""
+    table = MIXED if types == "mixed" else {name: types for name in LAYER_TENSORS}
+    path = write_gguf(tmp_path / f"tiny-{types}.gguf", table, tied="Q8_0")
+    llm = LLM(str(path))
+    try:
+        ours = []
+        for prompt in HF_PROMPTS:
+            ours.append(
+                llm.generate([prompt], greedy(NEW_TOKENS), use_tqdm=False)[0].outputs[0].token_ids
+            )
+            llm.engine.check_idle()
+        if llm.engine.runner.model._program is None:
+            pytest.skip("the native kernels are not built on this machine")
+    finally:
+        llm.engine.close()
+    theirs = hf_greedy(tmp_path, HF_PROMPTS, NEW_TOKENS, gguf_file=path.name)
+    tops = _hf_top(tmp_path, path.name, [p + t for p, t in zip(HF_PROMPTS, theirs, strict=True)])
+    compared = 0
+    for prompt, mine, want, (_, lead) in zip(HF_PROMPTS, ours, theirs, tops, strict=True):
+        gaps = lead[len(prompt) - 1 : len(prompt) - 1 + NEW_TOKENS]
+        ties = (gaps < TIE_MARGIN).nonzero()
+        cut = int(ties[0]) if len(ties) else NEW_TOKENS
+        assert mine[:cut] == want[:cut], (cut, mine, want, gaps)
+        compared += cut
+    assert compared >= len(HF_PROMPTS) * NEW_TOKENS // 2, compared
