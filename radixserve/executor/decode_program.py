@@ -21,6 +21,7 @@ before a model's first step) keeps it everywhere.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ import torch
 
 from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetadata
 from radixserve.executor.layer_ops import LayerOps
+from radixserve.executor.layers.norms import rms_norm
 from radixserve.executor.native import (
     address,
     load_decode_program,
@@ -53,9 +55,11 @@ class DecodeProgram:
     """The calls of one decode step of one token, in order, over buffers it owns.
 
     Invariant: ``run`` computes what the model's op-by-op forward computes for one token
-    (the same kernels on the same arguments), for the ``layers`` list and linears it was
-    built from (``matches`` says whether the model still holds those), the KV cache of
-    ``attention`` and ``threads`` threads; the tensor it returns is its own (a copy)."""
+    (the same kernels on the same arguments, and the same PyTorch ops where a model has
+    an op with no native kernel: ``hooks`` run between the native segments), for the
+    linears it was built from (``matches`` says whether the model still holds them), the
+    KV cache of ``attention`` and ``threads`` threads; the tensor it returns is its own
+    (a copy)."""
 
     def __init__(self, model: Any, attention: TorchNativeAttention, threads: int) -> None:
         self.attention = attention
@@ -63,189 +67,197 @@ class DecodeProgram:
         self.linears = _linears(model)
         self.lib = load_decode_program()
         c = model.config
-        hidden, heads, kv_heads, d = (
+        self.model = model
+        self.hidden, self.heads, self.kv_heads, self.d = (
             c.hidden_size,
             c.num_attention_heads,
             c.num_key_value_heads,
             c.head_dim,
         )
-        q_size, kv_size = heads * d, kv_heads * d
-        bf16 = torch.bfloat16
+        self.q_size, self.kv_size = self.heads * self.d, self.kv_heads * self.d
+        self.eps = _bits(c.rms_norm_eps)
         ew = load_elementwise()
-        norm, rotary, silu = (
+        self._norm_fn, self._rotary_fn, self._silu_fn = (
             address(getattr(ew, f"{n}_bf16")) for n in ("add_rms_norm", "rotary", "silu_and_mul")
         )
-        kv_write = address(ew.kv_write)
+        self._kv_write_fn = address(ew.kv_write)
         int4, int8 = load_int4_panels(), load_int8_panels()
-        decode = address(attention.native.paged_decode_bf16)
-        cache = attention.kv_cache
-        page_size = cache.page_size
-        # activations: the residual stream, a normed row, each projection's output
+        self._int4_fn = 0 if int4 is None else address(int4.int4_panels_gemm_bf16)
+        self._int8_fn = 0 if int8 is None else address(int8.int8_panels_gemm_bf16)
+        self._decode_fn = address(attention.native.paged_decode_bf16)
+        bf16 = torch.bfloat16
+        hidden = self.hidden
+        # activations: the residual stream, normed rows, each projection's output
         self.residual = torch.empty(1, hidden, dtype=bf16)
         self.normed = torch.empty(1, hidden, dtype=bf16)
-        self.qkv = torch.empty(1, q_size + 2 * kv_size, dtype=bf16)
-        self.attn = torch.empty(1, heads * d, dtype=bf16)
+        self.qkv = torch.empty(1, self.q_size + 2 * self.kv_size, dtype=bf16)
+        self.attn = torch.empty(1, self.q_size, dtype=bf16)
         self.o = torch.empty(1, hidden, dtype=bf16)
+        self.o_normed = torch.empty(1, hidden, dtype=bf16)
         self.gate_up = torch.empty(1, 2 * c.intermediate_size, dtype=bf16)
         self.act = torch.empty(1, c.intermediate_size, dtype=bf16)
         self.down = torch.empty(1, hidden, dtype=bf16)
+        self.down_normed = torch.empty(1, hidden, dtype=bf16)
         self.out = torch.empty(1, hidden, dtype=bf16)
         k_max = max(int(w.in_features) for w in self.linears)
         # per-call scratch of the GEMM kernels (sized for the widest input)
         self.xs = torch.empty(k_max, dtype=torch.float32)  # group sums (>= k / group)
         self.xp = torch.empty(k_max, dtype=torch.int32)  # int4: x as bf16 pairs (k / 2)
         self.xt = torch.empty(k_max, dtype=torch.float32)  # int8: x as float32 (k)
-        ops: list[list[int]] = []
-        eps = _bits(c.rms_norm_eps)
-        nt = threads
-        rows_nt = 1  # one row: the row-parallel kernels on one thread, no wake-ups
-
-        def ptr(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.data_ptr()
-
-        def linear(w: Any, x: torch.Tensor, y: torch.Tensor) -> list[int]:
-            if isinstance(w, Int4Linear):
-                return [
-                    _INT4,
-                    address(int4.int4_panels_gemm_bf16),
-                    ptr(x),
-                    w.in_features,
-                    ptr(w.panels),
-                    ptr(w.psz),
-                    w.out_features,
-                    w.group_size,
-                    ptr(self.xs),
-                    ptr(self.xp),
-                    ptr(y),
-                    nt,
-                ]
-            return [
-                _INT8,
-                address(int8.int8_panels_gemm_bf16),
-                ptr(x),
-                w.in_features,
-                ptr(w.panels),
-                ptr(w.scale),
-                ptr(w.zero),
-                w.out_features,
-                w.group_size,
-                ptr(self.xt),
-                ptr(self.xs),
-                ptr(y),
-                nt,
-            ]
-
-        embed = model.embed
-        ops.append([_EMBED, 0, ptr(self.residual), ptr(embed), hidden * 2, embed.shape[0]])
-        rot = model.rotary
-        specs = attention.specs
-        q_ptr = ptr(self.qkv)
-        k_ptr = q_ptr + 2 * q_size
-        v_ptr = k_ptr + 2 * kv_size
-        add: torch.Tensor | None = None
-        for i, lay in enumerate(model.layers):
-            ops.append(
-                [
-                    _NORM,
-                    norm,
-                    ptr(add),
-                    ptr(self.residual),
-                    ptr(lay.input_norm),
-                    ptr(self.normed),
-                    hidden,
-                    eps,
-                    rows_nt,
-                ]
-            )
-            ops.append(linear(lay.qkv, self.normed, self.qkv))
-            ops.append(
-                [
-                    _ROTARY,
-                    rotary,
-                    q_ptr,
-                    heads + kv_heads,
-                    d,
-                    ptr(rot.cos),
-                    ptr(rot.sin_signed),
-                    rot.cos.shape[0],
-                    rows_nt,
-                ]
-            )
-            ops.append(
-                [
-                    _KV_WRITE,
-                    kv_write,
-                    k_ptr,
-                    v_ptr,
-                    ptr(cache._k_layers[i]),
-                    ptr(cache._v_layers[i]),
-                    kv_heads,
-                    page_size,
-                    d * 2,
-                    rows_nt,
-                ]
-            )
-            spec = attention.default_spec if specs is None else specs[i]
-            ops.append(
-                [
-                    _DECODE,
-                    decode,
-                    q_ptr,
-                    ptr(cache._k_layers[i]),
-                    ptr(cache._v_layers[i]),
-                    kv_heads,
-                    heads // kv_heads,
-                    page_size,
-                    d,
-                    _bits(spec.scale),
-                    spec.sliding_window or 0,
-                    _bits(spec.softcap or 0.0),
-                    nt,
-                    ptr(self.attn),
-                ]
-            )
-            ops.append(linear(lay.o, self.attn, self.o))
-            ops.append(
-                [
-                    _NORM,
-                    norm,
-                    ptr(self.o),
-                    ptr(self.residual),
-                    ptr(lay.post_norm),
-                    ptr(self.normed),
-                    hidden,
-                    eps,
-                    rows_nt,
-                ]
-            )
-            ops.append(linear(lay.gate_up, self.normed, self.gate_up))
-            ops.append(
-                [_SILU, silu, ptr(self.gate_up), ptr(self.act), c.intermediate_size, rows_nt]
-            )
-            ops.append(linear(lay.down, self.act, self.down))
-            add = self.down
-        ops.append(
-            [
-                _NORM,
-                norm,
-                ptr(add),
-                ptr(self.residual),
-                ptr(model.norm),
-                ptr(self.out),
-                hidden,
-                eps,
-                rows_nt,
-            ]
-        )
-        table = np.zeros((len(ops), _OP_WIDTH), dtype=np.int64)
-        for row, op in zip(table, ops, strict=True):
+        self._ops: list[list[int]] = []
+        # (first op, op count, then a hook or None): run in order
+        self._segments: list[tuple[int, int, Callable[[], None] | None]] = []
+        self._segment_start = 0
+        self._embed_hook: Callable[[torch.Tensor], None] | None = None
+        if _is_gemma3(model):
+            self._gemma3(model, attention)
+        else:
+            self._llama(model, attention)
+        self._cut(None)
+        table = np.zeros((len(self._ops), _OP_WIDTH), dtype=np.int64)
+        for row, op in zip(table, self._ops, strict=True):
             row[: len(op)] = op
         self.ops = table
-        self.num_ops = len(ops)
+        base = table.ctypes.data
+        self._runs = [
+            (base + first * _OP_WIDTH * 8, count, hook) for first, count, hook in self._segments
+        ]
         self.step = np.zeros(6, dtype=np.int64)
+        cache = attention.kv_cache
         # what the table points into stays alive as long as the program
-        self._keep = (embed, rot.cos, rot.sin_signed, cache.k, cache.v, model.norm, model.layers)
+        self._keep = (model.embed, cache.k, cache.v, model.norm, list(model.layers))
 
+    # -- building ---------------------------------------------------------------------------
+    def _cut(self, hook: Callable[[], None] | None) -> None:
+        """End the current native segment; ``hook`` runs after it."""
+        first = self._segment_start
+        self._segments.append((first, len(self._ops) - first, hook))
+        self._segment_start = len(self._ops)
+
+    def _add_norm(
+        self, add: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """``LayerOps.add_rms_norm(add, residual, w)`` into ``out`` (one row, one thread)."""
+        self._ops.append(
+            [_NORM, self._norm_fn, _ptr(add), _ptr(residual), _ptr(w), _ptr(out), self.hidden,
+             self.eps, 1]
+        )  # fmt: skip
+
+    def _linear(self, w: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+        nt = self.threads
+        if isinstance(w, Int4Linear):
+            op = [
+                _INT4,
+                self._int4_fn,
+                _ptr(x),
+                w.in_features,
+                _ptr(w.panels),
+                _ptr(w.psz),
+                w.out_features,
+                w.group_size,
+                _ptr(self.xs),
+                _ptr(self.xp),
+                _ptr(y),
+                nt,
+            ]
+        else:
+            op = [_INT8, self._int8_fn, _ptr(x), w.in_features, _ptr(w.panels), _ptr(w.scale),
+                  _ptr(w.zero), w.out_features, w.group_size, _ptr(self.xt), _ptr(self.xs),
+                  _ptr(y), nt]  # fmt: skip
+        self._ops.append(op)
+
+    def _rotary(self, x_ptr: int, heads: int, table: Any) -> None:
+        """``LayerOps.rotary`` of ``heads`` heads from ``x_ptr`` by ``table``'s row of the
+        step's position (a RotaryEmbedding)."""
+        self._ops.append(
+            [_ROTARY, self._rotary_fn, x_ptr, heads, self.d, _ptr(table.cos),
+             _ptr(table.sin_signed), table.cos.shape[0], 1]
+        )  # fmt: skip
+
+    def _attention(self, attention: TorchNativeAttention, layer: int) -> None:
+        """The KV write of the step's k/v, then the paged decode of q into ``attn``."""
+        cache = attention.kv_cache
+        k_layer, v_layer = _ptr(cache._k_layers[layer]), _ptr(cache._v_layers[layer])
+        q_ptr = _ptr(self.qkv)
+        k_ptr = q_ptr + 2 * self.q_size
+        v_ptr = k_ptr + 2 * self.kv_size
+        self._ops.append(
+            [_KV_WRITE, self._kv_write_fn, k_ptr, v_ptr, k_layer, v_layer, self.kv_heads,
+             cache.page_size, self.d * 2, 1]
+        )  # fmt: skip
+        spec = attention.default_spec if attention.specs is None else attention.specs[layer]
+        self._ops.append(
+            [_DECODE, self._decode_fn, q_ptr, k_layer, v_layer, self.kv_heads,
+             self.heads // self.kv_heads, cache.page_size, self.d, _bits(spec.scale),
+             spec.sliding_window or 0, _bits(spec.softcap or 0.0), self.threads,
+             _ptr(self.attn)]
+        )  # fmt: skip
+
+    def _llama(self, model: Any, attention: TorchNativeAttention) -> None:
+        """``LlamaForCausalLM.forward`` for one token: all native."""
+        embed = model.embed
+        self._ops.append(
+            [_EMBED, 0, _ptr(self.residual), _ptr(embed), self.hidden * 2, embed.shape[0]]
+        )
+        add: torch.Tensor | None = None
+        for i, lay in enumerate(model.layers):
+            self._add_norm(add, self.residual, lay.input_norm, self.normed)
+            self._linear(lay.qkv, self.normed, self.qkv)
+            self._rotary(_ptr(self.qkv), self.heads + self.kv_heads, model.rotary)
+            self._attention(attention, i)
+            self._linear(lay.o, self.attn, self.o)
+            self._add_norm(self.o, self.residual, lay.post_norm, self.normed)
+            self._linear(lay.gate_up, self.normed, self.gate_up)
+            self._ops.append(
+                [_SILU, self._silu_fn, _ptr(self.gate_up), _ptr(self.act), self.act.shape[1], 1]
+            )
+            self._linear(lay.down, self.act, self.down)
+            add = self.down
+        self._add_norm(add, self.residual, model.norm, self.out)
+
+    def _gemma3(self, model: Any, attention: TorchNativeAttention) -> None:
+        """``Gemma3ForCausalLM.forward`` for one token: native but for the scaled embedding,
+        the per-head q/k RMSNorm and GeGLU, which run as that forward runs them (PyTorch)
+        between native segments."""
+        c = model.config
+        eps = c.rms_norm_eps
+        heads, kv_heads, d = self.heads, self.kv_heads, self.d
+        q = self.qkv[:, : self.q_size].view(1, heads, d)
+        k = self.qkv[:, self.q_size : self.q_size + self.kv_size].view(1, kv_heads, d)
+        norm_fn, act = rms_norm, model.act
+
+        def embed(input_ids: torch.Tensor) -> None:
+            self.residual.copy_(model.embed_tokens(input_ids))
+
+        self._embed_hook = embed
+        add: torch.Tensor | None = None
+        for i, lay in enumerate(model.layers):
+            table = model.rotary_local if c.is_sliding(i) else model.rotary_global
+            self._add_norm(add, self.residual, lay.input_norm, self.normed)
+            self._linear(lay.qkv, self.normed, self.qkv)
+
+            def qk_norm(lay: Any = lay) -> None:
+                q.copy_(norm_fn(q, lay.q_norm, eps))
+                k.copy_(norm_fn(k, lay.k_norm, eps))
+
+            self._cut(qk_norm)
+            self._rotary(_ptr(self.qkv), heads + kv_heads, table)
+            self._attention(attention, i)
+            self._linear(lay.o, self.attn, self.o)
+            self._add_norm(None, self.o, lay.post_attn_norm, self.o_normed)
+            self._add_norm(self.o_normed, self.residual, lay.pre_ffn_norm, self.normed)
+            self._linear(lay.gate_up, self.normed, self.gate_up)
+
+            def geglu() -> None:
+                self.act.copy_(act(self.gate_up))
+
+            self._cut(geglu)
+            self._linear(lay.down, self.act, self.down)
+            self._add_norm(None, self.down, lay.post_ffn_norm, self.down_normed)
+            add = self.down_normed
+        self._add_norm(add, self.residual, model.norm, self.out)
+
+    # -- running ----------------------------------------------------------------------------
     def matches(self, model: Any) -> bool:
         """Whether ``model`` still holds the layers this program was built from."""
         return _linears(model) == self.linears
@@ -277,10 +289,26 @@ class DecodeProgram:
         st[3] = g.page_tables.data_ptr()
         st[4] = g.seq_lens.data_ptr()
         st[5] = g.page_tables.shape[1]
-        rc = self.lib.decode_program_run(self.ops.ctypes.data, self.num_ops, st.ctypes.data)
-        if rc != 0:
-            raise RuntimeError(f"decode program: op {-rc - 1} refused its arguments")
+        if self._embed_hook is not None:
+            self._embed_hook(input_ids)
+        step = st.ctypes.data
+        done = 0
+        for ops, count, hook in self._runs:
+            rc = self.lib.decode_program_run(ops, count, step)
+            if rc != 0:
+                raise RuntimeError(f"decode program: op {done - rc - 1} refused its arguments")
+            done += count
+            if hook is not None:
+                hook()
         return self.out.clone()
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _is_gemma3(model: Any) -> bool:
+    return bool(model.layers) and hasattr(model.layers[0], "post_ffn_norm")
 
 
 def _linears(model: Any) -> list[Any]:
@@ -296,9 +324,11 @@ def _linear_ok(w: Any) -> bool:
 
 
 def build(model: Any, attention: object) -> DecodeProgram | None:
-    """A ``DecodeProgram`` for ``model`` (a ``LlamaForCausalLM``) over ``attention``, or
-    None where a step's op has no native kernel (see the module docstring)."""
+    """A ``DecodeProgram`` for ``model`` (a ``LlamaForCausalLM`` or ``Gemma3ForCausalLM``)
+    over ``attention``, or None where a step's op has no native kernel (see the module
+    docstring)."""
     c = model.config
+    gemma = _is_gemma3(model)
     if (
         not ENABLED
         or load_decode_program() is None
@@ -310,7 +340,7 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
         or model.dtype != torch.bfloat16
         or model.embed.device.type != "cpu"
         or model.embed.dtype != torch.bfloat16
-        or c.qk_norm
+        or (c.qk_norm and not gemma)
     ):
         return None
     cache = attention.kv_cache
@@ -324,13 +354,41 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
     if tuple(cache.k.shape[2:]) != (c.num_key_value_heads, cache.page_size, c.head_dim):
         return None
     for lay in model.layers:
-        if lay.q_norm is not None or lay.k_norm is not None:
+        if gemma:
+            norms = (lay.input_norm, lay.post_attn_norm, lay.pre_ffn_norm, lay.post_ffn_norm)
+        elif lay.q_norm is not None or lay.k_norm is not None:
             return None
+        else:
+            norms = (lay.input_norm, lay.post_norm)
         if not all(_linear_ok(w) for w in (lay.qkv, lay.o, lay.gate_up, lay.down)):
             return None
-        for t in (lay.input_norm, lay.post_norm):
-            if t.dtype != torch.bfloat16 or not t.is_contiguous():
-                return None
-    if model.norm.dtype != torch.bfloat16 or model.rotary.cos.dtype != torch.bfloat16:
+        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in norms):
+            return None
+    tables = (model.rotary_local, model.rotary_global) if gemma else (model.rotary,)
+    if model.norm.dtype != torch.bfloat16 or any(
+        t.cos.dtype != torch.bfloat16 or t.cos.device.type != "cpu" for t in tables
+    ):
         return None
     return DecodeProgram(model, attention, torch.get_num_threads())
+
+
+def program_for(model: Any, attention: object, meta: object) -> DecodeProgram | None:
+    """The model's program for this one-token step over ``attention`` (None: this step or
+    this model runs op by op). Built at the model's first such step for a backend, and
+    again when the model's layers or the thread count changed since; the model keeps it
+    in ``_program`` (None: refused) and the backend it was built for in ``_program_for``."""
+    if (
+        not isinstance(meta, TorchNativeMetadata)
+        or meta.decode is None
+        or not meta.decode.whole_batch
+        or meta.decode.prefix is not None
+    ):
+        return None
+    program = model._program
+    if model._program_for is not attention or (
+        program is not None
+        and (not program.matches(model) or program.threads != torch.get_num_threads())
+    ):
+        program = build(model, attention)
+        model._program, model._program_for = program, attention
+    return program

@@ -19,7 +19,7 @@ from tests.executor.test_gguf_codes import (
 from tests.executor.test_gguf_codes import PROMPTS as HF_PROMPTS
 from tests.helpers import greedy, hf_greedy
 
-PROMPTS = [[5, 17, 101, 9], [200, 3], [42]]
+PROMPTS = [[5, 17, 101, 9], [200, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 
 
 def _run_both(monkeypatch, llm: LLM) -> dict[str, int]:
@@ -27,7 +27,8 @@ def _run_both(monkeypatch, llm: LLM) -> dict[str, int]:
     twice, through the program and op by op (the second writes the same KV again), and
     asserts the hidden states are equal bit for bit. Returns the step counts."""
     seen = {"one_token": 0, "program": 0}
-    forward = LlamaForCausalLM.forward
+    cls = type(llm.engine.runner.model)
+    forward = cls.forward
 
     def both(self, input_ids, positions, attention, meta):
         out = forward(self, input_ids, positions, attention, meta)
@@ -44,7 +45,7 @@ def _run_both(monkeypatch, llm: LLM) -> dict[str, int]:
                 assert torch.equal(out, plain), (out.float() - plain.float()).abs().max()
         return out
 
-    monkeypatch.setattr(LlamaForCausalLM, "forward", both)
+    monkeypatch.setattr(cls, "forward", both)
     for prompt in PROMPTS:
         llm.generate([prompt], greedy(9, logprobs=2), use_tqdm=False)
         llm.engine.check_idle()  # every page back
@@ -69,6 +70,25 @@ def test_program_equals_op_by_op(tmp_path, monkeypatch, types):
     finally:
         llm.engine.close()
     # 8 decode steps a prompt, and the one-token prompt's own step
+    assert seen["program"] == seen["one_token"] == len(PROMPTS) * 8 + 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_program_equals_op_by_op_on_requantized_int4(tiny_models, monkeypatch, arch):
+    """A tiny Hugging Face model requantized to int4 panels: Llama all native; Gemma 3
+    (sliding-window layers, both rotary bases, four norms a layer) with its scaled
+    embedding, per-head q/k norms and GeGLU in PyTorch between native segments. Every
+    batch-1 decode step is the program's and equals the op-by-op forward exactly."""
+    llm = LLM(str(tiny_models[arch]), quantization="int4")
+    try:
+        if (
+            decode_program.load_decode_program() is None
+            or decode_program.load_int4_panels() is None
+        ):
+            pytest.skip("the native kernels are not built on this machine")
+        seen = _run_both(monkeypatch, llm)
+    finally:
+        llm.engine.close()
     assert seen["program"] == seen["one_token"] == len(PROMPTS) * 8 + 1
 
 

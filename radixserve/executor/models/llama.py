@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.executor import decode_program
-from radixserve.executor.attention import AttentionBackend, TorchNativeMetadata
+from radixserve.executor.attention import AttentionBackend
 from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.layers.attention import AttentionSpec
 from radixserve.executor.layers.linear import Linear, fused
@@ -121,7 +121,7 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         if input_ids.shape[0] == 1:
-            program = self._decode_program(attention, attn_meta)
+            program = decode_program.program_for(self, attention, attn_meta)
             if program is not None and program.accepts(input_ids, positions, attn_meta):
                 return program.run(input_ids, positions, attn_meta)
         c = self.config
@@ -157,27 +157,6 @@ class LlamaForCausalLM:
             x = ops.add_rms_norm(self.tp.reduce(w.o(attn)), residual, w.post_norm, eps)
             sublayer_out = self.tp.reduce(self._mlp(w, x))
         return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
-
-    def _decode_program(
-        self, attention: AttentionBackend, meta: object
-    ) -> decode_program.DecodeProgram | None:
-        """The one-call decode program for a one-token decode step over ``attention`` (None:
-        this step or this model runs op by op)."""
-        if (
-            not isinstance(meta, TorchNativeMetadata)
-            or meta.decode is None
-            or not meta.decode.whole_batch
-            or meta.decode.prefix is not None
-        ):
-            return None
-        program = self._program
-        if self._program_for is not attention or (
-            program is not None
-            and (not program.matches(self) or program.threads != torch.get_num_threads())
-        ):
-            program = decode_program.build(self, attention)
-            self._program, self._program_for = program, attention
-        return program
 
     def attention_specs(self) -> list[AttentionSpec]:
         c = self.config
