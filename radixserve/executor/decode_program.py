@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetadata
 from radixserve.executor.layer_ops import LayerOps
-from radixserve.executor.layers.norms import rms_norm
 from radixserve.executor.native import (
     address,
     load_decode_program,
@@ -224,7 +224,7 @@ class DecodeProgram:
         heads, kv_heads, d = self.heads, self.kv_heads, self.d
         q = self.qkv[:, : self.q_size].view(1, heads, d)
         k = self.qkv[:, self.q_size : self.q_size + self.kv_size].view(1, kv_heads, d)
-        norm_fn, act = rms_norm, model.act
+        act = model.act
 
         def embed(input_ids: torch.Tensor) -> None:
             self.residual.copy_(model.embed_tokens(input_ids))
@@ -236,10 +236,7 @@ class DecodeProgram:
             self._add_norm(add, self.residual, lay.input_norm, self.normed)
             self._linear(lay.qkv, self.normed, self.qkv)
 
-            def qk_norm(lay: Any = lay) -> None:
-                q.copy_(norm_fn(q, lay.q_norm, eps))
-                k.copy_(norm_fn(k, lay.k_norm, eps))
-
+            qk_norm = _qk_norm(q, k, lay.q_norm.float(), lay.k_norm.float(), eps)
             self._cut(qk_norm)
             self._rotary(_ptr(self.qkv), heads + kv_heads, table)
             self._attention(attention, i)
@@ -301,6 +298,20 @@ class DecodeProgram:
             if hook is not None:
                 hook()
         return self.out.clone()
+
+
+def _qk_norm(
+    q: torch.Tensor, k: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float
+) -> Callable[[], None]:
+    """Gemma 3's per-head q and k RMSNorm in place: ``layers.norms.rms_norm`` of bfloat16
+    rows, with the weights' float32 copies (``qw``, ``kw``) made once."""
+    d = q.shape[-1]
+
+    def run() -> None:
+        q.copy_(F.rms_norm(q.float(), (d,), qw, eps).to(torch.bfloat16))
+        k.copy_(F.rms_norm(k.float(), (d,), kw, eps).to(torch.bfloat16))
+
+    return run
 
 
 def _ptr(t: torch.Tensor | None) -> int:
