@@ -1,21 +1,24 @@
-"""A one-token decode step of a Llama-family model as one native call.
+"""A one-token decode step of a Llama-family or Gemma 3 model as (nearly) one native call.
 
 At batch 1 the decoder's matrices are small (SmolLM2-135M: 0.3-1.8 MB a layer) and a step
-is ~300 kernel calls; called one by one from Python each pays ctypes, argument checks and
-a fresh output tensor, as much as a kernel costs. ``DecodeProgram`` lays the step's calls
-out once (``native/decode_program.c``), with preallocated activations, and runs them with
-one call per step. Every call is the op-by-op path's own kernel with that path's
-arguments, so the hidden states are the same bit for bit (tests compare the two); only
-the row-wise kernels of the one row run on one thread (they parallelise over rows, so the
-count changes nothing but the thread wake-ups).
+is ~300 kernel calls; called one by one from Python each pays ctypes, argument checks, a
+fresh output tensor and its threads' wake-up, as much as a kernel costs. ``DecodeProgram``
+lays the step's calls out once (``native/decode_program.c``), with preallocated
+activations, and runs them with one call per step. Every call is the op-by-op path's own
+kernel with that path's arguments, so the hidden states are the same bit for bit (tests
+compare the two); only the row-wise kernels of the one row run on one thread (they
+parallelise over rows, so the count changes nothing but the thread wake-ups). Gemma 3's
+ops without a native kernel (the scaled embedding, the per-head q/k RMSNorm, GeGLU) run
+between native segments as its forward runs them: three native calls a layer.
 
-It applies where every op of the step has its native kernel: bfloat16 on the CPU, one
-rank, the native ``LayerOps``, the native KV write and paged decode, no per-head q/k norm,
-and every dense layer held as int4 panels or int8 group panels without a bias (what
-``--quantization auto`` makes of a Q4_0/Q4_1/Q8_0 GGUF file; a bfloat16 ``Linear`` goes
-through oneDNN, which has no entry point here). Elsewhere ``build`` returns None and the
-model keeps its op-by-op forward; ``RADIXSERVE_DECODE_PROGRAM=0`` (or ``ENABLED = False``
-before a model's first step) keeps it everywhere.
+It applies where every other op of the step has its native kernel: bfloat16 on the CPU,
+one rank, the native ``LayerOps``, the native KV write and paged decode, no per-head q/k
+norm (Llama family: Qwen3 has one), and every dense layer held as int4 panels or int8
+group panels without a bias (what ``--quantization auto`` makes of a GGUF file of
+Q4_0/Q4_1/Q4_K/Q5_x/Q6_K/Q8_0 tensors; a bfloat16 ``Linear`` goes through oneDNN, which
+has no entry point here). Elsewhere ``build`` returns None and the model keeps its
+op-by-op forward; ``RADIXSERVE_DECODE_PROGRAM=0`` (or ``ENABLED = False`` before a
+model's first step) keeps it everywhere.
 """
 
 from __future__ import annotations
