@@ -70,7 +70,6 @@ class DecodeProgram:
         self.linears = _linears(model)
         self.lib = load_decode_program()
         c = model.config
-        self.model = model
         self.hidden, self.heads, self.kv_heads, self.d = (
             c.hidden_size,
             c.num_attention_heads,
@@ -108,6 +107,8 @@ class DecodeProgram:
         self.xp = torch.empty(k_max, dtype=torch.int32)  # int4: x as bf16 pairs (k / 2)
         self.xt = torch.empty(k_max, dtype=torch.float32)  # int8: x as float32 (k)
         self._ops: list[list[int]] = []
+        # every tensor the table points into, alive as long as the program
+        self._keep: list[torch.Tensor] = [model.embed, model.norm]
         # (first op, op count, then a hook or None): run in order
         self._segments: list[tuple[int, int, Callable[[], None] | None]] = []
         self._segment_start = 0
@@ -126,9 +127,7 @@ class DecodeProgram:
             (base + first * _OP_WIDTH * 8, count, hook) for first, count, hook in self._segments
         ]
         self.step = np.zeros(6, dtype=np.int64)
-        cache = attention.kv_cache
-        # what the table points into stays alive as long as the program
-        self._keep = (model.embed, cache.k, cache.v, model.norm, list(model.layers))
+        self._keep += [attention.kv_cache.k, attention.kv_cache.v]
 
     # -- building ---------------------------------------------------------------------------
     def _cut(self, hook: Callable[[], None] | None) -> None:
@@ -141,6 +140,7 @@ class DecodeProgram:
         self, add: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor, out: torch.Tensor
     ) -> None:
         """``LayerOps.add_rms_norm(add, residual, w)`` into ``out`` (one row, one thread)."""
+        self._keep.append(w)
         self._ops.append(
             [_NORM, self._norm_fn, _ptr(add), _ptr(residual), _ptr(w), _ptr(out), self.hidden,
              self.eps, 1]
@@ -172,6 +172,7 @@ class DecodeProgram:
     def _rotary(self, x_ptr: int, heads: int, table: Any) -> None:
         """``LayerOps.rotary`` of ``heads`` heads from ``x_ptr`` by ``table``'s row of the
         step's position (a RotaryEmbedding)."""
+        self._keep += [table.cos, table.sin_signed]
         self._ops.append(
             [_ROTARY, self._rotary_fn, x_ptr, heads, self.d, _ptr(table.cos),
              _ptr(table.sin_signed), table.cos.shape[0], 1]
