@@ -24,6 +24,7 @@ model's first step) keeps it everywhere.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +66,6 @@ class DecodeProgram:
     (a copy)."""
 
     def __init__(self, model: Any, attention: TorchNativeAttention, threads: int) -> None:
-        self.attention = attention
         self.threads = threads
         self.linears = _linears(model)
         self.lib = load_decode_program()
@@ -228,10 +228,16 @@ class DecodeProgram:
         heads, kv_heads, d = self.heads, self.kv_heads, self.d
         q = self.qkv[:, : self.q_size].view(1, heads, d)
         k = self.qkv[:, self.q_size : self.q_size + self.kv_size].view(1, kv_heads, d)
-        act = model.act
+        # the hooks hold tensors and a weak reference to the model, never the program or
+        # the model: no reference cycle keeps a closed engine's KV cache alive
+        residual, gate_up, act_out, act = self.residual, self.gate_up, self.act, model.act
+        owner = weakref.ref(model)
 
         def embed(input_ids: torch.Tensor) -> None:
-            self.residual.copy_(model.embed_tokens(input_ids))
+            residual.copy_(owner().embed_tokens(input_ids))
+
+        def geglu() -> None:
+            act_out.copy_(act(gate_up))
 
         self._embed_hook = embed
         add: torch.Tensor | None = None
@@ -248,10 +254,6 @@ class DecodeProgram:
             self._add_norm(None, self.o, lay.post_attn_norm, self.o_normed)
             self._add_norm(self.o_normed, self.residual, lay.pre_ffn_norm, self.normed)
             self._linear(lay.gate_up, self.normed, self.gate_up)
-
-            def geglu() -> None:
-                self.act.copy_(act(self.gate_up))
-
             self._cut(geglu)
             self._linear(lay.down, self.act, self.down)
             self._add_norm(None, self.down, lay.post_ffn_norm, self.down_normed)

@@ -224,3 +224,27 @@ def test_batch1_greedy_equals_transformers(tmp_path, types):
         assert mine[:cut] == want[:cut], (cut, mine, want, gaps)
         compared += cut
     assert compared >= len(HF_PROMPTS) * NEW_TOKENS // 2, compared
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_program_holds_no_reference_cycle(tiny_models, arch):
+    """A model and its program are freed by reference counting alone (a cycle would keep
+    a closed engine's KV cache until the garbage collector ran)."""
+    import gc
+    import weakref
+
+    llm = LLM(str(tiny_models[arch]), quantization="int4")
+    llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+    llm.engine.check_idle()
+    model = llm.engine.runner.model
+    if model._program is None:
+        llm.engine.close()
+        pytest.skip("the native kernels are not built on this machine")
+    program = weakref.ref(model._program)
+    gc.disable()
+    try:
+        model._program = None
+        assert program() is None
+    finally:
+        gc.enable()
+        llm.engine.close()
