@@ -16,6 +16,13 @@ from radixserve.executor.rotary import apply_rotary
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
+def _threads(rows: int) -> int:
+    """Threads for a kernel that parallelises over ``rows``: no more than rows (one row,
+    one thread: no other thread woken to do nothing; each row's result is the same on any
+    count)."""
+    return max(1, min(rows, torch.get_num_threads()))
+
+
 class LayerOps:
     """Invariant: ``add_rms_norm`` leaves ``residual + add`` in ``residual`` (in place) and
     returns its RMS-normalised rows times ``weight``; ``silu_and_mul`` maps [T, 2d] to
@@ -50,7 +57,7 @@ class LayerOps:
             return F.silu(gate) * up
         rows, width = x.shape
         out = x.new_empty(rows, width // 2)
-        kernel(x.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        kernel(x.data_ptr(), out.data_ptr(), rows, width // 2, _threads(rows))
         return out
 
     def add_rms_norm(
@@ -73,7 +80,7 @@ class LayerOps:
             rows,
             width,
             eps,
-            torch.get_num_threads(),
+            _threads(rows),
         )
         return out
 
@@ -98,6 +105,6 @@ class LayerOps:
             x.stride(0),
             cos.data_ptr(),
             sin_signed.data_ptr(),
-            torch.get_num_threads(),
+            _threads(rows),
         )
         return x

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.executor import decode_program
 from radixserve.executor.attention import AttentionBackend
 from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.layers.activations import GATED_ACTIVATIONS
@@ -120,6 +121,10 @@ class Gemma3ForCausalLM:
             None,
             dtype,
         )
+        # one-token decode steps as one native call but for three PyTorch ops a layer
+        # (executor/decode_program.py); None: not built (or refused) for _program_for
+        self._program: decode_program.DecodeProgram | None = None
+        self._program_for: object | None = None
 
     def attention_specs(self) -> list[AttentionSpec]:
         c = self.config
@@ -139,6 +144,10 @@ class Gemma3ForCausalLM:
         attn_meta: object,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
+        if input_ids.shape[0] == 1:
+            program = decode_program.program_for(self, attention, attn_meta)
+            if program is not None and program.accepts(input_ids, positions, attn_meta):
+                return program.run(input_ids, positions, attn_meta)
         c = self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
@@ -200,6 +209,7 @@ class Gemma3ForCausalLM:
 
     def use_layer_ops(self, ops: LayerOps) -> None:
         self.ops = ops
+        self._program = self._program_for = None
 
     def to_device(self, device: torch.device) -> None:
         self.rotary_global.to(device)

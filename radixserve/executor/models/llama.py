@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radixserve.executor import decode_program
 from radixserve.executor.attention import AttentionBackend
 from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.layers.attention import AttentionSpec
@@ -106,6 +107,10 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype
         )
+        # one-token decode steps as one native call (executor/decode_program.py), built at
+        # the first such step for its attention backend; None: not looked at yet
+        self._program: decode_program.DecodeProgram | None = None
+        self._program_for: object | None = None  # the backend it was built (or refused) for
 
     def forward(
         self,
@@ -115,6 +120,10 @@ class LlamaForCausalLM:
         attn_meta: object,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
+        if input_ids.shape[0] == 1:
+            program = decode_program.program_for(self, attention, attn_meta)
+            if program is not None and program.accepts(input_ids, positions, attn_meta):
+                return program.run(input_ids, positions, attn_meta)
         c = self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
@@ -160,6 +169,7 @@ class LlamaForCausalLM:
     def use_layer_ops(self, ops: LayerOps) -> None:
         """Run the row-wise ops with ``ops`` (the CUDA path's Triton kernels)."""
         self.ops = ops
+        self._program = self._program_for = None
 
     def to_device(self, device: torch.device) -> None:
         """Move the rotary tables to ``device`` (the loader placed the weights)."""

@@ -563,3 +563,23 @@ def load_int8_panels() -> ctypes.CDLL | None:
     lib.int8_panels_dequant_bf16.argtypes = [p, p, p, i64, i64, i64, i64, i, p]
     lib.int8_panels_dequant_bf16.restype = i
     return lib
+
+
+@cache
+def load_decode_program() -> ctypes.CDLL | None:
+    """The one-call decode step (``decode_program.c``: a list of kernel calls run in order;
+    None: the op-by-op path)."""
+    lib = _load(_SOURCE.with_name("decode_program.c"))
+    if lib is None:
+        return None
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.decode_program_run.argtypes = [p, i64, p]
+    lib.decode_program_run.restype = i
+    return lib
+
+
+def address(fn: ctypes._CFuncPtr) -> int:
+    """The address of a loaded library's function (to put in a decode program)."""
+    value = ctypes.cast(fn, ctypes.c_void_p).value
+    assert value is not None
+    return value

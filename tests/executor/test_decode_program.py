@@ -1,0 +1,250 @@
+"""The one-call decode program (executor/decode_program.py) against the op-by-op forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve import LLM
+from radixserve.executor import decode_program
+from radixserve.executor.models.llama import LlamaForCausalLM
+from tests.executor.test_gguf_codes import (
+    LAYER_TENSORS,
+    MIXED,
+    NEW_TOKENS,
+    TIE_MARGIN,
+    _hf_top,
+    write_gguf,
+)
+from tests.executor.test_gguf_codes import PROMPTS as HF_PROMPTS
+from tests.helpers import greedy, hf_greedy
+
+PROMPTS = [[5, 17, 101, 9], [200, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+
+
+def _run_both(monkeypatch, llm: LLM) -> dict[str, int]:
+    """Generates each prompt alone (batch-1 decode steps) with every one-token step run
+    twice, through the program and op by op (the second writes the same KV again), and
+    asserts the hidden states are equal bit for bit. Returns the step counts."""
+    seen = {"one_token": 0, "program": 0}
+    cls = type(llm.engine.runner.model)
+    forward = cls.forward
+
+    def both(self, input_ids, positions, attention, meta):
+        out = forward(self, input_ids, positions, attention, meta)
+        if input_ids.shape[0] == 1:
+            seen["one_token"] += 1
+            program = self._program
+            if program is not None:
+                seen["program"] += 1
+                self._program = None  # built for this backend: the op-by-op path
+                try:
+                    plain = forward(self, input_ids, positions, attention, meta)
+                finally:
+                    self._program = program
+                assert torch.equal(out, plain), (out.float() - plain.float()).abs().max()
+        return out
+
+    monkeypatch.setattr(cls, "forward", both)
+    for prompt in PROMPTS:
+        llm.generate([prompt], greedy(9, logprobs=2), use_tqdm=False)
+        llm.engine.check_idle()  # every page back
+    return seen
+
+
+@pytest.mark.parametrize("types", ["Q4_1", "Q8_0", "mixed"])
+def test_program_equals_op_by_op(tmp_path, monkeypatch, types):
+    """A tiny GGUF file run by ``auto`` (int4 panels, int8 group panels, or both in one
+    model, tied Q8_0 head): every batch-1 decode step goes through the program, and its
+    hidden states equal the op-by-op forward's exactly."""
+    table = MIXED if types == "mixed" else {name: types for name in LAYER_TENSORS}
+    path = write_gguf(tmp_path / f"tiny-{types}.gguf", table, tied="Q8_0")
+    llm = LLM(str(path))
+    try:
+        if (
+            decode_program.load_decode_program() is None
+            or decode_program.load_int4_panels() is None
+        ):
+            pytest.skip("the native kernels are not built on this machine")
+        seen = _run_both(monkeypatch, llm)
+    finally:
+        llm.engine.close()
+    # 8 decode steps a prompt, and the one-token prompt's own step
+    assert seen["program"] == seen["one_token"] == len(PROMPTS) * 8 + 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_program_equals_op_by_op_on_requantized_int4(tiny_models, monkeypatch, arch):
+    """A tiny Hugging Face model requantized to int4 panels: Llama all native; Gemma 3
+    (sliding-window layers, both rotary bases, four norms a layer) with its scaled
+    embedding, per-head q/k norms and GeGLU in PyTorch between native segments. Every
+    batch-1 decode step is the program's and equals the op-by-op forward exactly."""
+    llm = LLM(str(tiny_models[arch]), quantization="int4")
+    try:
+        if (
+            decode_program.load_decode_program() is None
+            or decode_program.load_int4_panels() is None
+        ):
+            pytest.skip("the native kernels are not built on this machine")
+        seen = _run_both(monkeypatch, llm)
+    finally:
+        llm.engine.close()
+    assert seen["program"] == seen["one_token"] == len(PROMPTS) * 8 + 1
+
+
+def test_program_greedy_and_logprobs_unchanged(tmp_path, monkeypatch):
+    """Tokens and logprobs of greedy batch-1 generations with the program and without it
+    (``build`` refusing every model) are the same."""
+    path = write_gguf(tmp_path / "tiny-Q4_0.gguf", {n: "Q4_0" for n in LAYER_TENSORS}, tied="Q8_0")
+    llm = LLM(str(path))
+    try:
+        runs = []
+        for refuse in (False, True):
+            if refuse:
+                monkeypatch.setattr(decode_program, "build", lambda model, attention: None)
+            llm.engine.runner.model._program_for = None  # look again
+            outs = [
+                llm.generate([p], greedy(9, logprobs=3), use_tqdm=False)[0].outputs[0]
+                for p in PROMPTS
+            ]
+            llm.engine.check_idle()
+            used = llm.engine.runner.model._program is not None
+            runs.append(
+                (
+                    used,
+                    [
+                        (o.token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs])
+                        for o in outs
+                    ],
+                )
+            )
+    finally:
+        llm.engine.close()
+    (used_fast, fast), (used_plain, plain) = runs
+    if decode_program.load_decode_program() is None:
+        pytest.skip("the native kernels are not built on this machine")
+    assert used_fast and not used_plain
+    assert fast == plain
+
+
+def test_program_not_built_for_bfloat16_layers(tiny_llama):
+    """A model whose dense layers are bfloat16 ``Linear``s (oneDNN) runs op by op."""
+    llm = LLM(str(tiny_llama), quantization="none")
+    try:
+        llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)
+        llm.engine.check_idle()
+        model = llm.engine.runner.model
+        assert model._program_for is not None and model._program is None
+    finally:
+        llm.engine.close()
+
+
+def test_program_rebuilt_when_the_layers_change(tmp_path, monkeypatch):
+    """Replacing a layer's linear after the program was built makes the next step build
+    a new one (the old one points at the old weights)."""
+    path = write_gguf(tmp_path / "tiny-Q4_1.gguf", {n: "Q4_1" for n in LAYER_TENSORS}, tied="Q8_0")
+    llm = LLM(str(path))
+    try:
+        llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+        model = llm.engine.runner.model
+        first = model._program
+        if first is None:
+            pytest.skip("the native kernels are not built on this machine")
+        layer = model.layers[0]
+        q, scale, zero = layer.down.codes()
+        layer.down = type(layer.down)(q, scale, zero, layer.down.group_size)
+        assert not first.matches(model)
+        llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+        llm.engine.check_idle()
+        assert model._program is not None and model._program is not first
+        assert model._program.matches(model)
+    finally:
+        llm.engine.close()
+
+
+def test_program_refuses_an_id_or_position_out_of_range(tmp_path, monkeypatch):
+    """A token id beyond the vocabulary or a position beyond the rotary tables: the
+    program raises instead of reading past a table."""
+    path = write_gguf(tmp_path / "tiny-Q4_1.gguf", {n: "Q4_1" for n in LAYER_TENSORS}, tied="Q8_0")
+    llm = LLM(str(path))
+    steps = []
+    forward = LlamaForCausalLM.forward
+
+    def keep(self, input_ids, positions, attention, meta):
+        if input_ids.shape[0] == 1:
+            steps.append((input_ids.clone(), positions.clone(), meta))
+        return forward(self, input_ids, positions, attention, meta)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", keep)
+    try:
+        llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False)
+        llm.engine.check_idle()
+        program = llm.engine.runner.model._program
+        if program is None:
+            pytest.skip("the native kernels are not built on this machine")
+        ids, positions, meta = steps[-1]
+        vocab = llm.engine.runner.model.config.vocab_size
+        tables = llm.engine.runner.model.rotary.cos.shape[0]
+        with pytest.raises(RuntimeError, match="op 0 refused"):
+            program.run(torch.tensor([vocab]), positions, meta)
+        with pytest.raises(RuntimeError, match="op 3 refused"):  # layer 0's rotary
+            program.run(ids, torch.tensor([tables]), meta)
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("types", ["Q4_1", "mixed"])
+def test_batch1_greedy_equals_transformers(tmp_path, types):
+    """Each prompt alone (every decode step through the program): greedy continuations
+    equal transformers' (float32, the file's dequantized weights) up to the first near-tie
+    of transformers' logits (``TIE_MARGIN``, as ``test_tiny_file_greedy_equals_transformers``,
+    whose prompts decode together and so never reach the program); at least half the
+    tokens are compared."""
+    table = MIXED if types == "mixed" else {name: types for name in LAYER_TENSORS}
+    path = write_gguf(tmp_path / f"tiny-{types}.gguf", table, tied="Q8_0")
+    llm = LLM(str(path))
+    try:
+        ours = []
+        for prompt in HF_PROMPTS:
+            ours.append(
+                llm.generate([prompt], greedy(NEW_TOKENS), use_tqdm=False)[0].outputs[0].token_ids
+            )
+            llm.engine.check_idle()
+        if llm.engine.runner.model._program is None:
+            pytest.skip("the native kernels are not built on this machine")
+    finally:
+        llm.engine.close()
+    theirs = hf_greedy(tmp_path, HF_PROMPTS, NEW_TOKENS, gguf_file=path.name)
+    tops = _hf_top(tmp_path, path.name, [p + t for p, t in zip(HF_PROMPTS, theirs, strict=True)])
+    compared = 0
+    for prompt, mine, want, (_, lead) in zip(HF_PROMPTS, ours, theirs, tops, strict=True):
+        gaps = lead[len(prompt) - 1 : len(prompt) - 1 + NEW_TOKENS]
+        ties = (gaps < TIE_MARGIN).nonzero()
+        cut = int(ties[0]) if len(ties) else NEW_TOKENS
+        assert mine[:cut] == want[:cut], (cut, mine, want, gaps)
+        compared += cut
+    assert compared >= len(HF_PROMPTS) * NEW_TOKENS // 2, compared
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_program_holds_no_reference_cycle(tiny_models, arch):
+    """A model and its program are freed by reference counting alone (a cycle would keep
+    a closed engine's KV cache until the garbage collector ran)."""
+    import gc
+    import weakref
+
+    llm = LLM(str(tiny_models[arch]), quantization="int4")
+    llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+    llm.engine.check_idle()
+    model = llm.engine.runner.model
+    if model._program is None:
+        llm.engine.close()
+        pytest.skip("the native kernels are not built on this machine")
+    program = weakref.ref(model._program)
+    gc.disable()
+    try:
+        model._program = None
+        assert program() is None
+    finally:
+        gc.enable()
+        llm.engine.close()
