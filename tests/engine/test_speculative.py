@@ -502,6 +502,12 @@ def test_flags_stats_and_metrics(loopy_pair):
     )
     default = EngineConfig(**engine_kwargs(build_parser().parse_args(["serve"])))
     assert (default.speculative_mode, default.spec_policy) == ("off", "measured")
+    assert (default.spec_max_tokens, default.spec_length_cap) == (None, 16)
+    for flag, cap in (("0", 0), ("24", 24)):
+        args = build_parser().parse_args(
+            ["serve", "--speculative-mode", "ngram", "--spec-max-tokens", flag]
+        )
+        assert EngineConfig(**engine_kwargs(args)).spec_length_cap == cap
     args = build_parser().parse_args(
         ["serve", "--speculative-mode", "ngram", "--spec-policy", "always"]
     )
