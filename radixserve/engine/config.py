@@ -106,9 +106,10 @@ class EngineConfig:
     spec_draft_quantization: str = "auto"
     # the proposals a request verifies per step: a draft model proposes num_spec_tokens
     # every time; the n-gram proposer's length adapts per request (executor/spec/length.py),
-    # from half the cap, doubling when all are kept and halving on a rejection, up to
-    # spec_max_tokens (None: 16, or num_spec_tokens if larger; 0: fixed at num_spec_tokens),
-    # the length above num_spec_tokens shared by the batch (spec_max_tokens // batch each)
+    # from half the cap, doubling when all are kept and halving on a rejection, between
+    # num_spec_tokens and spec_max_tokens (None: 16, or num_spec_tokens if larger; 0: fixed
+    # at num_spec_tokens), the length above num_spec_tokens shared by the batch
+    # (spec_max_tokens // batch each)
     num_spec_tokens: int = 4
     spec_max_tokens: int | None = None
     spec_ngram_max: int = 4  # the longest suffix looked up in the request's own tokens

@@ -273,8 +273,8 @@ class Engine:
             self.spec_length = AdaptiveLength(config.num_spec_tokens, cap)
             length = (
                 f"{self.spec_length.start} proposals per step to start, adapted per request "
-                f"between 1 and {cap} (above {config.num_spec_tokens}, {cap} shared by the "
-                "batch)"
+                f"between {config.num_spec_tokens} and {cap} (above {config.num_spec_tokens}, "
+                f"{cap} shared by the batch)"
             )
         else:
             length = f"up to {config.num_spec_tokens} proposals per step"

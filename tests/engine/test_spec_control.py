@@ -216,7 +216,7 @@ def test_variable_verify_lengths_are_priced_by_their_sums():
 def test_adaptive_length_doubles_when_all_kept_and_halves_on_a_rejection():
     from radixserve.executor.spec.length import AdaptiveLength
 
-    lengths = AdaptiveLength(base=4, max_len=12, start=4)
+    lengths = AdaptiveLength(base=2, max_len=12, start=4)
     assert lengths.limit("a", 1) == 4  # not seen yet: the start
     lengths.update("a", 4, 4, 4)  # a full proposal, all kept: doubles
     assert lengths.limit("a", 1) == 8
@@ -227,15 +227,16 @@ def test_adaptive_length_doubles_when_all_kept_and_halves_on_a_rejection():
     lengths.update("a", 12, 12, 7)  # a rejection after 7 kept: halves
     assert lengths.length("a") == 6
     lengths.update("a", 6, 6, 0)
+    assert lengths.length("a") == 3
     lengths.update("a", 3, 3, 2)
-    assert lengths.length("a") == 1
-    lengths.update("a", 1, 1, 0)
-    assert lengths.length("a") == 1  # never below 1
+    assert lengths.length("a") == 2  # never below the base
+    lengths.update("a", 2, 2, 0)
+    assert lengths.length("a") == 2
     # a proposal cut short (the continuation ended, the budget or max_tokens cut it) and
     # kept says nothing about longer runs: no change; a rejection in it still halves
     lengths.update("b", 4, 3, 3)
     assert lengths.length("b") == 4
-    lengths.update("b", 4, 2, 1)
+    lengths.update("b", 4, 1, 0)
     assert lengths.length("b") == 2
     lengths.update("c", 4, 0, 0)  # nothing verified: nothing learnt
     assert lengths.length("c") == 4 and len(lengths) == 2
@@ -252,6 +253,8 @@ def test_adaptive_length_doubles_when_all_kept_and_halves_on_a_rejection():
         AdaptiveLength(base=0, max_len=4)
     with pytest.raises(ValueError):
         AdaptiveLength(base=4, max_len=8, start=9)
+    with pytest.raises(ValueError):
+        AdaptiveLength(base=4, max_len=8, start=3)
     # the default start: half the cap (one doubling below it), at least the base
     assert AdaptiveLength(base=4, max_len=16).start == 8
     assert AdaptiveLength(base=4, max_len=6).start == 4
@@ -266,11 +269,12 @@ def test_adaptive_length_growth_is_shared_by_the_batch():
     assert lengths.length("r") == 16
     # above the base the cap is max_len // batch; never below the base
     assert [lengths.limit("r", n) for n in (1, 2, 3, 4, 5, 16, 64)] == [16, 8, 5, 4, 4, 4, 4]
-    # at a large batch a request's length still shrinks (and grows back to the base)
+    # from max_len // base requests on the limit is the base, whatever the length
     lengths.update("r", 4, 4, 1)
-    assert lengths.limit("r", 16) == 2
-    lengths.update("r", 2, 2, 2)
-    assert lengths.limit("r", 16) == 4
+    assert lengths.length("r") == 4
+    assert [lengths.limit("r", n) for n in (1, 4, 16)] == [4, 4, 4]
+    lengths.update("r", 4, 4, 4)
+    assert lengths.limit("r", 1) == 8 and lengths.limit("r", 16) == 4
 
 
 def test_adaptive_length_config():

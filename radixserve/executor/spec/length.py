@@ -8,7 +8,7 @@ verify fewer rows. The rule is multiplicative both ways (docs/speculative.md):
 * a request starts at ``start`` (by default half the cap, one doubling below it);
 * a verify that kept every proposal of a full-length proposal (as many as the limit
   allowed) doubles the request's length, up to ``max_len``;
-* a verify that rejected a proposal halves it, down to 1;
+* a verify that rejected a proposal halves it, down to ``base`` (``num_spec_tokens``);
 * a verify cut short (the proposer's continuation ended, or the scheduler cut it for the
   token budget, ``max_tokens`` or pages) and fully kept leaves it: it says nothing about
   longer runs.
@@ -16,7 +16,10 @@ verify fewer rows. The rule is multiplicative both ways (docs/speculative.md):
 The length above ``base`` is an allowance shared by the batch: at a step with ``n``
 decoding requests a request's limit is at most ``max(base, max_len // n)``, because a
 verify row is nearly free only while the step is bound by reading the weights (at 16
-requests a verify row costs about half a plain row). Nothing here touches a token: the
+requests a verify row costs about half a plain row). So from ``max_len // base`` requests
+on (4 with the defaults) every limit is ``base``: the fixed length, as without
+adaptation; a shorter floor gained nothing measurable in a replay and changed what large
+batches verify. Nothing here touches a token: the
 length only bounds what the proposer may guess, the verify rule decides what is kept, so
 outputs never depend on it.
 """
@@ -27,16 +30,17 @@ from __future__ import annotations
 class AdaptiveLength:
     """Per-request proposal lengths, adapted from each verify's outcome.
 
-    Invariants: a request not seen yet has length ``start``; every stored length is in
-    ``1..max_len``; ``limit(r, n)`` is ``min(length(r), max(base, max_len // n))`` (at
-    least 1); only ``update`` changes a length, only ``forget`` drops one.
+    Invariants: a request not seen yet has length ``start``; every length is in
+    ``base..max_len``; ``limit(r, n)`` is ``min(length(r), max(base, max_len // n))``, so
+    at least ``base`` and exactly ``base`` once ``n >= max_len // base``; only ``update``
+    changes a length, only ``forget`` drops one.
     """
 
     def __init__(self, base: int, max_len: int, start: int | None = None) -> None:
         if start is None:
             start = max(base, max_len // 2)
-        if not 1 <= base <= max_len or not 1 <= start <= max_len:
-            raise ValueError(f"need 1 <= base, start <= max_len, got {base}, {start}, {max_len}")
+        if not 1 <= base <= start <= max_len:
+            raise ValueError(f"need 1 <= base <= start <= max_len, got {base}, {start}, {max_len}")
         self.base = base
         self.start = start
         self.max_len = max_len
@@ -60,7 +64,7 @@ class AdaptiveLength:
         if not 0 <= accepted <= verified <= limit:
             raise ValueError(f"need 0 <= {accepted=} <= {verified=} <= {limit=}")
         if accepted < verified:
-            self._lengths[request_id] = max(1, limit // 2)
+            self._lengths[request_id] = max(self.base, limit // 2)
         elif verified == limit:
             self._lengths[request_id] = min(self.max_len, 2 * limit)
 
