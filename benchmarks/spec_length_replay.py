@@ -52,16 +52,32 @@ class Fixed(Rule):
 
 
 class Engine(Rule):
-    """The engine's rule (batch 1)."""
+    """The engine's rule (batch 1), its floor ``base`` (``num_spec_tokens``, 4)."""
 
-    def __init__(self, start: int, cap: int) -> None:
-        self.lengths = AdaptiveLength(min(4, start), cap, start)
+    def __init__(self, start: int, cap: int, base: int = 4) -> None:
+        self.lengths = AdaptiveLength(base, cap, start)
 
     def limit(self) -> int:
         return self.lengths.limit("r", 1)
 
     def update(self, limit: int, verified: int, accepted: int) -> None:
         self.lengths.update("r", limit, verified, accepted)
+
+
+class HalveToOne(Rule):
+    """The engine's rule with no floor: a rejection halves the length down to 1."""
+
+    def __init__(self, start: int, cap: int) -> None:
+        self.k, self.cap = start, cap
+
+    def limit(self) -> int:
+        return self.k
+
+    def update(self, limit: int, verified: int, accepted: int) -> None:
+        if accepted < verified:
+            self.k = max(1, limit // 2)
+        elif verified == limit:
+            self.k = min(self.cap, 2 * limit)
 
 
 class AddSub(Rule):
@@ -106,6 +122,8 @@ RULES: dict[str, Callable[[], Rule]] = {
     "double/halve 8..16 (engine)": lambda: Engine(8, 16),
     "double/halve 8..24": lambda: Engine(8, 24),
     "double/halve 16..16": lambda: Engine(16, 16),
+    "double/halve to 1, 8..16": lambda: HalveToOne(8, 16),
+    "double/halve to 1, 4..16": lambda: HalveToOne(4, 16),
     "+2/-1 4..12": lambda: AddSub(4, 12),
     "+4/-1 4..16": lambda: AddSub(4, 16, 4, 1),
     "double/halfway 4..16": lambda: DoubleHalfway(4, 16),
@@ -172,7 +190,7 @@ def main() -> None:
     }
     for row_cost in costs:
         print(f"\npredicted speedup at batch 1, a verify step costing 1 + {row_cost} per proposal")
-        print(f"{'rule':28}" + "".join(f"{name:>18}" for name in sets))
+        print(f"{'rule (start..cap; floor 4)':28}" + "".join(f"{name:>18}" for name in sets))
         for name, make in RULES.items():
             scores = [
                 float(np.mean([replay(p, o, make(), row_cost) for p, o in items]))
