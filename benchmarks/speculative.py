@@ -237,6 +237,13 @@ def main() -> None:
     )
     ap.add_argument("--num-spec-tokens", type=int, default=4)
     ap.add_argument(
+        "--spec-max-tokens",
+        type=int,
+        default=None,
+        help="the n-gram proposer's adaptive length cap (default: the engine's, 16; 0: the "
+        "length fixed at --num-spec-tokens)",
+    )
+    ap.add_argument(
         "--spec-auto-max-batch",
         type=int,
         default=None,
@@ -290,6 +297,8 @@ def main() -> None:
     spec_kw = {"num_spec_tokens": args.num_spec_tokens, "quantization": args.quantization}
     if args.spec_auto_max_batch is not None:
         spec_kw["spec_auto_max_batch"] = args.spec_auto_max_batch
+    if args.spec_max_tokens is not None:
+        spec_kw["spec_max_tokens"] = args.spec_max_tokens
     modes = ["off", *(m for m in args.modes.split(",") if m in MODES and m != "off")]
     engines = {
         mode: LLM(

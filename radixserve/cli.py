@@ -157,7 +157,21 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         help="how the draft's layers run (as --quantization); int8/int4 run it in bfloat16, "
         "so a model can take an int4 copy of itself as its draft",
     )
-    g.add_argument("--num-spec-tokens", type=int, default=4, help="proposals per step")
+    g.add_argument(
+        "--num-spec-tokens",
+        type=int,
+        default=4,
+        help="proposals per request per step: a draft model's always; the n-gram "
+        "proposer's adaptive length is allowed this many at any batch size",
+    )
+    g.add_argument(
+        "--spec-max-tokens",
+        type=int,
+        default=None,
+        help="the n-gram proposer's adaptive length cap, shared by the batch above "
+        "--num-spec-tokens (default 16, or --num-spec-tokens if larger; 0: fixed at "
+        "--num-spec-tokens)",
+    )
     g.add_argument("--spec-ngram-max", type=int, default=4, help="longest suffix looked up")
     g.add_argument("--spec-ngram-min", type=int, default=2, help="shortest suffix looked up")
     g.add_argument(
@@ -334,6 +348,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "generation_config": args.generation_config,
         "speculative_mode": args.speculative_mode,
         "num_spec_tokens": args.num_spec_tokens,
+        "spec_max_tokens": args.spec_max_tokens,
         "spec_ngram_max": args.spec_ngram_max,
         "spec_ngram_min": args.spec_ngram_min,
         "spec_auto_max_batch": args.spec_auto_max_batch,

@@ -16,6 +16,10 @@ SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
 # from spec_auto_max_batch), threshold (while at most spec_auto_max_batch requests decode),
 # always (every step it can)
 SPEC_POLICIES = ("measured", "threshold", "always")
+# the n-gram proposer's adaptive length cap when spec_max_tokens is not given (a request
+# starts at half of it): chosen by replaying SmolLM2's greedy outputs through the rules at
+# the verify cost measured on the development machine (docs/speculative.md)
+DEFAULT_SPEC_MAX_TOKENS = 16
 
 
 @dataclass
@@ -105,7 +109,14 @@ class EngineConfig:
     # or int4 runs the draft in bfloat16 whatever the target's dtype, so a bfloat16 (or
     # float32) target can take an int4 copy of itself as its draft
     spec_draft_quantization: str = "auto"
+    # the proposals a request verifies per step: a draft model proposes num_spec_tokens
+    # every time; the n-gram proposer's length adapts per request (executor/spec/length.py),
+    # from half the cap, doubling when all are kept and halving on a rejection, between
+    # num_spec_tokens and spec_max_tokens (None: 16, or num_spec_tokens if larger; 0: fixed
+    # at num_spec_tokens), the length above num_spec_tokens shared by the batch
+    # (spec_max_tokens // batch each)
     num_spec_tokens: int = 4
+    spec_max_tokens: int | None = None
     spec_ngram_max: int = 4  # the longest suffix looked up in the request's own tokens
     spec_ngram_min: int = 2  # the shortest
     # which steps speculate (SPEC_POLICIES): measured (default) speculates per batch-size
@@ -225,6 +236,12 @@ class EngineConfig:
             )
         if self.num_spec_tokens < 1:
             raise ValueError(f"num_spec_tokens must be >= 1, got {self.num_spec_tokens}")
+        cap = self.spec_max_tokens
+        if cap is not None and cap != 0 and cap < self.num_spec_tokens:
+            raise ValueError(
+                f"spec_max_tokens must be 0 (fixed length) or >= num_spec_tokens "
+                f"({self.num_spec_tokens}), got {cap}"
+            )
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ValueError(
                 f"need 1 <= spec_ngram_min <= spec_ngram_max; got {self.spec_ngram_min}, "
@@ -291,6 +308,17 @@ class EngineConfig:
         if self.spec_auto_max_batch is not None:
             return self.spec_auto_max_batch
         return 1 if self.spec_draft_model is not None else 16
+
+    @property
+    def spec_length_cap(self) -> int:
+        """The adaptive proposal length's cap, 0 when the length is fixed at
+        ``num_spec_tokens`` (``spec_max_tokens`` 0, or a draft model: its steps cost per
+        token, so it keeps its length)."""
+        if self.spec_draft_model is not None or self.spec_max_tokens == 0:
+            return 0
+        if self.spec_max_tokens is None:
+            return max(DEFAULT_SPEC_MAX_TOKENS, self.num_spec_tokens)
+        return self.spec_max_tokens
 
     @property
     def overlap(self) -> bool:

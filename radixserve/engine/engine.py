@@ -64,7 +64,7 @@ from radixserve.executor.quant import (
 )
 from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.executor.simulated import CostModel, SimulatedRunner
-from radixserve.executor.spec import DraftProposer, NgramProposer, Proposer
+from radixserve.executor.spec import AdaptiveLength, DraftProposer, NgramProposer, Proposer
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import EngineOverloaded, Scheduler, SchedulerConfig
 
@@ -261,15 +261,28 @@ class Engine:
         self.spec_declined = 0  # steps that could have speculated and were told not to
         self._constrained: set[str] = set()  # samples with a grammar: none speculates then
         self.spec_control: SpecController | None = None  # the measured policy's controller
+        # the n-gram proposer's per-request length (None: fixed at num_spec_tokens), and the
+        # limit each request was given this step (what a verify's outcome is judged by)
+        self.spec_length: AdaptiveLength | None = None
+        self._spec_limits: dict[str, int] = {}
         if not config.speculative:
             return
         if not isinstance(self.runner, ModelRunner) or config.resolved_runner != "cpu":
             raise ValueError("speculative decoding runs on the CPU runner only (for now)")
         self.proposer = NgramProposer(config.spec_ngram_max, config.spec_ngram_min)
+        cap = config.spec_length_cap
+        if cap:
+            self.spec_length = AdaptiveLength(config.num_spec_tokens, cap)
+            length = (
+                f"{self.spec_length.start} proposals per step to start, adapted per request "
+                f"between {config.num_spec_tokens} and {cap} (above {config.num_spec_tokens}, "
+                f"{cap} shared by the batch)"
+            )
+        else:
+            length = f"up to {config.num_spec_tokens} proposals per step"
         line = (
-            f"speculative decoding: {config.speculative_mode}, up to "
-            f"{config.num_spec_tokens} proposals per step (n-gram {config.spec_ngram_min}.."
-            f"{config.spec_ngram_max})"
+            f"speculative decoding: {config.speculative_mode}, {length} (n-gram "
+            f"{config.spec_ngram_min}..{config.spec_ngram_max})"
         )
         if config.spec_draft_model is not None:
             source = resolve_model(config.spec_draft_model)
@@ -337,7 +350,13 @@ class Engine:
         if self.draft is not None:  # slots now; the draft fills them once pages are grown
             slots = np.zeros(cfg.num_spec_tokens, dtype=np.int32)
             return {r.request_id: slots for r in decoding}
-        drafts = self.proposer.propose(decoding, [cfg.num_spec_tokens] * len(decoding))
+        if self.spec_length is None:
+            limits = [cfg.num_spec_tokens] * len(decoding)
+        else:
+            n = len(decoding)
+            limits = [self.spec_length.limit(r.request_id, n) for r in decoding]
+            self._spec_limits = {r.request_id: k for r, k in zip(decoding, limits, strict=True)}
+        drafts = self.proposer.propose(decoding, limits)
         return {r.request_id: d for r, d in zip(decoding, drafts, strict=True) if d.size}
 
     def _fill_drafts(self, batch: ScheduledBatch) -> None:
@@ -687,7 +706,11 @@ class Engine:
             return
         n = len(batch.requests)
         self.spec_control.record(
-            n, batch.has_spec, time.perf_counter() - start, n + (accepted if batch.has_spec else 0)
+            n,
+            batch.has_spec,
+            time.perf_counter() - start,
+            n + (accepted if batch.has_spec else 0),
+            int(batch.num_new_tokens.sum()),
         )
 
     def _admit_compiled(self, requests: list[Request]) -> None:
@@ -802,9 +825,14 @@ class Engine:
         self.spec_steps += 1
         for row, k in enumerate(batch.num_spec.tolist()):
             if k and row in result.spec_tokens and not batch.requests[row].is_finished:
+                kept = int(result.spec_tokens[row].size) - 1
                 self.spec_rows += 1
                 self.spec_proposed += k
-                self.spec_accepted += int(result.spec_tokens[row].size) - 1
+                self.spec_accepted += kept
+                if self.spec_length is not None:
+                    rid = batch.requests[row].request_id
+                    self.spec_length.update(rid, self._spec_limits.get(rid, k), k, kept)
+        self._spec_limits = {}
         outputs: list[SequenceDelta] = []
         for req, index in self.scheduler.end_step(batch, result.tokens, result.spec_tokens):
             if req.is_finished:
@@ -910,6 +938,8 @@ class Engine:
         seq = self._sequences.pop(req.request_id)
         self.sampler.forget(req.request_id)
         self._constrained.discard(req.request_id)
+        if self.spec_length is not None:
+            self.spec_length.forget(req.request_id)
         children = self._children.get(seq.request_id)
         if children is not None and all(c not in self._sequences for c in children):
             del self._children[seq.request_id]

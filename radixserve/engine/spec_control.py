@@ -3,15 +3,21 @@
 A speculative step costs more than a plain decode step (the proposer, the draft's decode
 steps, the verify chunk's extra rows) and emits more tokens (the accepted proposals). Which
 side wins depends on the batch size, the proposer's acceptance on the current requests and
-the machine, so the controller measures it: per batch-size bucket it keeps the seconds and
-the tokens of the last few steps, plain and speculative apart, and speculates when the
-speculative side's tokens per second are higher. A side's rate is its mean tokens per step
-over its median seconds per step: the median, because a step that met a new shape (kernel
-selection, buffers growing) or a burst of other load on a shared machine can take ten
-times as long and one such step must not decide; the mean, because tokens per speculative
-step are bimodal (1 when the first proposal is rejected, k + 1 when all are kept) and
-throughput is their mean (a median of per-step rates calls a proposer that is right 40 %
-of the time a loss when it is a 2x gain).
+the machine, so the controller measures it: per batch-size bucket it keeps the seconds, the
+tokens and the verified rows of the last few steps, plain and speculative apart, and
+speculates when the speculative side's tokens per second are higher. A side's rate is its
+tokens over its seconds, summed over those steps, leaving out bursts: a step whose seconds
+per row are more than ``_BURST`` times the side's median seconds per row (a step that met
+a new shape, kernel selection or buffers growing, or a burst of other load on a shared
+machine, can take ten times as long, and one such step must not decide). A ratio of sums,
+because tokens per speculative step are bimodal (1 when the first proposal is rejected,
+k + 1 when all are kept) and throughput is their mean (a median of per-step rates calls a
+proposer that is right 40 % of the time a loss when it is a 2x gain); and because with
+the adaptive proposal length (executor/spec/length.py) a speculative step's seconds vary
+with its rows, long steps emitting more tokens, so a median of seconds over a mean of
+tokens would pair the tokens of long steps with the time of short ones. The burst test is
+per row for the same reason: at batch 1 a 2-row verify and a 13-row one differ by about 2x
+in seconds per row (a step's fixed cost spread over fewer rows), well within ``_BURST``.
 
 Nothing here touches a model or a token: the decision only chooses which of two exact
 paths a step takes (the verify rule keeps outputs identical, or identical in distribution),
@@ -29,6 +35,9 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 # Upper edges of the batch-size buckets: 1, 2, 3, 4, 5-6, 7-8, 9-12, 13-16, 17-24, ...
+# a step slower per row than this many times its side's median is a burst, left out
+_BURST = 3.0
+
 _EDGES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
@@ -55,24 +64,27 @@ def bucket_label(edge: int) -> str:
 class _Side:
     """Recent steps of one kind (plain or speculative) in one bucket.
 
-    Invariant: ``steps`` holds (seconds, tokens) of the last ``window`` steps recorded
-    (each > 0); ``samples`` counts every step ever recorded."""
+    Invariant: ``steps`` holds (seconds, tokens, rows) of the last ``window`` steps
+    recorded (each > 0); ``samples`` counts every step ever recorded."""
 
     def __init__(self, window: int) -> None:
-        self.steps: deque[tuple[float, int]] = deque(maxlen=window)
+        self.steps: deque[tuple[float, int, int]] = deque(maxlen=window)
         self.samples = 0
 
-    def add(self, seconds: float, tokens: int) -> None:
-        self.steps.append((seconds, tokens))
+    def add(self, seconds: float, tokens: int, rows: int) -> None:
+        self.steps.append((seconds, tokens, rows))
         self.samples += 1
 
     @property
     def rate(self) -> float:
-        """Mean tokens per step over median seconds per step (0 before any sample)."""
+        """Tokens over seconds, summed over the window's steps but its bursts (seconds per
+        row above ``_BURST`` times the median); 0 before any sample."""
         if not self.steps:
             return 0.0
-        seconds = statistics.median(s for s, _ in self.steps)
-        return statistics.fmean(t for _, t in self.steps) / seconds
+        per_row = statistics.median(s / r for s, _, r in self.steps)
+        kept = [(s, t) for s, t, r in self.steps if s <= _BURST * per_row * r]
+        # never empty: the step at (or below) the median is kept
+        return sum(t for _, t in kept) / sum(s for s, _ in kept)
 
 
 @dataclass
@@ -108,9 +120,9 @@ class SpecController:
       * before both sides of a bucket have ``min_samples`` recorded steps, the choice is the
         cold-start default: speculate iff the batch holds at most ``cold_max_batch``
         requests (the crossover measured on the reference machine);
-      * afterwards the choice changes only when the other side's tokens per second (mean
-        tokens over median seconds of its last ``window`` steps) beat the chosen side's by
-        more than
+      * afterwards the choice changes only when the other side's tokens per second (tokens
+        over seconds of its last ``window`` steps, bursts left out) beat the chosen side's
+        by more than
         ``hysteresis`` (a relative margin), so noise near the crossover does not flip it
         every step;
       * only ``record`` changes the measurements; ``decide`` only counts down.
@@ -194,13 +206,18 @@ class SpecController:
         slower = chosen.rate / other.rate - 1.0
         return min(self.explore_cap, max(1, math.ceil(slower / self.explore_budget)))
 
-    def record(self, batch: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """A pure decode step of ``batch`` requests took ``seconds`` and emitted ``tokens``
-        (plain: one per request; speculative: accepted proposals + 1 per request)."""
-        if seconds <= 0.0 or tokens <= 0:
+    def record(
+        self, batch: int, speculated: bool, seconds: float, tokens: int, rows: int | None = None
+    ) -> None:
+        """A pure decode step of ``batch`` requests took ``seconds``, verified ``rows``
+        tokens (plain: one per request, the default; speculative: proposals + 1 per
+        request) and emitted ``tokens`` (plain: one per request; speculative: accepted
+        proposals + 1 per request)."""
+        rows = batch if rows is None else rows
+        if seconds <= 0.0 or tokens <= 0 or rows <= 0:
             return
         b = self._bucket(batch)
-        (b.spec if speculated else b.plain).add(seconds, tokens)
+        (b.spec if speculated else b.plain).add(seconds, tokens, rows)
         if speculated != b.speculate and min(b.spec.samples, b.plain.samples) >= 1:
             # an exploration just measured: the next one no sooner than its price says
             b.interval = max(b.interval, self._priced(b))

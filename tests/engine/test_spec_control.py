@@ -175,3 +175,117 @@ def test_one_costly_exploration_is_enough_to_back_off():
     assert decisions.index(True) == 7  # the first exploration, at the 8th step
     assert sum(decisions) == 1  # the next one would be 200 steps later
     assert ctl.buckets[16].interval == 200 and not ctl.buckets[16].speculate
+
+
+def test_variable_verify_lengths_are_priced_by_their_sums():
+    """With the adaptive proposal length a speculative step's seconds vary with its rows:
+    here, in a repeating pattern, 5 of 8 are short verifies rejected at once (2 rows, 13 ms,
+    1 token: 77 tok/s) and 3 of 8 long ones (13 rows, 40 ms, 4 tokens: 100 tok/s): 17
+    tokens in 185 ms, 92 tok/s, against 100 tok/s plain, so speculating loses. A mean of
+    tokens over a median of seconds would pair the long steps' tokens with the short steps'
+    time (2.1 tokens / 13 ms = 163 tok/s) and speculate."""
+    ctl = SpecController(cold_max_batch=1)
+    pattern = [False, True, False, False, True, False, True, False]  # True: a long verify
+    decisions = []
+    spec_steps = 0
+    for _ in range(400):
+        spec = ctl.decide(1)
+        if spec:
+            if pattern[spec_steps % len(pattern)]:
+                ctl.record(1, True, 0.040, 4, rows=13)
+            else:
+                ctl.record(1, True, 0.013, 1, rows=2)
+            spec_steps += 1
+        else:
+            ctl.record(1, False, 0.010, 1)
+        decisions.append(spec)
+    b = ctl.buckets[1]
+    assert b.speculate is False
+    assert sum(decisions[-200:]) <= 10
+    assert b.spec.rate == pytest.approx(17 / 0.185)
+    # a burst (30x the time per row) among the long steps is left out, not averaged in
+    side = ctl.buckets[1].spec
+    side.steps.clear()
+    for _ in range(7):
+        side.add(0.040, 13, 13)
+    side.add(1.2, 13, 13)
+    assert side.rate == pytest.approx(13 / 0.040)
+
+
+# -- the adaptive proposal length (executor/spec/length.py) --------------------------------
+def test_adaptive_length_doubles_when_all_kept_and_halves_on_a_rejection():
+    from radixserve.executor.spec.length import AdaptiveLength
+
+    lengths = AdaptiveLength(base=2, max_len=12, start=4)
+    assert lengths.limit("a", 1) == 4  # not seen yet: the start
+    lengths.update("a", 4, 4, 4)  # a full proposal, all kept: doubles
+    assert lengths.limit("a", 1) == 8
+    lengths.update("a", 8, 8, 8)
+    assert lengths.limit("a", 1) == 12  # capped
+    lengths.update("a", 12, 12, 12)
+    assert lengths.length("a") == 12
+    lengths.update("a", 12, 12, 7)  # a rejection after 7 kept: halves
+    assert lengths.length("a") == 6
+    lengths.update("a", 6, 6, 0)
+    assert lengths.length("a") == 3
+    lengths.update("a", 3, 3, 2)
+    assert lengths.length("a") == 2  # never below the base
+    lengths.update("a", 2, 2, 0)
+    assert lengths.length("a") == 2
+    # a proposal cut short (the continuation ended, the budget or max_tokens cut it) and
+    # kept says nothing about longer runs: no change; a rejection in it still halves
+    lengths.update("b", 4, 3, 3)
+    assert lengths.length("b") == 4
+    lengths.update("b", 4, 1, 0)
+    assert lengths.length("b") == 2
+    lengths.update("c", 4, 0, 0)  # nothing verified: nothing learnt
+    assert lengths.length("c") == 4 and len(lengths) == 2
+    lengths.forget("a")
+    lengths.forget("zzz")
+    assert lengths.length("a") == 4 and len(lengths) == 1
+    with pytest.raises(ValueError):
+        lengths.update("b", 4, 5, 1)  # more verified than the limit allowed
+    with pytest.raises(ValueError):
+        lengths.update("b", 4, 2, 3)
+    with pytest.raises(ValueError):
+        AdaptiveLength(base=5, max_len=4)
+    with pytest.raises(ValueError):
+        AdaptiveLength(base=0, max_len=4)
+    with pytest.raises(ValueError):
+        AdaptiveLength(base=4, max_len=8, start=9)
+    with pytest.raises(ValueError):
+        AdaptiveLength(base=4, max_len=8, start=3)
+    # the default start: half the cap (one doubling below it), at least the base
+    assert AdaptiveLength(base=4, max_len=16).start == 8
+    assert AdaptiveLength(base=4, max_len=6).start == 4
+
+
+def test_adaptive_length_growth_is_shared_by_the_batch():
+    from radixserve.executor.spec.length import AdaptiveLength
+
+    lengths = AdaptiveLength(base=4, max_len=16)
+    assert [lengths.limit("r", n) for n in (1, 2, 3, 4)] == [8, 8, 5, 4]  # the start, 8
+    lengths.update("r", 8, 8, 8)
+    assert lengths.length("r") == 16
+    # above the base the cap is max_len // batch; never below the base
+    assert [lengths.limit("r", n) for n in (1, 2, 3, 4, 5, 16, 64)] == [16, 8, 5, 4, 4, 4, 4]
+    # from max_len // base requests on the limit is the base, whatever the length
+    lengths.update("r", 4, 4, 1)
+    assert lengths.length("r") == 4
+    assert [lengths.limit("r", n) for n in (1, 4, 16)] == [4, 4, 4]
+    lengths.update("r", 4, 4, 4)
+    assert lengths.limit("r", 1) == 8 and lengths.limit("r", 16) == 4
+
+
+def test_adaptive_length_config():
+    from radixserve.engine.config import DEFAULT_SPEC_MAX_TOKENS, EngineConfig
+
+    assert EngineConfig(speculative_mode="ngram").spec_length_cap == DEFAULT_SPEC_MAX_TOKENS
+    assert DEFAULT_SPEC_MAX_TOKENS == 16
+    assert EngineConfig(speculative_mode="ngram", num_spec_tokens=20).spec_length_cap == 20
+    assert EngineConfig(speculative_mode="ngram", spec_max_tokens=0).spec_length_cap == 0
+    assert EngineConfig(speculative_mode="ngram", spec_max_tokens=6).spec_length_cap == 6
+    draft = EngineConfig(speculative_mode="draft", spec_draft_model="some/draft")
+    assert draft.spec_length_cap == 0  # a draft model keeps num_spec_tokens
+    with pytest.raises(ValueError, match="spec_max_tokens"):
+        EngineConfig(speculative_mode="ngram", num_spec_tokens=4, spec_max_tokens=3)

@@ -183,6 +183,62 @@ def test_num_spec_tokens_and_max_tokens_boundaries(loopy, loopy_pair, k):
     assert _accepted(on)[1] > 0
 
 
+def test_adaptive_length_same_tokens_grows_shrinks_and_shares(tmp_path, tiny_llama):
+    """The n-gram proposer's adaptive length (the default; ``spec_max_tokens=0`` fixes it at
+    ``num_spec_tokens``): the same greedy tokens as without speculation and as the fixed
+    length, pages accounted; on a model that loops with a long cycle a lone request's
+    length grows from 8 to the cap, 16, and the length above ``num_spec_tokens`` is shared
+    by the batch; on a random model (proposals rejected) lengths shrink back to 4, never
+    below."""
+    long_loop = build_loopy_model(tmp_path / "loop24", cycle=24)
+    off = LLM(str(long_loop), **_KW)
+    on = LLM(str(long_loop), speculative_mode="ngram", **_KW)
+    fixed = LLM(str(long_loop), speculative_mode="ngram", spec_max_tokens=0, **_KW)
+    assert on.engine.spec_length is not None and fixed.engine.spec_length is None
+    assert "8 proposals per step to start" in on.engine.startup_line
+    limits: list[tuple[int, list[int]]] = []
+    propose = on.engine.proposer.propose
+
+    def spy(requests, lims):
+        limits.append((len(requests), list(lims)))
+        return propose(requests, lims)
+
+    on.engine.proposer.propose = spy
+    prompts = _prompts(4, seed=21, repeat=True)
+    ref = generate_ids(off, prompts, greedy(80))
+    assert generate_ids(fixed, prompts, greedy(80)) == ref
+    for p, r in zip(prompts, ref, strict=True):  # one at a time
+        assert generate_ids(on, [p], greedy(80))[0] == r
+    lone = [max(lims) for n, lims in limits if n == 1]
+    assert lone[0] == 8 and max(lone) == 16
+    limits.clear()
+    assert generate_ids(on, prompts, greedy(80)) == ref  # four at once
+    for n, lims in limits:
+        assert max(lims) <= max(4, 16 // n)
+    assert any(n == 4 for n, _ in limits)
+    s_on, s_fixed = on.engine.stats(), fixed.engine.stats()
+    assert s_on.spec_proposed_tokens / s_on.spec_verify_rows > 4
+    assert s_fixed.spec_proposed_tokens / s_fixed.spec_verify_rows <= 4
+    assert s_on.spec_accepted_tokens > 0.5 * s_on.spec_proposed_tokens
+    assert len(on.engine.spec_length) == 0  # finished requests are forgotten
+    # a random model rejects most proposals: lengths halve back to num_spec_tokens
+    rand = LLM(str(tiny_llama), speculative_mode="ngram", **_KW)
+    shrunk: list[int] = []
+    update = rand.engine.spec_length.update
+
+    def record(rid, limit, verified, accepted):
+        update(rid, limit, verified, accepted)
+        shrunk.append(rand.engine.spec_length.length(rid))
+
+    rand.engine.spec_length.update = record
+    rprompts = _prompts(8, seed=1) + _prompts(4, seed=2, repeat=True)
+    assert generate_ids(rand, rprompts, greedy(48)) == generate_ids(
+        LLM(str(tiny_llama), **_KW), rprompts, greedy(48)
+    )
+    assert shrunk and min(shrunk) == 4 and max(shrunk) <= 16
+    assert rand.engine.stats().spec_accepted_tokens < rand.engine.stats().spec_proposed_tokens
+
+
 def test_chunked_prefill_prefix_hits_and_preemption(loopy, tiny_llama):
     for path in (loopy, tiny_llama):
         prompts = _prompts(10, seed=6, repeat=True)
@@ -448,6 +504,12 @@ def test_flags_stats_and_metrics(loopy_pair):
     )
     default = EngineConfig(**engine_kwargs(build_parser().parse_args(["serve"])))
     assert (default.speculative_mode, default.spec_policy) == ("off", "measured")
+    assert (default.spec_max_tokens, default.spec_length_cap) == (None, 16)
+    for flag, cap in (("0", 0), ("24", 24)):
+        args = build_parser().parse_args(
+            ["serve", "--speculative-mode", "ngram", "--spec-max-tokens", flag]
+        )
+        assert EngineConfig(**engine_kwargs(args)).spec_length_cap == cap
     args = build_parser().parse_args(
         ["serve", "--speculative-mode", "ngram", "--spec-policy", "always"]
     )
