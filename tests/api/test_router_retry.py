@@ -112,3 +112,70 @@ def test_a_read_only_request_fails_only_when_no_worker_is_left() -> None:
             silent.close()
 
     asyncio.run(scenario())
+
+
+async def _slow_body_worker(hang: bool) -> tuple[asyncio.AbstractServer, str, asyncio.Event]:
+    """Answers a completion with the head of a 200 JSON answer, then (after ``sent`` is set
+    and 0.3 s) its body, or never (``hang``): a non-streamed answer whose body is still on
+    its way when the worker is taken out."""
+    sent = asyncio.Event()
+    body = orjson.dumps({"object": "text_completion", "choices": [{"text": "ok"}]})
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        while head.startswith(b"GET /health"):  # (a kept-alive connection may come back)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body)
+        )
+        await writer.drain()
+        sent.set()
+        await asyncio.sleep(3600 if hang else 0.3)
+        writer.write(body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", sent
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_a_whole_answer_on_its_way_survives_its_worker_being_taken_out(hang) -> None:
+    """A non-streamed answer whose head has come when the health check takes its worker
+    out was complete at the worker: its body is let through (the soak saw such a request
+    fail with worker_failed); a worker that hangs mid-body still fails it, after the
+    grace."""
+
+    async def scenario() -> None:
+        worker, url, sent = await _slow_body_worker(hang)
+        router = Router(RouterConfig((url,), health_check_interval_s=3600))
+        await router.start()
+        try:
+            assert router.workers[0].healthy
+            body = orjson.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            request = HTTPRequest("POST", "/v1/completions", {}, body)
+            answer = asyncio.create_task(router.proxy_generation(request))
+            await asyncio.wait_for(sent.wait(), 5)
+            await asyncio.sleep(0.05)  # the head is through to the router
+            router.take_out(0, "failed its health check")
+            if hang:
+                with pytest.raises(APIError, match="failed its health check") as error:
+                    await asyncio.wait_for(answer, 10)
+                assert error.value.status == 502
+            else:
+                response = await asyncio.wait_for(answer, 5)
+                assert response.status == 200
+                assert orjson.loads(response.body)["choices"][0]["text"] == "ok"
+                assert router.failed.labels(url)._value.get() == 0
+            assert router.balancer.load == [0]
+            assert not router.workers[0].flights
+        finally:
+            await router.shutdown()
+            worker.close()
+
+    asyncio.run(scenario())

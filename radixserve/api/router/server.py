@@ -65,6 +65,9 @@ _FORWARDED = (
     "anthropic-beta",
 )
 _DONE = b"data: [DONE]\n\n"
+# a worker taken out while the body of a whole answer is on its way: how long it may still
+# take to arrive (a non-streamed answer's body is written with its head, all at once)
+_WHOLE_ANSWER_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,9 @@ class _Flight:
     worker: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     pump: asyncio.Task | None = None
+    # the worker has begun sending a whole (not event-stream) answer: its body follows at
+    # once, so a take-out gives it ``_WHOLE_ANSWER_GRACE_S`` to arrive
+    whole: bool = False
 
 
 class Worker:
@@ -302,9 +308,21 @@ class Router:
         self.balancer.set_available(i, False)
         message = f"worker {worker.url} failed: {reason}"
         for flight in list(worker.flights):
-            flight.queue.put_nowait(("failed", message))
-            if flight.pump is not None:
-                flight.pump.cancel()
+            if flight.whole and flight.pump is not None and not flight.pump.done():
+                # the answer was complete at the worker (its head came): let it arrive, as
+                # long as it does so soon (a worker hung mid-body still fails the request)
+                loop = asyncio.get_running_loop()
+                loop.call_later(_WHOLE_ANSWER_GRACE_S, self._fail_flight, flight, message)
+                continue
+            self._fail_flight(flight, message)
+
+    @staticmethod
+    def _fail_flight(flight: _Flight, message: str) -> None:
+        if flight.pump is not None and flight.pump.done():
+            return  # it ended meanwhile: its answer (or its own failure) is on the queue
+        flight.queue.put_nowait(("failed", message))
+        if flight.pump is not None:
+            flight.pump.cancel()
 
     # -- proxying -------------------------------------------------------------------------
     def _headers(self, request: HTTPRequest) -> dict[str, str]:
@@ -319,7 +337,9 @@ class Router:
             async with self.http.stream(
                 method, url, content=request.body, headers=self._headers(request)
             ) as answer:
-                q.put_nowait(("head", (answer.status_code, answer.headers.get("content-type"))))
+                content_type = answer.headers.get("content-type")
+                flight.whole = not (content_type or "").startswith("text/event-stream")
+                q.put_nowait(("head", (answer.status_code, content_type)))
                 async for chunk in answer.aiter_raw():
                     q.put_nowait(("data", chunk))
             q.put_nowait(("end", None))
