@@ -59,7 +59,21 @@ def test_program_equals_op_by_op(tmp_path, monkeypatch, types):
     hidden states equal the op-by-op forward's exactly."""
     table = MIXED if types == "mixed" else {name: types for name in LAYER_TENSORS}
     path = write_gguf(tmp_path / f"tiny-{types}.gguf", table, tied="Q8_0")
-    llm = LLM(str(path))
+    _check_both_ways(monkeypatch, LLM(str(path)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_program_equals_op_by_op_on_requantized_int4(tiny_models, monkeypatch, arch):
+    """A tiny Hugging Face model requantized to int4 panels: Llama all native; Gemma 3
+    (sliding-window layers, both rotary bases, four norms a layer) with its scaled
+    embedding, per-head q/k norms and GeGLU in PyTorch between native segments. Every
+    batch-1 decode step is the program's and equals the op-by-op forward exactly."""
+    _check_both_ways(monkeypatch, LLM(str(tiny_models[arch]), quantization="int4"))
+
+
+def _check_both_ways(monkeypatch, llm: LLM) -> None:
+    """Every batch-1 decode step of ``llm`` through the program equals the op-by-op
+    forward (``_run_both``); the engine is closed after."""
     try:
         if (
             decode_program.load_decode_program() is None
@@ -70,25 +84,6 @@ def test_program_equals_op_by_op(tmp_path, monkeypatch, types):
     finally:
         llm.engine.close()
     # 8 decode steps a prompt, and the one-token prompt's own step
-    assert seen["program"] == seen["one_token"] == len(PROMPTS) * 8 + 1
-
-
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_program_equals_op_by_op_on_requantized_int4(tiny_models, monkeypatch, arch):
-    """A tiny Hugging Face model requantized to int4 panels: Llama all native; Gemma 3
-    (sliding-window layers, both rotary bases, four norms a layer) with its scaled
-    embedding, per-head q/k norms and GeGLU in PyTorch between native segments. Every
-    batch-1 decode step is the program's and equals the op-by-op forward exactly."""
-    llm = LLM(str(tiny_models[arch]), quantization="int4")
-    try:
-        if (
-            decode_program.load_decode_program() is None
-            or decode_program.load_int4_panels() is None
-        ):
-            pytest.skip("the native kernels are not built on this machine")
-        seen = _run_both(monkeypatch, llm)
-    finally:
-        llm.engine.close()
     assert seen["program"] == seen["one_token"] == len(PROMPTS) * 8 + 1
 
 

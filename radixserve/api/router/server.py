@@ -483,13 +483,7 @@ class Router:
                 param="response_id",
                 code="response_not_found",
             )
-        self.balancer.load[worker] += 1  # released by _finish
-        flight = self._launch(worker, request.method, request.path, request)
-        try:
-            kind, value = await flight.queue.get()
-        except BaseException:
-            self._finish(flight)
-            raise
+        flight, kind, value = await self._ask(worker, request)
         if kind != "head":
             self._finish(flight)
             raise self._failure(flight, value)
@@ -581,6 +575,18 @@ class Router:
         headers = [(b"content-type", (content_type or "application/json").encode("latin-1"))]
         return Response(b"".join(chunks), status, headers)
 
+    async def _ask(self, worker: int, request: HTTPRequest) -> tuple[_Flight, str, Any]:
+        """Send ``request`` as it came to ``worker`` (counted in its load until ``_finish``)
+        and wait for the first item of its answer: ``head`` or a failure."""
+        self.balancer.load[worker] += 1  # released by _finish
+        flight = self._launch(worker, request.method, request.path, request)
+        try:
+            kind, value = await flight.queue.get()
+        except BaseException:
+            self._finish(flight)
+            raise
+        return flight, kind, value
+
     async def forward_any(self, request: HTTPRequest) -> Response:
         """A request any worker can answer (models, tokenization): the next healthy one.
         These requests change nothing, so one whose worker failed before answering (it
@@ -601,13 +607,7 @@ class Router:
             self._rr += 1
             i = healthy[self._rr % len(healthy)]
             tried.add(i)
-            self.balancer.load[i] += 1  # released by _finish
-            flight = self._launch(i, request.method, request.path, request)
-            try:
-                kind, value = await flight.queue.get()
-            except BaseException:
-                self._finish(flight)
-                raise
+            flight, kind, value = await self._ask(i, request)
             if kind == "head":
                 return await self._whole(flight, *value)
             self._finish(flight)
