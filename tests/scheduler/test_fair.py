@@ -167,13 +167,7 @@ def _flood(
     def on_step(batch, got):
         meter.step(batch, got, sim.scheduler)
         ends.append(sim.clock.now)
-        starts, counts = batch.starts.tolist(), batch.num_new_tokens.tolist()
-        prompt_tokens.append(
-            sum(
-                max(0, min(start + n, r.num_prompt_tokens) - start)
-                for r, start, n in zip(batch.requests, starts, counts, strict=True)
-            )
-        )
+        prompt_tokens.append(sum(_prompt_tokens(batch).values()))
         for req in got:
             if req.tenant.name == "light" and req.request_id not in light_first:
                 light_first[req.request_id] = (req.arrival_time, sim.clock.now)
@@ -272,23 +266,15 @@ def test_the_step_cap_is_off_for_a_tenant_alone_and_after_the_others_leave():
     s.clock = lambda: now[0]
     heavy, light = Tenant("heavy"), Tenant("light")
 
-    def prompt_tokens(batch) -> dict[str, int]:
-        out: Counter[str] = Counter()
-        for r, start, n in zip(
-            batch.requests, batch.starts.tolist(), batch.num_new_tokens.tolist(), strict=True
-        ):
-            out[r.tenant.name] += max(0, min(start + n, r.num_prompt_tokens) - start)
-        return out
-
     for i in range(6):
         s.add_request(Request(f"h{i}", [3 + i] * 600, SamplingParams(max_tokens=2), tenant=heavy))
     batch = s.schedule()
-    assert prompt_tokens(batch)["heavy"] == 256  # alone: the whole budget
+    assert _prompt_tokens(batch)["heavy"] == 256  # alone: the whole budget
     apply(s, batch, [])
     now[0] = 1.0
     s.add_request(Request("l0", [5] * 20, SamplingParams(max_tokens=1), tenant=light))
     batch = s.schedule()
-    got = prompt_tokens(batch)
+    got = _prompt_tokens(batch)
     assert got["light"] == 20 and got["light"] + got["heavy"] <= 32, got
     ended: list[Request] = []
     apply(s, batch, ended)
@@ -296,14 +282,24 @@ def test_the_step_cap_is_off_for_a_tenant_alone_and_after_the_others_leave():
     for t in (2.0, 4.0, 5.9):  # light is idle, but within the window: still capped
         now[0] = t
         batch = s.schedule()
-        assert prompt_tokens(batch)["heavy"] <= 32
+        assert _prompt_tokens(batch)["heavy"] <= 32
         apply(s, batch, [])
     now[0] = 6.5  # the window since light's last request has passed: the budget is back
     batch = s.schedule()
-    assert prompt_tokens(batch)["heavy"] > 200
+    assert _prompt_tokens(batch)["heavy"] > 200
     apply(s, batch, [])
     run(s)
     check_accounting(s)
+
+
+def _prompt_tokens(batch) -> Counter[str]:
+    """The prompt tokens a scheduled batch computes, by tenant."""
+    out: Counter[str] = Counter()
+    for r, start, n in zip(
+        batch.requests, batch.starts.tolist(), batch.num_new_tokens.tolist(), strict=True
+    ):
+        out[r.tenant.name] += max(0, min(start + n, r.num_prompt_tokens) - start)
+    return out
 
 
 def _steps_to_first_token(meter: ServiceMeter) -> list[int]:
