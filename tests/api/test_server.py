@@ -53,6 +53,13 @@ def test_completion_stream_equals_non_stream_and_usage_is_exact(client, server):
     chunks = list(client.completions.create(stream=True, **kwargs))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices].count("length") == 1
+    # A stop string longer than the whole answer holds every character back until the end;
+    # each token step still sends a chunk (empty text), as vLLM's completions stream does,
+    # so a client sees its first token when it is made.
+    held = list(client.completions.create(stream=True, stop=["#" * 40 + "never"], **kwargs))
+    texts = [c.choices[0].text for c in held if c.choices and c.choices[0].finish_reason is None]
+    assert "".join(texts) == full.choices[0].text
+    assert texts[0] == "" and texts.count("") >= 2, texts
 
 
 def test_chat_streams_role_first_and_n_samples(client):

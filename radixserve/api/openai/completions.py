@@ -161,4 +161,6 @@ def _stream(
         choice = {"index": idx, "text": "", "logprobs": None, "finish_reason": reason}
         return sse({**base, "choices": [choice]})
 
-    return stream_events(server, prompts, params, body, on_delta, on_finish, head, base)
+    return stream_events(
+        server, prompts, params, body, on_delta, on_finish, head, base, every_token_step=True
+    )

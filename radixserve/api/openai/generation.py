@@ -114,10 +114,18 @@ async def stream_events(
     on_finish: Callable[[int, str | None], bytes],
     head: Callable[[], Iterable[bytes]],
     usage_obj: dict,
+    every_token_step: bool = False,
 ) -> AsyncIterator[bytes]:
     """Shared SSE loop: head frames, per-delta frames, then usage and [DONE]. ``usage_obj``
     is the dict every frame is made from: with ``stream_options.continuous_usage_stats``
-    (vLLM's extension) it carries the usage so far, so every chunk does."""
+    (vLLM's extension) it carries the usage so far, so every chunk does.
+
+    ``every_token_step``: a delta that brings tokens but no text yet (the detokenizer holds
+    back an incomplete character or a possible stop string, or the token is a skipped
+    special one) still gets a frame, with empty text (unless it is the last: its finish frame
+    follows at once), as vLLM's completions stream does: the
+    client sees its first token when it is made, not one engine step later. Otherwise such
+    deltas are skipped."""
     n = params.n
     timer = RequestTimer(server.frontend.metrics)
     cached: dict[int, int] = {}
@@ -135,7 +143,7 @@ async def stream_events(
                 cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
             if continuous:
                 usage_obj["usage"] = usage(prompts, timer.tokens, sum(cached.values()))
-            if d.text or d.logprobs:
+            if d.text or d.logprobs or (every_token_step and d.token_ids and not d.finished):
                 frame = on_delta(idx, d)
                 if frame:  # empty: held back (a tool call being generated)
                     yield frame
