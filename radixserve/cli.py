@@ -110,6 +110,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization-group-size", type=int, default=32, choices=list(INT4_GROUP_SIZES)
     )
     g.add_argument(
+        "--prefill-weight-copy",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="CPU, quantized dense layers: also keep a bfloat16 copy of each for prefill "
+        "chunks, which otherwise dequantize the weights every step (2 bytes a weight; auto: "
+        "when it takes at most a quarter of the memory available at load)",
+    )
+    g.add_argument(
         "--memory-budget",
         type=float,
         default=None,
@@ -231,7 +239,7 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--fair-step-prefill-tokens",
         type=int,
-        default=256,
+        default=128,
         metavar="N",
         help="policy fair: while a tenant served less is active, the tenants served more add "
         "at most N prefill tokens per step between them (0: no cap)",
@@ -330,6 +338,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "disable_cuda_graph": args.disable_cuda_graph,
         "quantization": args.quantization,
         "quantization_group_size": args.quantization_group_size,
+        "prefill_weight_copy": args.prefill_weight_copy,
         "memory_budget_gb": args.memory_budget,
         "disable_radix_cache": args.disable_radix_cache,
         "schedule_policy": args.schedule_policy,

@@ -418,6 +418,7 @@ class Engine:
                 quantization=config.quantization,
                 group_size=config.quantization_group_size,
                 load_format=config.load_format,
+                prefill_copy=config.prefill_weight_copy,
             )
             checkpoint, scheme = loaded.checkpoint, loaded.scheme
             self.model_config = mc = loaded.config

@@ -28,8 +28,10 @@ from radixserve.executor.models.registry import build_model
 from radixserve.executor.quant import (
     GGUFPrecisions,
     QuantScheme,
+    add_prefill_copies,
     executed_label,
     install_gguf_linears,
+    prefill_copy_bytes,
     quantize_model,
     resolve_quantization,
     weight_memory,
@@ -78,11 +80,14 @@ def load_model(
     load_format: str = "auto",
     rank: int = 0,
     group: Collectives | None = None,
+    prefill_copy: str = "off",
 ) -> LoadedModel:
     """Load the checkpoint at ``path`` (``kind``: hf or gguf), build the model of its
     architecture on ``device`` and quantize it. With ``group`` (size > 1), only rank
     ``rank``'s shard is read and built. ``load_format="dummy"``: random weights for the
-    folder's config (the same on every rank, each cutting its part)."""
+    folder's config (the same on every rank, each cutting its part). ``prefill_copy``
+    (auto | on | off): whether quantized dense layers also keep a bfloat16 copy for the
+    steps that would dequantize them (``decide_prefill_copy``)."""
     start = time.perf_counter()
     world_size = 1 if group is None else group.world_size
     # a GGUF file run by ``auto`` on the CPU in one process: each dense tensor at its own
@@ -149,8 +154,40 @@ def load_model(
             dtype,
             str(torch_dtype).removeprefix("torch."),
         )
+    if device.type == "cpu" and decide_prefill_copy(prefill_copy, prefill_copy_bytes(model)):
+        add_prefill_copies(model)
     seconds = time.perf_counter() - start
     return LoadedModel(checkpoint, config, model, torch_dtype, scheme, seconds)
+
+
+PREFILL_COPY_MODES = ("auto", "on", "off")
+# auto keeps the copy when it takes at most this share of the memory available at load
+PREFILL_COPY_AUTO_SHARE = 0.25
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def decide_prefill_copy(mode: str, copy_bytes: int, available: int | None = None) -> bool:
+    """Whether to keep bfloat16 prefill copies of the quantized layers: ``on``/``off`` as
+    said; ``auto`` when there are quantized layers and their copy takes at most
+    ``PREFILL_COPY_AUTO_SHARE`` of the memory available now (``available``, read from
+    /proc/meminfo when not given; unknown: no copy)."""
+    if mode not in PREFILL_COPY_MODES:
+        raise ValueError(f"prefill_weight_copy must be one of {', '.join(PREFILL_COPY_MODES)}")
+    if mode != "auto" or copy_bytes == 0:
+        return mode == "on" and copy_bytes > 0
+    available = available_memory_bytes() if available is None else available
+    return available is not None and copy_bytes <= PREFILL_COPY_AUTO_SHARE * available
 
 
 @dataclass(frozen=True)

@@ -223,10 +223,11 @@ class Int8Linear:
     the activation dtype's rounding: through ``_weight_int8pack_mm`` below
     ``DEQUANT_GEMM_ROWS_INT8`` rows (``use_kernel``), through the weight dequantized to bfloat16
     and oneDNN's GEMM from there (bfloat16 inputs, native dequantizer built), else through
-    the plain-torch fallback.
+    the plain-torch fallback. With a ``prefill`` copy (``add_prefill_copies``), the rows
+    that would dequantize multiply that bfloat16 weight instead.
     """
 
-    __slots__ = ("bias", "q", "scale", "use_kernel")
+    __slots__ = ("bias", "prefill", "q", "scale", "use_kernel")
 
     def __init__(
         self,
@@ -239,6 +240,15 @@ class Int8Linear:
         self.scale = scale.float().contiguous()
         self.bias = bias
         self.use_kernel = use_kernel and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        self.prefill: Linear | None = None  # see add_prefill_copies
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.q.shape[1]
 
     @classmethod
     def from_float(
@@ -258,6 +268,8 @@ class Int8Linear:
         if not self.use_kernel or x.device.type != "cpu":
             return self.fallback(x)
         if x.shape[0] >= DEQUANT_GEMM_ROWS_INT8 and x.dtype == torch.bfloat16:
+            if self.prefill is not None:
+                return self.prefill(x)
             lib = _dequantizer()
             if lib is not None:
                 return self._dequant_gemm(lib, x)
@@ -299,7 +311,8 @@ class Int4Linear:
     to bfloat16 for oneDNN's GEMM); else PyTorch's packed layout (output rows padded to a
     multiple of 64: its kernel below ``DEQUANT_GEMM_ROWS`` rows, then the weight dequantized
     and oneDNN's GEMM); else two codes a byte for the plain-torch fallback. ``panels=False``
-    skips the first choice.
+    skips the first choice. With a ``prefill`` copy (``add_prefill_copies``), the rows that
+    would dequantize multiply that bfloat16 weight instead.
     """
 
     __slots__ = (
@@ -310,6 +323,7 @@ class Int4Linear:
         "out_features",
         "packed",
         "panels",
+        "prefill",
         "psz",
         "sz",
     )
@@ -332,6 +346,7 @@ class Int4Linear:
         self.nibbles: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
         self.psz: torch.Tensor | None = None
+        self.prefill: Linear | None = None  # see add_prefill_copies
         if use_kernel and panels and group_size % 8 == 0 and _panel_lib() is not None:
             self.panels, self.psz = to_panels(q, scale, zero)
         elif use_kernel and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
@@ -371,6 +386,8 @@ class Int4Linear:
             if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
                 return self.fallback(x)
             lib = _panel_lib()
+            if self.prefill is not None and x.shape[0] >= PANEL_COPY_ROWS:
+                return self.prefill(x)
             if x.shape[0] < PANEL_DEQUANT_ROWS:
                 return self._panel_gemm(lib, x.contiguous())
             return self._panel_dequant_gemm(lib, x)
@@ -378,6 +395,8 @@ class Int4Linear:
             return self.fallback(x)
         n_pad = self.sz.shape[1]
         if x.shape[0] >= DEQUANT_GEMM_ROWS and x.dtype == torch.bfloat16:
+            if self.prefill is not None:
+                return self.prefill(x)
             lib = _dequantizer()
             sz = self.sz if self.sz.dtype == torch.bfloat16 else self.sz.to(torch.bfloat16)
             if lib is not None:
@@ -493,6 +512,13 @@ class Int4Linear:
 # (tests/executor/test_gguf_codes.py): the panel kernel, which never rounds the weights,
 # keeps every prompt up to 256 rows on every CPU.
 PANEL_DEQUANT_ROWS = 256
+# Rows from which an Int4Linear with a bfloat16 prefill copy (add_prefill_copies) multiplies
+# the copy: with no dequantizing to pay, oneDNN's GEMM on it is 5x the panel kernel at 128
+# rows (SmolLM2's four layer shapes, 2 threads, the Xeon of docs/benchmarks; 1.7-3.4x at
+# 32). 128 keeps short prompts, decode steps and speculative verification on the exact
+# codes, and puts the chunks of a long prompt under the fair policy's step cap (128 or
+# more) on the copy.
+PANEL_COPY_ROWS = 128
 
 
 def _panel_lib() -> Any:
@@ -614,10 +640,21 @@ class Int8GroupLinear:
     activation dtype's rounding. The codes live in the panels of ``native/int8_panels.c``:
     below ``INT8_PANEL_DEQUANT_ROWS`` rows that kernel multiplies straight from them, from
     there it dequantizes a chunk of outputs at a time to bfloat16 for oneDNN's GEMM; where
-    it is not built (or the input is not bfloat16 on CPU) the plain-torch fallback.
+    it is not built (or the input is not bfloat16 on CPU) the plain-torch fallback. With a
+    ``prefill`` copy (``add_prefill_copies``), the rows that would dequantize multiply that
+    bfloat16 weight instead.
     """
 
-    __slots__ = ("bias", "group_size", "in_features", "out_features", "panels", "scale", "zero")
+    __slots__ = (
+        "bias",
+        "group_size",
+        "in_features",
+        "out_features",
+        "panels",
+        "prefill",
+        "scale",
+        "zero",
+    )
 
     def __init__(
         self,
@@ -634,6 +671,7 @@ class Int8GroupLinear:
         self.group_size = group_size
         self.bias = bias
         self.panels, self.scale, self.zero = to_int8_panels(q, scale, zero)
+        self.prefill: Linear | None = None  # see add_prefill_copies
 
     @classmethod
     def from_codes(cls, codes: GroupCodes, bias: torch.Tensor | None = None) -> Int8GroupLinear:
@@ -662,6 +700,8 @@ class Int8GroupLinear:
             return self.fallback(x)
         if x.shape[0] < INT8_PANEL_DEQUANT_ROWS:
             return self._panel_gemm(lib, x.contiguous())
+        if self.prefill is not None:
+            return self.prefill(x)
         return self._panel_dequant_gemm(lib, x)
 
     def _ptr(self, t: torch.Tensor | None) -> int | None:
@@ -868,6 +908,48 @@ def quantize_model(model: Any, scheme: QuantScheme) -> None:
                 setattr(layer, name, quantize_linear(value, scheme))
 
 
+QuantizedLinear = Int8Linear | Int4Linear | Int8GroupLinear
+
+
+def _dense_bf16(layer: QuantizedLinear) -> torch.Tensor:
+    """The layer's weight as the dequantize-then-GEMM path multiplies it: bfloat16 [N, K]."""
+    if isinstance(layer, Int4Linear):
+        q, scale, zero = layer.codes()
+        return dequantize_int4(q, scale, zero, layer.group_size).to(torch.bfloat16)
+    return layer.dequantized().to(torch.bfloat16)
+
+
+def _quantized_layers(model: Any) -> Iterable[QuantizedLinear]:
+    for layer in model.layers:
+        for name in _layer_fields(layer):
+            value = getattr(layer, name)
+            if isinstance(value, Int8Linear | Int4Linear | Int8GroupLinear):
+                yield value
+
+
+def prefill_copy_bytes(model: Any) -> int:
+    """Bytes a bfloat16 copy of every quantized dense layer of ``model.layers`` would take."""
+    return sum(2 * layer.out_features * layer.in_features for layer in _quantized_layers(model))
+
+
+def add_prefill_copies(model: Any) -> int:
+    """Give every quantized dense layer of ``model.layers`` (not the embeddings, not the LM
+    head) a bfloat16 copy of its weight, reordered once for oneDNN, and return its bytes.
+
+    A layer multiplies from its codes for few rows; from its dequantize threshold
+    (``PANEL_DEQUANT_ROWS``, ``INT8_PANEL_DEQUANT_ROWS``, ...) it dequantizes its weight to
+    bfloat16 at every call and runs oneDNN's GEMM. The copy is that same bfloat16 weight,
+    made once: the steps that dequantized now skip it (two thirds of a 256-row int4 step's
+    time on the development machine, benchmarks/quant_matmul.py), with the same rounding
+    of the weights; decode steps still read the codes. The cost is 2 bytes a weight."""
+    total = 0
+    for layer in _quantized_layers(model):
+        if layer.prefill is None:
+            layer.prefill = Linear(_dense_bf16(layer), layer.bias)
+        total += 2 * layer.out_features * layer.in_features
+    return total
+
+
 def weight_memory(model: Any) -> dict[str, int]:
     """Bytes of the model's weights by precision (``bfloat16``, ``float32``, ``int8``,
     ``int4``), each tensor counted once (tied embeddings once). A bfloat16 ``Linear`` on
@@ -886,15 +968,13 @@ def weight_memory(model: Any) -> dict[str, int]:
         add(str(t.dtype).removeprefix("torch."), t.nbytes)
 
     def add_any(value: Any) -> None:
-        if isinstance(value, Int8Linear):
-            add("int8", value.nbytes)
+        if isinstance(value, Int8Linear | Int4Linear | Int8GroupLinear):
+            add("int4" if isinstance(value, Int4Linear) else "int8", value.nbytes)
             add_tensor(value.bias)
-        elif isinstance(value, Int4Linear):
-            add("int4", value.nbytes)
-            add_tensor(value.bias)
-        elif isinstance(value, Int8GroupLinear):
-            add("int8", value.nbytes)
-            add_tensor(value.bias)
+            if value.prefill is not None and value.prefill.packed is not None:
+                add("bfloat16_prefill_copy", value.prefill.packed.nbytes)
+            elif value.prefill is not None:
+                add("bfloat16_prefill_copy", value.prefill.weight.nbytes)
         elif isinstance(value, Linear):
             plain = value.plain_weight
             add_tensor(plain)

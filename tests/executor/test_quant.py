@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,11 +15,17 @@ import torch
 from radixserve import LLM
 from radixserve.cli import build_parser, engine_kwargs
 from radixserve.engine.config import EngineConfig
+from radixserve.executor import quant
+from radixserve.executor.builder import decide_prefill_copy
+from radixserve.executor.linear import Linear
 from radixserve.executor.quant import (
     Int4Linear,
+    Int8GroupLinear,
     Int8Linear,
+    add_prefill_copies,
     dequantize_int4,
     dequantize_int8,
+    prefill_copy_bytes,
     quantize_int4,
     quantize_int8,
     resolve_quantization,
@@ -180,20 +187,93 @@ def test_bf16_int8_int4_memory_and_kv_budget(tiny_llama):
     """The start-up line's weight memory by precision; a memory budget sizes the KV cache
     from what the weights leave."""
     sizes = {}
-    for q in ("none", "int8", "int4"):
-        llm = LLM(str(tiny_llama), dtype="bfloat16", quantization=q, memory_budget_gb=0.01)
+    for q, copy in (("none", "off"), ("int8", "off"), ("int4", "off"), ("int4", "on")):
+        llm = LLM(
+            str(tiny_llama),
+            dtype="bfloat16",
+            quantization=q,
+            memory_budget_gb=0.01,
+            prefill_weight_copy=copy,
+        )
         e = llm.engine
-        sizes[q] = sum(e.weight_bytes.values())
-        left = int(0.01 * 2**30) - sizes[q]
+        sizes[q, copy] = sum(e.weight_bytes.values())
+        left = int(0.01 * 2**30) - sizes[q, copy]
         assert e.pool.num_pages == left // _page_bytes(e)
         assert "weights" in e.startup_line and "KV cache" in e.startup_line
         if q != "none":
             assert e.weight_bytes.get(q, 0) > 0
+        # the bfloat16 prefill copy is counted (and taken from the KV cache's share)
+        copy_bytes = e.weight_bytes.get("bfloat16_prefill_copy", 0)
+        if copy == "on":
+            assert copy_bytes >= prefill_copy_bytes(e.model) > 0
+        else:
+            assert copy_bytes == 0
+        assert ("bfloat16_prefill_copy" in e.startup_line) == (copy == "on")
         llm.engine.close()
     # embeddings and LM head stay bfloat16: only the layers shrink, int4 below int8 below bf16
-    assert sizes["int4"] < sizes["int8"] < sizes["none"]
+    assert sizes["int4", "off"] < sizes["int8", "off"] < sizes["none", "off"]
+    assert sizes["int4", "on"] > sizes["int4", "off"]
     with pytest.raises(ValueError, match="no room for the KV cache"):
         LLM(str(tiny_llama), quantization="int8", memory_budget_gb=1e-6)
+
+
+def _copy_cases() -> list[tuple[str, object, int]]:
+    """(name, a quantized layer, its copy threshold in rows): each kind with a copy."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(80, 256, generator=gen)
+    q8 = torch.randint(-127, 128, (48, 128), generator=gen, dtype=torch.int8)
+    scale = torch.rand(48, 4, generator=gen) * 0.01 + 0.001
+    return [
+        ("int4", Int4Linear.from_float(w, group_size=32), quant.PANEL_COPY_ROWS),
+        ("int8", Int8Linear.from_float(w), quant.DEQUANT_GEMM_ROWS_INT8),
+        ("int8-group", Int8GroupLinear(q8, scale, None, 32), quant.INT8_PANEL_DEQUANT_ROWS),
+    ]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_prefill_copy_runs_from_its_threshold_and_equals_the_dequantized_weight(case):
+    """Below the threshold a layer with a copy computes bit for bit what it did without
+    one (its codes); from it, the copy: the bfloat16 weight the dequantize path multiplies,
+    within a float32 dot's rounding of the float64 reference."""
+    name, layer, rows = _copy_cases()[case]
+    gen = torch.Generator().manual_seed(4)
+    few = torch.randn(rows - 1, layer.in_features, generator=gen).to(torch.bfloat16)
+    many = torch.randn(rows + 5, layer.in_features, generator=gen).to(torch.bfloat16)
+    before_few = layer(few)
+    assert layer.prefill is None
+    model = SimpleNamespace(layers=[SimpleNamespace(proj=layer)])
+    assert prefill_copy_bytes(model) == 2 * layer.out_features * layer.in_features
+    assert add_prefill_copies(model) == prefill_copy_bytes(model)
+    assert layer.prefill is not None, name
+    assert torch.equal(layer(few), before_few), name
+    w = quant._dense_bf16(layer).double()
+    if name == "int4":
+        q, scale, zero = layer.codes()
+        want_w = dequantize_int4(q, scale, zero, layer.group_size)
+    else:
+        want_w = layer.dequantized()
+    # the copy is the dequantized weight rounded once to bfloat16
+    assert torch.allclose(w, want_w.double(), rtol=2**-8, atol=0), name
+    got = layer(many).double()
+    want = many.double() @ w.T
+    assert (got - want).abs().max() <= MATMUL_RTOL * want.abs().max(), name
+    # the rows from the threshold go through the copy and no other way
+    layer.prefill = Linear(torch.zeros(layer.out_features, layer.in_features).to(torch.bfloat16))
+    assert not layer(many).any() and torch.equal(layer(few), before_few), name
+
+
+def test_prefill_copy_decision():
+    gib = 2**30
+    assert decide_prefill_copy("on", 10 * gib, available=gib)
+    assert not decide_prefill_copy("on", 0)  # nothing quantized: nothing to copy
+    assert not decide_prefill_copy("off", 1, available=64 * gib)
+    assert decide_prefill_copy("auto", gib // 4, available=gib)
+    assert not decide_prefill_copy("auto", gib // 4 + 1, available=gib)
+    assert not decide_prefill_copy("auto", 0, available=gib)
+    with pytest.raises(ValueError, match="prefill_weight_copy"):
+        decide_prefill_copy("always", 1)
+    with pytest.raises(ValueError, match="prefill_weight_copy"):
+        EngineConfig(model="x", prefill_weight_copy="always")
 
 
 def _page_bytes(engine) -> int:
