@@ -8,11 +8,13 @@ after another), while a killer SIGKILLs one replica's engine process at random i
 ``--seed``) and the replica's supervisor restarts it.
 
 Before all that, the light tenant runs alone through the router for ``--light-alone-s``
-seconds (no other tenant, no kill): the baseline of ``light_tenant_ttft_p99_ratio``, the
-light tenant's p99 TTFT during the rest (flood, mixed traffic and kills) over its p99 alone;
-``light_tenant_ttft_p99_ratio_between_kills`` leaves out the light requests that started
-or waited for their first token between a kill and the killed replica's return (when the
-deployment is one replica short).
+seconds (no other tenant, no kill), then for ``--flood-only-s`` seconds with the flooding
+tenant only (no mixed traffic, no kill): ``light_tenant_ttft_p99_ratio`` is its p99 TTFT
+with the flooder present over its p99 alone. ``light_tenant_ttft_p99_ratio_all_traffic``
+is the same over the main phase (flood, mixed traffic, bursts and kills);
+``light_tenant_ttft_p99_ratio_between_kills`` leaves out of that the light requests that
+started or waited for their first token between a kill and the killed replica's return
+(when the deployment is one replica short).
 
 The engine process is killed, not the whole replica: the replica's HTTP server stays up and
 answers 503 ``engine_dead``/``engine_restarting`` until its engine is back, which is the
@@ -233,6 +235,26 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     while time.monotonic() < alone_until:
         alone.append(await light.light_one())
         await asyncio.sleep(args.light_gap)
+    # then with the flooding tenant only (no other traffic, no kill): the light tenant's
+    # TTFT with the flooder present, light_tenant_ttft_p99_ratio's numerator
+    flooded: list[Outcome] = []
+    flood_heavy: list[Outcome] = []
+    if args.flood_only_s > 0:
+        flood_until = time.monotonic() + args.flood_lead_s + args.flood_only_s
+
+        async def flood_client() -> None:
+            while time.monotonic() < flood_until:
+                flood_heavy.append(await heavy.heavy_one())
+
+        async def flood_light() -> None:
+            await asyncio.sleep(args.flood_lead_s)  # the flood is on before measuring
+            while time.monotonic() < flood_until:
+                flooded.append(await light.light_one())
+                await asyncio.sleep(args.light_gap)
+
+        await asyncio.gather(
+            flood_light(), *[flood_client() for _ in range(args.heavy_concurrency)]
+        )
     started = time.monotonic()
     deadline = started + args.duration
 
@@ -328,7 +350,7 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     heavy_tasks = [loop(heavy.heavy_one) for _ in range(args.heavy_concurrency)]
     results = await asyncio.gather(killer(), bursts(), light_loop(), *heavy_tasks, *tasks)
     light.outcomes = results[2]
-    heavy.outcomes = [o for outs in results[3 : 3 + len(heavy_tasks)] for o in outs]
+    heavy.outcomes = flood_heavy + [o for outs in results[3 : 3 + len(heavy_tasks)] for o in outs]
     wall = time.monotonic() - started
 
     flushes = [await r.idle_flush() for r in replicas]
@@ -340,7 +362,7 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     )
 
     tenants = {"mixed": mixed.outcomes, "heavy": heavy.outcomes, "light": light.outcomes}
-    everything = [o for outs in tenants.values() for o in outs] + alone
+    everything = [o for outs in tenants.values() for o in outs] + alone + flooded
     # light requests under the flood: all of them, and those that neither started nor got
     # their first token between a kill and the killed replica's return (one replica short)
     windows = [
@@ -356,8 +378,9 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
         ttfts = [o.ttft_s for o in outs if o.ttft_s is not None]
         return percentiles(ttfts)["p99"] if ttfts else None
 
-    p_alone, p_flood = p99(alone), p99(light.outcomes)
+    p_alone, p_all = p99(alone), p99(light.outcomes)
     p_clear = p99([o for o in light.outcomes if clear(o)])
+    p_flooded = p99(flooded)
     counts = Counter(o.outcome for o in everything)
     by_kind: dict[str, Counter] = {}
     for o in everything:
@@ -387,10 +410,16 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
             }
             for name, outs in tenants.items()
         },
-        "light_ttft_p99_s": p_flood,
+        "light_ttft_p99_s": p_all,
         "light_alone_ttft_s": percentiles([o.ttft_s for o in alone if o.ttft_s is not None]),
         "light_alone_requests": len(alone),
-        "light_tenant_ttft_p99_ratio": _ratio(p_flood, p_alone),
+        "light_flood_ttft_s": percentiles([o.ttft_s for o in flooded if o.ttft_s is not None]),
+        "light_flood_requests": len(flooded),
+        "heavy_flood_requests": len(flood_heavy),
+        # with the flooding tenant only ÷ alone (None without --flood-only-s)
+        "light_tenant_ttft_p99_ratio": _ratio(p_flooded, p_alone),
+        # during the main phase: the flood, the mixed traffic, bursts and kills ÷ alone
+        "light_tenant_ttft_p99_ratio_all_traffic": _ratio(p_all, p_alone),
         "light_tenant_ttft_p99_ratio_between_kills": _ratio(p_clear, p_alone),
         "kill_log": kill_log,
         "replicas": len(replicas),
@@ -436,9 +465,11 @@ def run_router_soak(args: argparse.Namespace) -> int:
     print(f"kills {report['kills']} (restart s {[k['restart_s'] for k in report['kill_log']]})")
     print(
         f"light TTFT p99: alone {report['light_alone_ttft_s']['p99']} s "
-        f"({report['light_alone_requests']} requests), under the flood "
-        f"{report['light_ttft_p99_s']} s: light_tenant_ttft_p99_ratio "
-        f"{report['light_tenant_ttft_p99_ratio']} "
+        f"({report['light_alone_requests']} requests), with the flooder only "
+        f"{report['light_flood_ttft_s']['p99']} s ({report['light_flood_requests']} requests): "
+        f"light_tenant_ttft_p99_ratio {report['light_tenant_ttft_p99_ratio']}; with all the "
+        f"traffic and kills {report['light_ttft_p99_s']} s: "
+        f"{report['light_tenant_ttft_p99_ratio_all_traffic']} "
         f"({report['light_tenant_ttft_p99_ratio_between_kills']} between kills)"
     )
     print(
@@ -472,6 +503,13 @@ def add_router_soak_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=20.0,
         help="seconds of the light tenant alone first (the ratio's baseline)",
+    )
+    g.add_argument(
+        "--flood-only-s",
+        type=float,
+        default=30.0,
+        help="then seconds of the light tenant with the flooding tenant only, after "
+        "--flood-lead-s (light_tenant_ttft_p99_ratio's numerator; 0: skip)",
     )
     g.add_argument("--restart-timeout", type=float, default=120.0, help="seconds")
     g.add_argument("--router-policy", default="cache-aware", help="the router's --policy")

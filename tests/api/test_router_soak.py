@@ -78,6 +78,10 @@ def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
             "4",
             "--light-alone-s",
             "3",
+            "--flood-only-s",
+            "3",
+            "--flood-lead-s",
+            "1",
             "--concurrency",
             "4",
             "--burst-every",
@@ -140,7 +144,12 @@ def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
     assert all(tenants[t]["ok"] >= 1 for t in ("mixed", "heavy", "light"))
     assert report["light_ttft_p99_s"] is not None
     assert report["light_alone_requests"] >= 3  # the light tenant alone first: the baseline
+    assert report["light_flood_requests"] >= 3 and report["heavy_flood_requests"] >= 1
+    alone_p99 = report["light_alone_ttft_s"]["p99"]
     assert report["light_tenant_ttft_p99_ratio"] == round(
-        report["light_ttft_p99_s"] / report["light_alone_ttft_s"]["p99"], 3
+        report["light_flood_ttft_s"]["p99"] / alone_p99, 3
+    )
+    assert report["light_tenant_ttft_p99_ratio_all_traffic"] == round(
+        report["light_ttft_p99_s"] / alone_p99, 3
     )
     assert proc.returncode == 0, stderr[-3000:]
