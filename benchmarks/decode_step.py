@@ -22,6 +22,8 @@ import random
 import statistics
 import time
 
+from profile_step import add_timer  # benchmarks/ is this script's folder
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,18 +46,7 @@ def main() -> None:
     timing = [False]
 
     def timer(owner: object, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed(*a, **k):
-            if not timing[0]:
-                return inner(*a, **k)
-            start = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                split[label] += time.perf_counter() - start
-
-        setattr(owner, name, timed)
+        add_timer(owner, name, label, split, timing)
 
     timer(model, "forward", "forward")
     timer(model, "compute_logits", "lm_head")

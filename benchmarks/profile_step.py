@@ -25,6 +25,25 @@ import torch
 WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
 
 
+def add_timer(
+    owner: object, name: str, label: str, split: dict[str, float], timing: list[bool]
+) -> None:
+    """Wrap ``owner.name`` so that, while ``timing[0]`` is set, its calls' seconds add up
+    in ``split[label]`` (also used by decode_step.py)."""
+    inner = getattr(owner, name)
+
+    def timed_call(*a, **k):
+        if not timing[0]:
+            return inner(*a, **k)
+        start = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            split[label] += time.perf_counter() - start
+
+    setattr(owner, name, timed_call)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
@@ -59,18 +78,7 @@ def main() -> None:
     timing = [False]
 
     def timer(owner, name: str, label: str) -> None:
-        inner = getattr(owner, name)
-
-        def timed_call(*a, **k):
-            if not timing[0]:
-                return inner(*a, **k)
-            start = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                split[label] += time.perf_counter() - start
-
-        setattr(owner, name, timed_call)
+        add_timer(owner, name, label, split, timing)
 
     import radixserve.executor.attention as attention
     from radixserve.executor.kv_cache import KVCache
