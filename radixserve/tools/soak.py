@@ -371,13 +371,18 @@ class Soak:
         reasons: dict[int, Any] = {}
         usage = None
         first = last = None
+        # TTFT: a completions stream sends a chunk for every step that brings tokens, its
+        # text empty while the detokenizer holds it back (as vLLM's, whose benchmark times
+        # the first chunk with a choice, empty text or not): its first chunk is the first
+        # token. A chat stream's role chunk comes before any token: there the first content.
+        token_chunks = not chat and not body.get("echo")
         for t, data in events[:-1]:
             chunk = orjson.loads(data)
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for c in chunk["choices"]:
                 piece = (c["delta"].get("content") or "") if chat else c["text"]
-                if piece:
+                if piece or (token_chunks and c["finish_reason"] is None):
                     first = first or t
                     last = t
                 texts[c["index"]] = texts.get(c["index"], "") + piece
