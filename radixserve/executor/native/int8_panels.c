@@ -10,9 +10,15 @@
  * A decode row streams each block's K * 16 bytes once, front to back: int8 plus a float16
  * scale per G inputs is 8.5 bits a weight at G = 32 (9 with zeros), 9 at G = 16.
  *
- * Products: codes widened to float32 (exact), x (bfloat16) widened to float32 (exact),
- * fused multiply-adds in float32 per group, then out += scale * acc + zero * sum(x over
- * the group). Without AVX-512 (F, BW, BF16) both entry points return -1 and callers use another path.
+ * Products, per group: acc = sum over the group of x * q in float32, then out += scale * acc
+ * + zero * sum(x over the group). One row: codes and x widened to float32 (both exact),
+ * fused multiply-adds. Several rows: the codes of two consecutive inputs k, k + 1 (the 32
+ * bytes [k][16], [k+1][16]) become one vector of bfloat16 pairs, lane j = (q[k, j],
+ * q[k+1, j]) (exact: |q| <= 128 has at most 8 significant bits), converted once for all
+ * rows of a tile, and vdpbf16ps adds the two products x[r, k] q[k, j] + x[r, k+1] q[k+1, j]
+ * (exact in float32) to row r's accumulator: half the instructions of a multiply-add per
+ * input and row, the same sums up to float32 reassociation. Without AVX-512 (F, BW, BF16)
+ * both entry points return -1 and callers use another path.
  */
 #include <stdint.h>
 #include <string.h>
@@ -40,25 +46,63 @@ static inline __m512 codes16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* Rows [m0, m0 + MT) against output block b. xt: x of this tile as float32 [k][MT];
- * xs: per row and group the sum of x (only read with zeros). */
+/* Row tiles for m >= 2 rows: as few as hold at most MAX_TILE rows each, their sizes
+ * within one of each other (m = 16: one of 16; 17: 9 and 8; 31: 16 and 15), so that each
+ * pair of codes is converted as few times as possible. Tile i starts at tile_start(m, i). */
+#define MAX_TILE 16
+
+static inline int64_t tile_count(int64_t m) { return (m + MAX_TILE - 1) / MAX_TILE; }
+
+static inline int64_t tile_start(int64_t m, int64_t i) {
+    const int64_t t = tile_count(m), base = m / t, extra = m % t;
+    return i * base + (i < extra ? i : extra);
+}
+
+/* The codes of inputs k and k + 1 for a block's 16 outputs (p: the 32 bytes [k][16],
+ * [k+1][16]) as bfloat16 pairs, lane j = (q[k, j] low, q[k+1, j] high). A code widened to
+ * float32 has at most 8 significant bits, so its low 16 bits are zero and its top 16 are
+ * its bfloat16: the pair is hi | lo >> 16. */
+static inline __m512bh pair_codes(const int8_t *p) {
+    const __m512i lo = _mm512_castps_si512(codes16(p));
+    const __m512i hi = _mm512_castps_si512(codes16(p + 16));
+    return (__m512bh)_mm512_or_si512(hi, _mm512_srli_epi32(lo, 16));
+}
+
+/* Rows [m0, m0 + MT) against output block b. xp: this tile's x as bfloat16 pairs
+ * [pair][MT] (int32: x[r, 2 p] low, x[r, 2 p + 1] high); xs: per row and group the sum of
+ * x (only read with zeros). Each pair of codes is converted once for the tile's MT rows;
+ * up to 8 rows, two accumulator sets (even and odd pairs) so that each chain of vdpbf16ps
+ * waits on its latency half as often, summed at the group's end. */
 static inline __attribute__((always_inline)) void block_rows(
-    const float *xt, int64_t k, int64_t m0, const int MT, const int8_t *pb, const uint16_t *sb,
+    const int32_t *xp, int64_t m0, const int MT, const int8_t *pb, const uint16_t *sb,
     const uint16_t *zb, int64_t group, const float *xs, int64_t groups, uint16_t *y,
     int64_t y_stride, int64_t col, __mmask16 store_mask) {
-    __m512 out[12];
+    const int two = MT <= 8; /* a second accumulator set */
+    const int64_t gp = group / 2; /* pairs per group: even (group % 4 == 0) */
+    __m512 out[MAX_TILE];
     for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512 acc[12];
+        __m512 acc[MAX_TILE], acc2[MAX_TILE];
         for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+        if (two)
+            for (int r = 0; r < MT; r++) acc2[r] = _mm512_setzero_ps();
         const int8_t *pg = pb + g * group * 16;
-        const float *xg = xt + g * group * MT;
-        for (int64_t i = 0; i < group; i++) {
-            if (i % 4 == 0) _mm_prefetch((const char *)(pg + 16 * i) + PREFETCH_BYTES, _MM_HINT_T0);
-            const __m512 w = codes16(pg + 16 * i);
+        const int32_t *xg = xp + g * gp * MT;
+        for (int64_t p = 0; p < gp; p += 2) {
+            _mm_prefetch((const char *)(pg + 32 * p) + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m512bh w0 = pair_codes(pg + 32 * p), w1 = pair_codes(pg + 32 * (p + 1));
+            const int32_t *x0 = xg + p * MT, *x1 = x0 + MT;
             for (int r = 0; r < MT; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xg[i * MT + r]), w, acc[r]);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x0[r]), w0);
+            if (two)
+                for (int r = 0; r < MT; r++)
+                    acc2[r] = _mm512_dpbf16_ps(acc2[r], (__m512bh)_mm512_set1_epi32(x1[r]), w1);
+            else
+                for (int r = 0; r < MT; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x1[r]), w1);
         }
+        if (two)
+            for (int r = 0; r < MT; r++) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
         const __m512 s = f16x16(sb + g * 16);
         for (int r = 0; r < MT; r++) out[r] = _mm512_fmadd_ps(s, acc[r], out[r]);
         if (zb) {
@@ -96,15 +140,6 @@ static inline void block_row1(const float *x, const int8_t *pb, const uint16_t *
     _mm256_mask_storeu_epi16(y, store_mask, (__m256i)_mm512_cvtneps_pbh(out));
 }
 
-static inline int tile_at(int64_t m, int64_t m0) {
-    const int64_t left = m - m0;
-    if (left >= 12) return 12;
-    if (left >= 8) return 8;
-    if (left >= 4) return 4;
-    if (left >= 2) return 2;
-    return 1;
-}
-
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -113,27 +148,35 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart (bfloat16,
- * rounded to nearest even). xt is scratch for m * k floats, xs for m * (k / group). */
+ * rounded to nearest even). xt is scratch: m = 1, x as float32 (k floats); m >= 2, x as
+ * bfloat16 pairs per row tile, [pair][tile row] (m * k / 2 int32: a pair's broadcasts for
+ * the tile's rows read one cache line instead of rows k apart). xs is scratch for
+ * m * (k / group) floats. Returns 0, or -1 on bad shapes. */
 int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
                           const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
-                          float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
+                          void *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
     if (group % 4 || k % group || m < 1) return -1;
-    const int64_t groups = k / group, blocks = (n + 15) / 16;
-    /* x as float32, per row tile [k][tile rows] (m = 1: just the row); group sums */
-    for (int64_t t0 = 0; t0 < m;) {
-        const int mt = tile_at(m, t0);
-        for (int r = 0; r < mt; r++) {
-            const uint16_t *row = x + (t0 + r) * k;
-            float *t = xt + t0 * k + r;
-            for (int64_t i = 0; i < k; i++) t[i * mt] = bf16_to_f32(row[i]);
-            if (zero)
-                for (int64_t g = 0; g < groups; g++) {
-                    float s = 0.0f;
-                    for (int64_t i = 0; i < group; i++) s += bf16_to_f32(row[g * group + i]);
-                    xs[(t0 + r) * groups + g] = s;
-                }
+    const int64_t groups = k / group, blocks = (n + 15) / 16, pairs = k / 2;
+    if (zero) /* group sums of x */
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t g = 0; g < groups; g++) {
+                float s = 0.0f;
+                for (int64_t i = 0; i < group; i++) s += bf16_to_f32(x[r * k + g * group + i]);
+                xs[r * groups + g] = s;
+            }
+    if (m == 1) {
+        float *xf = (float *)xt;
+        for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(x[i]);
+    } else {
+        int32_t *xp = (int32_t *)xt;
+        for (int64_t i = 0; i < tile_count(m); i++) {
+            const int64_t t0 = tile_start(m, i), mt = tile_start(m, i + 1) - t0;
+            for (int64_t r = 0; r < mt; r++) {
+                const uint16_t *row = x + (t0 + r) * k;
+                int32_t *t = xp + t0 * pairs + r;
+                for (int64_t p = 0; p < pairs; p++) memcpy(t + p * mt, row + 2 * p, sizeof(int32_t));
+            }
         }
-        t0 += mt;
     }
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t b = 0; b < blocks; b++) {
@@ -143,20 +186,20 @@ int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t 
         const int64_t left = n - 16 * b;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
         if (m == 1) {
-            block_row1(xt, pb, sb, zb, group, xs, groups, y + 16 * b, mask);
+            block_row1((const float *)xt, pb, sb, zb, group, xs, groups, y + 16 * b, mask);
             continue;
         }
-        for (int64_t m0 = 0; m0 < m;) {
-            const int mt = tile_at(m, m0);
-            const float *t = xt + m0 * k;
-            switch (mt) {
-            case 12: block_rows(t, k, m0, 12, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            case 8: block_rows(t, k, m0, 8, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            case 4: block_rows(t, k, m0, 4, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            case 2: block_rows(t, k, m0, 2, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            default: block_rows(t, k, m0, 1, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+        for (int64_t i = 0; i < tile_count(m); i++) {
+            const int64_t m0 = tile_start(m, i);
+            const int32_t *t = (const int32_t *)xt + m0 * pairs;
+#define ROWS(MT) \
+    case MT: block_rows(t, m0, MT, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break
+            switch (tile_start(m, i + 1) - m0) { /* constant tile sizes: accumulators in registers */
+            ROWS(16); ROWS(15); ROWS(14); ROWS(13); ROWS(12); ROWS(11); ROWS(10); ROWS(9);
+            ROWS(8); ROWS(7); ROWS(6); ROWS(5); ROWS(4); ROWS(3); ROWS(2);
+            default: break; /* unreachable: the tiles of m >= 2 rows hold 2 to 16 */
             }
-            m0 += mt;
+#undef ROWS
         }
     }
     return 0;
@@ -189,7 +232,7 @@ int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const 
 #else
 int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
                           const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
-                          float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
+                          void *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
     (void)x; (void)m; (void)k; (void)panels; (void)scale; (void)zero; (void)n; (void)group;
     (void)xt; (void)xs; (void)y; (void)y_stride; (void)num_threads;
     return -1;
