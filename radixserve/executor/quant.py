@@ -169,8 +169,8 @@ class _Scratch:
 
 
 class _Work:
-    """One growing float32 buffer for a panel kernel's per-call scratch (the input's copy in
-    the kernel's layout, its group sums), so a decode step allocates none. Invariant: a view handed out is
+    """One growing float32 buffer for a panel kernel's per-call scratch (the input's float
+    copy, its group sums), so a decode step allocates none. Invariant: a view handed out is
     valid until the next ``take`` (layers run one at a time, on one thread)."""
 
     buf = torch.empty(0, dtype=torch.float32)
@@ -710,10 +710,8 @@ class Int8GroupLinear:
     def _panel_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         y = torch.empty(m, self.out_features, dtype=x.dtype)
-        # x as float32 for one row, as bfloat16 pairs (int32, half the size) for more
-        copy = k if m == 1 else m * k // 2
-        work = _Work.take(copy + m * (k // self.group_size))
-        xt, xs = work[:copy], work[copy:]
+        work = _Work.take(m * k + m * (k // self.group_size))
+        xt, xs = work[: m * k], work[m * k :]
         rc = lib.int8_panels_gemm_bf16(
             x.data_ptr(),
             m,

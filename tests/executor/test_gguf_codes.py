@@ -226,7 +226,7 @@ def test_int8_group_matmul_matches_float64_and_fallback(group, with_zero, rows):
 @pytest.mark.parametrize(("group", "with_zero"), [(32, False), (16, False), (32, True), (16, True)])
 @pytest.mark.parametrize("rows", [2, 5, 12, 13, 16, 17, 31])
 def test_int8_group_panel_gemm_rows_within_float32_rounding(group, with_zero, rows):
-    """The several-row panel GEMM (row tiles of 2 to 16: bfloat16 pairs of codes, vdpbf16ps)
+    """The several-row panel GEMM (row tiles of 2 to 16 rows, one or two accumulator sets)
     element by element against float64: within the bfloat16 output's rounding (2^-8 of the
     element) plus float32 sums' (2^-17 of the sum of magnitudes |x| |w| and |x| |zero|), far
     tighter than the test above's 2^-7 of the largest output."""

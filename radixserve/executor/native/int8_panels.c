@@ -10,15 +10,14 @@
  * A decode row streams each block's K * 16 bytes once, front to back: int8 plus a float16
  * scale per G inputs is 8.5 bits a weight at G = 32 (9 with zeros), 9 at G = 16.
  *
- * Products, per group: acc = sum over the group of x * q in float32, then out += scale * acc
- * + zero * sum(x over the group). One row: codes and x widened to float32 (both exact),
- * fused multiply-adds. Several rows: the codes of two consecutive inputs k, k + 1 (the 32
- * bytes [k][16], [k+1][16]) become one vector of bfloat16 pairs, lane j = (q[k, j],
- * q[k+1, j]) (exact: |q| <= 128 has at most 8 significant bits), converted once for all
- * rows of a tile, and vdpbf16ps adds the two products x[r, k] q[k, j] + x[r, k+1] q[k+1, j]
- * (exact in float32) to row r's accumulator: half the instructions of a multiply-add per
- * input and row, the same sums up to float32 reassociation. Without AVX-512 (F, BW, BF16)
- * both entry points return -1 and callers use another path.
+ * Products: codes widened to float32 (exact), x (bfloat16) widened to float32 (exact),
+ * fused multiply-adds in float32 per group, then out += scale * acc + zero * sum(x over
+ * the group). Several rows go in tiles of up to 16, each input's codes widened once per
+ * tile. (vdpbf16ps on bfloat16 pairs of codes, as int4_panels.c does, was slower here:
+ * one vdpbf16ps costs two multiply-adds' issue slots on this machine (Xeon, AVX-512 BF16),
+ * so its two products per lane gain nothing, and building the pairs costs more than
+ * widening the codes.) Without AVX-512 (F, BW, BF16) both entry points return -1 and
+ * callers use another path.
  */
 #include <stdint.h>
 #include <string.h>
@@ -48,7 +47,8 @@ static inline __m512 codes16(const int8_t *p) {
 
 /* Row tiles for m >= 2 rows: as few as hold at most MAX_TILE rows each, their sizes
  * within one of each other (m = 16: one of 16; 17: 9 and 8; 31: 16 and 15), so that each
- * pair of codes is converted as few times as possible. Tile i starts at tile_start(m, i). */
+ * input's codes are widened as few times as possible (12, 12, 4, 2, 1 before: 5 tiles for
+ * 31 rows). Tile i starts at tile_start(m, i). */
 #define MAX_TILE 16
 
 static inline int64_t tile_count(int64_t m) { return (m + MAX_TILE - 1) / MAX_TILE; }
@@ -58,27 +58,15 @@ static inline int64_t tile_start(int64_t m, int64_t i) {
     return i * base + (i < extra ? i : extra);
 }
 
-/* The codes of inputs k and k + 1 for a block's 16 outputs (p: the 32 bytes [k][16],
- * [k+1][16]) as bfloat16 pairs, lane j = (q[k, j] low, q[k+1, j] high). A code widened to
- * float32 has at most 8 significant bits, so its low 16 bits are zero and its top 16 are
- * its bfloat16: the pair is hi | lo >> 16. */
-static inline __m512bh pair_codes(const int8_t *p) {
-    const __m512i lo = _mm512_castps_si512(codes16(p));
-    const __m512i hi = _mm512_castps_si512(codes16(p + 16));
-    return (__m512bh)_mm512_or_si512(hi, _mm512_srli_epi32(lo, 16));
-}
-
-/* Rows [m0, m0 + MT) against output block b. xp: this tile's x as bfloat16 pairs
- * [pair][MT] (int32: x[r, 2 p] low, x[r, 2 p + 1] high); xs: per row and group the sum of
- * x (only read with zeros). Each pair of codes is converted once for the tile's MT rows;
- * up to 8 rows, two accumulator sets (even and odd pairs) so that each chain of vdpbf16ps
- * waits on its latency half as often, summed at the group's end. */
+/* Rows [m0, m0 + MT) against output block b. xt: this tile's x as float32 [k][MT]; xs: per
+ * row and group the sum of x (only read with zeros). Each input's 16 codes are widened once
+ * for the tile's MT rows; up to 8 rows, two accumulator sets (even and odd inputs) so that
+ * each chain of multiply-adds waits on its latency half as often, summed at the group's end. */
 static inline __attribute__((always_inline)) void block_rows(
-    const int32_t *xp, int64_t m0, const int MT, const int8_t *pb, const uint16_t *sb,
+    const float *xt, int64_t m0, const int MT, const int8_t *pb, const uint16_t *sb,
     const uint16_t *zb, int64_t group, const float *xs, int64_t groups, uint16_t *y,
     int64_t y_stride, int64_t col, __mmask16 store_mask) {
     const int two = MT <= 8; /* a second accumulator set */
-    const int64_t gp = group / 2; /* pairs per group: even (group % 4 == 0) */
     __m512 out[MAX_TILE];
     for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -87,19 +75,18 @@ static inline __attribute__((always_inline)) void block_rows(
         if (two)
             for (int r = 0; r < MT; r++) acc2[r] = _mm512_setzero_ps();
         const int8_t *pg = pb + g * group * 16;
-        const int32_t *xg = xp + g * gp * MT;
-        for (int64_t p = 0; p < gp; p += 2) {
-            _mm_prefetch((const char *)(pg + 32 * p) + PREFETCH_BYTES, _MM_HINT_T0);
-            const __m512bh w0 = pair_codes(pg + 32 * p), w1 = pair_codes(pg + 32 * (p + 1));
-            const int32_t *x0 = xg + p * MT, *x1 = x0 + MT;
-            for (int r = 0; r < MT; r++)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x0[r]), w0);
+        const float *xg = xt + g * group * MT;
+        for (int64_t i = 0; i < group; i += 2) {
+            if (i % 4 == 0) _mm_prefetch((const char *)(pg + 16 * i) + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m512 w0 = codes16(pg + 16 * i), w1 = codes16(pg + 16 * (i + 1));
+            const float *x0 = xg + i * MT, *x1 = x0 + MT;
+            for (int r = 0; r < MT; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x0[r]), w0, acc[r]);
             if (two)
                 for (int r = 0; r < MT; r++)
-                    acc2[r] = _mm512_dpbf16_ps(acc2[r], (__m512bh)_mm512_set1_epi32(x1[r]), w1);
+                    acc2[r] = _mm512_fmadd_ps(_mm512_set1_ps(x1[r]), w1, acc2[r]);
             else
                 for (int r = 0; r < MT; r++)
-                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(x1[r]), w1);
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x1[r]), w1, acc[r]);
         }
         if (two)
             for (int r = 0; r < MT; r++) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
@@ -148,15 +135,14 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart (bfloat16,
- * rounded to nearest even). xt is scratch: m = 1, x as float32 (k floats); m >= 2, x as
- * bfloat16 pairs per row tile, [pair][tile row] (m * k / 2 int32: a pair's broadcasts for
- * the tile's rows read one cache line instead of rows k apart). xs is scratch for
- * m * (k / group) floats. Returns 0, or -1 on bad shapes. */
+ * rounded to nearest even). xt is scratch for m * k floats: x as float32, per row tile
+ * [k][tile rows] (m = 1: just the row); xs for m * (k / group). Returns 0, or -1 on bad
+ * shapes. */
 int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
                           const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
-                          void *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
+                          float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
     if (group % 4 || k % group || m < 1) return -1;
-    const int64_t groups = k / group, blocks = (n + 15) / 16, pairs = k / 2;
+    const int64_t groups = k / group, blocks = (n + 15) / 16;
     if (zero) /* group sums of x */
         for (int64_t r = 0; r < m; r++)
             for (int64_t g = 0; g < groups; g++) {
@@ -165,16 +151,14 @@ int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t 
                 xs[r * groups + g] = s;
             }
     if (m == 1) {
-        float *xf = (float *)xt;
-        for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(x[i]);
+        for (int64_t i = 0; i < k; i++) xt[i] = bf16_to_f32(x[i]);
     } else {
-        int32_t *xp = (int32_t *)xt;
         for (int64_t i = 0; i < tile_count(m); i++) {
             const int64_t t0 = tile_start(m, i), mt = tile_start(m, i + 1) - t0;
             for (int64_t r = 0; r < mt; r++) {
                 const uint16_t *row = x + (t0 + r) * k;
-                int32_t *t = xp + t0 * pairs + r;
-                for (int64_t p = 0; p < pairs; p++) memcpy(t + p * mt, row + 2 * p, sizeof(int32_t));
+                float *t = xt + t0 * k + r;
+                for (int64_t j = 0; j < k; j++) t[j * mt] = bf16_to_f32(row[j]);
             }
         }
     }
@@ -186,12 +170,12 @@ int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t 
         const int64_t left = n - 16 * b;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
         if (m == 1) {
-            block_row1((const float *)xt, pb, sb, zb, group, xs, groups, y + 16 * b, mask);
+            block_row1(xt, pb, sb, zb, group, xs, groups, y + 16 * b, mask);
             continue;
         }
         for (int64_t i = 0; i < tile_count(m); i++) {
             const int64_t m0 = tile_start(m, i);
-            const int32_t *t = (const int32_t *)xt + m0 * pairs;
+            const float *t = xt + m0 * k;
 #define ROWS(MT) \
     case MT: block_rows(t, m0, MT, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break
             switch (tile_start(m, i + 1) - m0) { /* constant tile sizes: accumulators in registers */
@@ -232,7 +216,7 @@ int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const 
 #else
 int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
                           const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
-                          void *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
+                          float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
     (void)x; (void)m; (void)k; (void)panels; (void)scale; (void)zero; (void)n; (void)group;
     (void)xt; (void)xs; (void)y; (void)y_stride; (void)num_threads;
     return -1;
