@@ -60,13 +60,13 @@ static inline int64_t tile_start(int64_t m, int64_t i) {
 
 /* Rows [m0, m0 + MT) against output block b. xt: this tile's x as float32 [k][MT]; xs: per
  * row and group the sum of x (only read with zeros). Each input's 16 codes are widened once
- * for the tile's MT rows; up to 8 rows, two accumulator sets (even and odd inputs) so that
- * each chain of multiply-adds waits on its latency half as often, summed at the group's end. */
+ * for the tile's MT rows; below 8 rows (fewer chains than a multiply-add's latency times
+ * its throughput), two accumulator sets (even and odd inputs), summed at the group's end. */
 static inline __attribute__((always_inline)) void block_rows(
     const float *xt, int64_t m0, const int MT, const int8_t *pb, const uint16_t *sb,
     const uint16_t *zb, int64_t group, const float *xs, int64_t groups, uint16_t *y,
     int64_t y_stride, int64_t col, __mmask16 store_mask) {
-    const int two = MT <= 8; /* a second accumulator set */
+    const int two = MT < 8; /* a second accumulator set */
     __m512 out[MAX_TILE];
     for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
