@@ -223,6 +223,43 @@ def test_int8_group_matmul_matches_float64_and_fallback(group, with_zero, rows):
         assert (chunked.double() - ref).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize(("group", "with_zero"), [(32, False), (16, False), (32, True), (16, True)])
+@pytest.mark.parametrize("rows", [2, 5, 12, 13, 16, 17, 31])
+def test_int8_group_panel_gemm_rows_within_float32_rounding(group, with_zero, rows):
+    """The several-row panel GEMM (row tiles of 2 to 16 rows, one or two accumulator sets)
+    element by element against float64: within the bfloat16 output's rounding (2^-8 of the
+    element) plus float32 sums' (2^-17 of the sum of magnitudes |x| |w| and |x| |zero|), far
+    tighter than the test above's 2^-7 of the largest output."""
+    lib = load_int8_panels()
+    if lib is None:
+        pytest.skip("the int8 panel kernel is not built here (no AVX-512 BF16)")
+    gen = torch.Generator().manual_seed(1000 + rows * 7 + group + with_zero)
+    n, k = 53, 384  # n not a multiple of 16: the last block is padded
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    q[0, :group] = -128  # the widest code, a whole group of it
+    scale = (torch.rand(n, k // group, generator=gen) * 0.01).half().float()
+    zero = (
+        ((torch.rand(n, k // group, generator=gen) - 0.5) * 0.1).half().float()
+        if with_zero
+        else None
+    )
+    layer = Int8GroupLinear(q, scale, zero, group)
+    w = q.double().view(n, k // group, group) * scale.double()[..., None]
+    mag = q.double().abs().view(n, k // group, group) * scale.double()[..., None]
+    if zero is not None:
+        w = w + zero.double()[..., None]
+        mag = mag + zero.double().abs()[..., None]
+    w, mag = w.view(n, k), mag.view(n, k)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    x[-1] *= 64.0  # rows of different magnitudes in one tile
+    ref = x.double() @ w.T
+    bound = 2.0**-8 * ref.abs() + 2.0**-17 * (x.double().abs() @ mag.T)
+    for y in (layer._panel_gemm(lib, x.contiguous()), layer(x)):
+        assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+        err = (y.double() - ref).abs()
+        assert torch.all(err <= bound), (err - bound).max()
+
+
 def test_int8_group_scales_beyond_float16_run_dequantized():
     """A scale float16 cannot hold: that tensor runs as a bfloat16 dense layer, not wrongly."""
     from radixserve.executor.linear import Linear

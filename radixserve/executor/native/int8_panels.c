@@ -12,7 +12,12 @@
  *
  * Products: codes widened to float32 (exact), x (bfloat16) widened to float32 (exact),
  * fused multiply-adds in float32 per group, then out += scale * acc + zero * sum(x over
- * the group). Without AVX-512 (F, BW, BF16) both entry points return -1 and callers use another path.
+ * the group). Several rows go in tiles of up to 16, each input's codes widened once per
+ * tile. (vdpbf16ps on bfloat16 pairs of codes, as int4_panels.c does, was slower here:
+ * one vdpbf16ps costs two multiply-adds' issue slots on this machine (Xeon, AVX-512 BF16),
+ * so its two products per lane gain nothing, and building the pairs costs more than
+ * widening the codes.) Without AVX-512 (F, BW, BF16) both entry points return -1 and
+ * callers use another path.
  */
 #include <stdint.h>
 #include <string.h>
@@ -40,25 +45,51 @@ static inline __m512 codes16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* Rows [m0, m0 + MT) against output block b. xt: x of this tile as float32 [k][MT];
- * xs: per row and group the sum of x (only read with zeros). */
+/* Row tiles for m >= 2 rows: as few as hold at most MAX_TILE rows each, their sizes
+ * within one of each other (m = 16: one of 16; 17: 9 and 8; 31: 16 and 15), so that each
+ * input's codes are widened as few times as possible (12, 12, 4, 2, 1 before: 5 tiles for
+ * 31 rows). Tile i starts at tile_start(m, i). */
+#define MAX_TILE 16
+
+static inline int64_t tile_count(int64_t m) { return (m + MAX_TILE - 1) / MAX_TILE; }
+
+static inline int64_t tile_start(int64_t m, int64_t i) {
+    const int64_t t = tile_count(m), base = m / t, extra = m % t;
+    return i * base + (i < extra ? i : extra);
+}
+
+/* Rows [m0, m0 + MT) against output block b. xt: this tile's x as float32 [k][MT]; xs: per
+ * row and group the sum of x (only read with zeros). Each input's 16 codes are widened once
+ * for the tile's MT rows; below 8 rows (fewer chains than a multiply-add's latency times
+ * its throughput), two accumulator sets (even and odd inputs), summed at the group's end. */
 static inline __attribute__((always_inline)) void block_rows(
-    const float *xt, int64_t k, int64_t m0, const int MT, const int8_t *pb, const uint16_t *sb,
+    const float *xt, int64_t m0, const int MT, const int8_t *pb, const uint16_t *sb,
     const uint16_t *zb, int64_t group, const float *xs, int64_t groups, uint16_t *y,
     int64_t y_stride, int64_t col, __mmask16 store_mask) {
-    __m512 out[12];
+    const int two = MT < 8; /* a second accumulator set */
+    __m512 out[MAX_TILE];
     for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512 acc[12];
+        __m512 acc[MAX_TILE], acc2[MAX_TILE];
         for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+        if (two)
+            for (int r = 0; r < MT; r++) acc2[r] = _mm512_setzero_ps();
         const int8_t *pg = pb + g * group * 16;
         const float *xg = xt + g * group * MT;
-        for (int64_t i = 0; i < group; i++) {
+        for (int64_t i = 0; i < group; i += 2) {
             if (i % 4 == 0) _mm_prefetch((const char *)(pg + 16 * i) + PREFETCH_BYTES, _MM_HINT_T0);
-            const __m512 w = codes16(pg + 16 * i);
-            for (int r = 0; r < MT; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xg[i * MT + r]), w, acc[r]);
+            const __m512 w0 = codes16(pg + 16 * i), w1 = codes16(pg + 16 * (i + 1));
+            const float *x0 = xg + i * MT, *x1 = x0 + MT;
+            for (int r = 0; r < MT; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x0[r]), w0, acc[r]);
+            if (two)
+                for (int r = 0; r < MT; r++)
+                    acc2[r] = _mm512_fmadd_ps(_mm512_set1_ps(x1[r]), w1, acc2[r]);
+            else
+                for (int r = 0; r < MT; r++)
+                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x1[r]), w1, acc[r]);
         }
+        if (two)
+            for (int r = 0; r < MT; r++) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
         const __m512 s = f16x16(sb + g * 16);
         for (int r = 0; r < MT; r++) out[r] = _mm512_fmadd_ps(s, acc[r], out[r]);
         if (zb) {
@@ -96,15 +127,6 @@ static inline void block_row1(const float *x, const int8_t *pb, const uint16_t *
     _mm256_mask_storeu_epi16(y, store_mask, (__m256i)_mm512_cvtneps_pbh(out));
 }
 
-static inline int tile_at(int64_t m, int64_t m0) {
-    const int64_t left = m - m0;
-    if (left >= 12) return 12;
-    if (left >= 8) return 8;
-    if (left >= 4) return 4;
-    if (left >= 2) return 2;
-    return 1;
-}
-
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -113,27 +135,32 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart (bfloat16,
- * rounded to nearest even). xt is scratch for m * k floats, xs for m * (k / group). */
+ * rounded to nearest even). xt is scratch for m * k floats: x as float32, per row tile
+ * [k][tile rows] (m = 1: just the row); xs for m * (k / group). Returns 0, or -1 on bad
+ * shapes. */
 int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
                           const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
                           float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
     if (group % 4 || k % group || m < 1) return -1;
     const int64_t groups = k / group, blocks = (n + 15) / 16;
-    /* x as float32, per row tile [k][tile rows] (m = 1: just the row); group sums */
-    for (int64_t t0 = 0; t0 < m;) {
-        const int mt = tile_at(m, t0);
-        for (int r = 0; r < mt; r++) {
-            const uint16_t *row = x + (t0 + r) * k;
-            float *t = xt + t0 * k + r;
-            for (int64_t i = 0; i < k; i++) t[i * mt] = bf16_to_f32(row[i]);
-            if (zero)
-                for (int64_t g = 0; g < groups; g++) {
-                    float s = 0.0f;
-                    for (int64_t i = 0; i < group; i++) s += bf16_to_f32(row[g * group + i]);
-                    xs[(t0 + r) * groups + g] = s;
-                }
+    if (zero) /* group sums of x */
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t g = 0; g < groups; g++) {
+                float s = 0.0f;
+                for (int64_t i = 0; i < group; i++) s += bf16_to_f32(x[r * k + g * group + i]);
+                xs[r * groups + g] = s;
+            }
+    if (m == 1) {
+        for (int64_t i = 0; i < k; i++) xt[i] = bf16_to_f32(x[i]);
+    } else {
+        for (int64_t i = 0; i < tile_count(m); i++) {
+            const int64_t t0 = tile_start(m, i), mt = tile_start(m, i + 1) - t0;
+            for (int64_t r = 0; r < mt; r++) {
+                const uint16_t *row = x + (t0 + r) * k;
+                float *t = xt + t0 * k + r;
+                for (int64_t j = 0; j < k; j++) t[j * mt] = bf16_to_f32(row[j]);
+            }
         }
-        t0 += mt;
     }
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t b = 0; b < blocks; b++) {
@@ -146,17 +173,17 @@ int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t 
             block_row1(xt, pb, sb, zb, group, xs, groups, y + 16 * b, mask);
             continue;
         }
-        for (int64_t m0 = 0; m0 < m;) {
-            const int mt = tile_at(m, m0);
+        for (int64_t i = 0; i < tile_count(m); i++) {
+            const int64_t m0 = tile_start(m, i);
             const float *t = xt + m0 * k;
-            switch (mt) {
-            case 12: block_rows(t, k, m0, 12, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            case 8: block_rows(t, k, m0, 8, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            case 4: block_rows(t, k, m0, 4, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            case 2: block_rows(t, k, m0, 2, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            default: block_rows(t, k, m0, 1, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+#define ROWS(MT) \
+    case MT: block_rows(t, m0, MT, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break
+            switch (tile_start(m, i + 1) - m0) { /* constant tile sizes: accumulators in registers */
+            ROWS(16); ROWS(15); ROWS(14); ROWS(13); ROWS(12); ROWS(11); ROWS(10); ROWS(9);
+            ROWS(8); ROWS(7); ROWS(6); ROWS(5); ROWS(4); ROWS(3); ROWS(2);
+            default: break; /* unreachable: the tiles of m >= 2 rows hold 2 to 16 */
             }
-            m0 += mt;
+#undef ROWS
         }
     }
     return 0;
