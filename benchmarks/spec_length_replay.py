@@ -64,52 +64,53 @@ class Engine(Rule):
         self.lengths.update("r", limit, verified, accepted)
 
 
-class HalveToOne(Rule):
+class GrowShrink(Rule):
+    """``k`` proposals: after a verify that kept all of them, ``grow`` (at most ``cap``);
+    after a rejection, ``shrink`` (at least 1). By default double / halve: the engine's
+    rule with no floor."""
+
+    def __init__(self, start: int, cap: int) -> None:
+        self.k, self.cap = start, cap
+
+    def limit(self) -> int:
+        return self.k
+
+    def update(self, limit: int, verified: int, accepted: int) -> None:
+        if accepted < verified:
+            self.k = max(1, self.shrink(limit, accepted))
+        elif verified == limit:
+            self.k = min(self.cap, self.grow(limit))
+
+    def grow(self, limit: int) -> int:
+        return 2 * limit
+
+    def shrink(self, limit: int, accepted: int) -> int:
+        return limit // 2
+
+
+class HalveToOne(GrowShrink):
     """The engine's rule with no floor: a rejection halves the length down to 1."""
 
-    def __init__(self, start: int, cap: int) -> None:
-        self.k, self.cap = start, cap
 
-    def limit(self) -> int:
-        return self.k
+class AddSub(GrowShrink):
+    """+up when all kept, -down on a rejection (transformers' assisted generation)."""
 
-    def update(self, limit: int, verified: int, accepted: int) -> None:
-        if accepted < verified:
-            self.k = max(1, limit // 2)
-        elif verified == limit:
-            self.k = min(self.cap, 2 * limit)
+    def __init__(self, start: int, cap: int, up: int = 2, down: int = 1) -> None:
+        super().__init__(start, cap)
+        self.up, self.down = up, down
 
+    def grow(self, limit: int) -> int:
+        return limit + self.up
 
-class AddSub(Rule):
-    """+grow when all kept, -shrink on a rejection (transformers' assisted generation)."""
-
-    def __init__(self, start: int, cap: int, grow: int = 2, shrink: int = 1) -> None:
-        self.k, self.cap, self.grow, self.shrink = start, cap, grow, shrink
-
-    def limit(self) -> int:
-        return self.k
-
-    def update(self, limit: int, verified: int, accepted: int) -> None:
-        if accepted < verified:
-            self.k = max(1, limit - self.shrink)
-        elif verified == limit:
-            self.k = min(self.cap, limit + self.grow)
+    def shrink(self, limit: int, accepted: int) -> int:
+        return limit - self.down
 
 
-class DoubleHalfway(Rule):
+class DoubleHalfway(GrowShrink):
     """Double when all kept; on a rejection, halfway down to what was kept plus one."""
 
-    def __init__(self, start: int, cap: int) -> None:
-        self.k, self.cap = start, cap
-
-    def limit(self) -> int:
-        return self.k
-
-    def update(self, limit: int, verified: int, accepted: int) -> None:
-        if accepted < verified:
-            self.k = max(1, (limit + accepted + 1) // 2)
-        elif verified == limit:
-            self.k = min(self.cap, 2 * limit)
+    def shrink(self, limit: int, accepted: int) -> int:
+        return (limit + accepted + 1) // 2
 
 
 RULES: dict[str, Callable[[], Rule]] = {
