@@ -15,7 +15,7 @@ from pathlib import Path
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     from radixserve.engine.config import DTYPES
-    from radixserve.executor.quant import INT4_GROUP_SIZES, QUANTIZATIONS
+    from radixserve.executor.quant import INT4_GROUP_SIZES, PREFILL_COPY_MODES, QUANTIZATIONS
 
     g = parser.add_argument_group("engine")
     g.add_argument(
@@ -112,7 +112,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefill-weight-copy",
         default="auto",
-        choices=["auto", "on", "off"],
+        choices=list(PREFILL_COPY_MODES),
         help="CPU, quantized dense layers: also keep a bfloat16 copy of each for prefill "
         "chunks, which otherwise dequantize the weights every step (2 bytes a weight; auto: "
         "when it takes at most a quarter of the memory available at load)",

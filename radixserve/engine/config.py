@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.executor.placement import check_gpu_count
-from radixserve.executor.quant import INT4_GROUP_SIZES, QUANTIZATIONS
+from radixserve.executor.quant import INT4_GROUP_SIZES, PREFILL_COPY_MODES, QUANTIZATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
@@ -197,9 +197,10 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}"
             )
-        if self.prefill_weight_copy not in ("auto", "on", "off"):
+        if self.prefill_weight_copy not in PREFILL_COPY_MODES:
             raise ValueError(
-                f"prefill_weight_copy must be auto, on or off; got {self.prefill_weight_copy!r}"
+                f"prefill_weight_copy must be one of {', '.join(PREFILL_COPY_MODES)}; "
+                f"got {self.prefill_weight_copy!r}"
             )
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ValueError(

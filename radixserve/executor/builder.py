@@ -26,6 +26,7 @@ from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.models.base import CausalLM
 from radixserve.executor.models.registry import build_model
 from radixserve.executor.quant import (
+    PREFILL_COPY_MODES,
     GGUFPrecisions,
     QuantScheme,
     add_prefill_copies,
@@ -160,7 +161,6 @@ def load_model(
     return LoadedModel(checkpoint, config, model, torch_dtype, scheme, seconds)
 
 
-PREFILL_COPY_MODES = ("auto", "on", "off")
 # auto keeps the copy when it takes at most this share of the memory available at load
 PREFILL_COPY_AUTO_SHARE = 0.25
 

@@ -35,6 +35,7 @@ from radixserve.executor.loader.gguf_codes import GroupCodes
 from radixserve.executor.native import load_int4_panels, load_int8_panels, load_qlinear
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+PREFILL_COPY_MODES = ("auto", "on", "off")  # add_prefill_copies; builder.decide_prefill_copy
 INT4_GROUP_SIZES = (32, 64, 128)
 # output rows padded to a multiple of 64: PyTorch's CPU int4 packing wants 16, and in blocks
 # of 64 its layout is the one the native dequantizer reads
@@ -923,7 +924,7 @@ def _quantized_layers(model: Any) -> Iterable[QuantizedLinear]:
     for layer in model.layers:
         for name in _layer_fields(layer):
             value = getattr(layer, name)
-            if isinstance(value, Int8Linear | Int4Linear | Int8GroupLinear):
+            if isinstance(value, QuantizedLinear):
                 yield value
 
 
@@ -937,17 +938,17 @@ def add_prefill_copies(model: Any) -> int:
     head) a bfloat16 copy of its weight, reordered once for oneDNN, and return its bytes.
 
     A layer multiplies from its codes for few rows; from its dequantize threshold
-    (``PANEL_DEQUANT_ROWS``, ``INT8_PANEL_DEQUANT_ROWS``, ...) it dequantizes its weight to
-    bfloat16 at every call and runs oneDNN's GEMM. The copy is that same bfloat16 weight,
-    made once: the steps that dequantized now skip it (two thirds of a 256-row int4 step's
-    time on the development machine, benchmarks/quant_matmul.py), with the same rounding
-    of the weights; decode steps still read the codes. The cost is 2 bytes a weight."""
-    total = 0
+    (``DEQUANT_GEMM_ROWS_INT8``, ``INT8_PANEL_DEQUANT_ROWS``, ``PANEL_DEQUANT_ROWS``) it
+    dequantizes its weight to bfloat16 at every call and runs oneDNN's GEMM. The copy is
+    that same bfloat16 weight, made once, and those steps multiply it instead (dequantizing
+    was two thirds of a 256-row int4 step's time on the development machine,
+    benchmarks/quant_matmul.py). An int4 layer with panels uses it from ``PANEL_COPY_ROWS``
+    (128), below its dequantize threshold: there the copy adds a rounding of the weights to
+    bfloat16. Decode steps still read the codes. The cost is 2 bytes a weight."""
     for layer in _quantized_layers(model):
         if layer.prefill is None:
             layer.prefill = Linear(_dense_bf16(layer), layer.bias)
-        total += 2 * layer.out_features * layer.in_features
-    return total
+    return prefill_copy_bytes(model)
 
 
 def weight_memory(model: Any) -> dict[str, int]:

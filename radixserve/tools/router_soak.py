@@ -216,6 +216,17 @@ async def healthy(port: int) -> bool:
     return False
 
 
+async def repeat_until(deadline: float, make, gap: float = 0.0) -> list[Outcome]:
+    """``await make()`` one request after another (``gap`` seconds apart) until
+    ``deadline``; their outcomes."""
+    outs: list[Outcome] = []
+    while time.monotonic() < deadline:
+        outs.append(await make())
+        if gap:
+            await asyncio.sleep(gap)
+    return outs
+
+
 async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> dict:
     kill_times: list[float] = []
     port = deployment.router_port
@@ -231,10 +242,7 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     # baseline of light_tenant_ttft_p99_ratio
     alone_until = time.monotonic() + args.light_alone_s
     await light.light_one()  # one warm-up request, not counted
-    alone: list[Outcome] = []
-    while time.monotonic() < alone_until:
-        alone.append(await light.light_one())
-        await asyncio.sleep(args.light_gap)
+    alone = await repeat_until(alone_until, light.light_one, args.light_gap)
     # then with the flooding tenant only (no other traffic, no kill): the light tenant's
     # TTFT with the flooder present, light_tenant_ttft_p99_ratio's numerator
     flooded: list[Outcome] = []
@@ -242,19 +250,15 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     if args.flood_only_s > 0:
         flood_until = time.monotonic() + args.flood_lead_s + args.flood_only_s
 
-        async def flood_client() -> None:
-            while time.monotonic() < flood_until:
-                flood_heavy.append(await heavy.heavy_one())
-
-        async def flood_light() -> None:
+        async def flood_light() -> list[Outcome]:
             await asyncio.sleep(args.flood_lead_s)  # the flood is on before measuring
-            while time.monotonic() < flood_until:
-                flooded.append(await light.light_one())
-                await asyncio.sleep(args.light_gap)
+            return await repeat_until(flood_until, light.light_one, args.light_gap)
 
-        await asyncio.gather(
-            flood_light(), *[flood_client() for _ in range(args.heavy_concurrency)]
+        flooded, *heavies = await asyncio.gather(
+            flood_light(),
+            *[repeat_until(flood_until, heavy.heavy_one) for _ in range(args.heavy_concurrency)],
         )
+        flood_heavy = [o for outs in heavies for o in outs]
     started = time.monotonic()
     deadline = started + args.duration
 
@@ -322,19 +326,6 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
             if retries_before is not None and retries_after is not None:
                 entry["retried"] = retries_after - retries_before
 
-    async def loop(make) -> list[Outcome]:
-        outs: list[Outcome] = []
-        while time.monotonic() < deadline:
-            outs.append(await make())
-        return outs
-
-    async def light_loop() -> list[Outcome]:
-        outs: list[Outcome] = []
-        while time.monotonic() < deadline:
-            outs.append(await light.light_one())
-            await asyncio.sleep(args.light_gap)
-        return outs
-
     async def bursts() -> None:
         while True:
             await asyncio.sleep(min(args.burst_every, max(deadline - time.monotonic(), 0)))
@@ -347,8 +338,9 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
             mixed.outcomes.append(await mixed.one())
 
     tasks = [mixed_worker() for _ in range(args.concurrency)]
-    heavy_tasks = [loop(heavy.heavy_one) for _ in range(args.heavy_concurrency)]
-    results = await asyncio.gather(killer(), bursts(), light_loop(), *heavy_tasks, *tasks)
+    heavy_tasks = [repeat_until(deadline, heavy.heavy_one) for _ in range(args.heavy_concurrency)]
+    light_task = repeat_until(deadline, light.light_one, args.light_gap)
+    results = await asyncio.gather(killer(), bursts(), light_task, *heavy_tasks, *tasks)
     light.outcomes = results[2]
     heavy.outcomes = flood_heavy + [o for outs in results[3 : 3 + len(heavy_tasks)] for o in outs]
     wall = time.monotonic() - started

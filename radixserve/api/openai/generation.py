@@ -122,10 +122,9 @@ async def stream_events(
 
     ``every_token_step``: a delta that brings tokens but no text yet (the detokenizer holds
     back an incomplete character or a possible stop string, or the token is a skipped
-    special one) still gets a frame, with empty text (unless it is the last: its finish frame
-    follows at once), as vLLM's completions stream does: the
-    client sees its first token when it is made, not one engine step later. Otherwise such
-    deltas are skipped."""
+    special one) still gets a frame, with empty text (unless it is the last: its finish
+    frame follows at once), as vLLM's completions stream does: the client sees its first
+    token when it is made, not one engine step later. Otherwise such deltas are skipped."""
     n = params.n
     timer = RequestTimer(server.frontend.metrics)
     cached: dict[int, int] = {}
