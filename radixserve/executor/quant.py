@@ -308,8 +308,9 @@ class Int4Linear:
     Invariant: ``__call__`` computes ``F.linear(x, dequantize_int4(...), bias)`` up to the
     activation dtype's rounding. The codes live in exactly one layout: the panels of
     ``native/int4_panels.c`` where that kernel is built (AVX-512 BF16; below
-    ``PANEL_DEQUANT_ROWS`` rows it multiplies straight from them, from there it dequantizes
-    to bfloat16 for oneDNN's GEMM); else PyTorch's packed layout (output rows padded to a
+    ``PANEL_DEQUANT_ROWS`` rows, or ``AMX_DEQUANT_ROWS`` where it multiplies in AMX tiles,
+    it multiplies straight from them, from there it dequantizes to bfloat16 for oneDNN's
+    GEMM); else PyTorch's packed layout (output rows padded to a
     multiple of 64: its kernel below ``DEQUANT_GEMM_ROWS`` rows, then the weight dequantized
     and oneDNN's GEMM); else two codes a byte for the plain-torch fallback. ``panels=False``
     skips the first choice. With a ``prefill`` copy (``add_prefill_copies``), the rows that
@@ -387,9 +388,12 @@ class Int4Linear:
             if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
                 return self.fallback(x)
             lib = _panel_lib()
-            if self.prefill is not None and x.shape[0] >= PANEL_COPY_ROWS:
+            m = x.shape[0]
+            if self.prefill is not None and m >= PANEL_COPY_ROWS:
                 return self.prefill(x)
-            if x.shape[0] < PANEL_DEQUANT_ROWS:
+            if m < PANEL_DEQUANT_ROWS or (
+                m < AMX_DEQUANT_ROWS and 0 < lib.int4_panels_amx_rows() <= m
+            ):
                 return self._panel_gemm(lib, x.contiguous())
             return self._panel_dequant_gemm(lib, x)
         if self.packed is None or x.device.type != "cpu":
@@ -520,6 +524,13 @@ PANEL_DEQUANT_ROWS = 256
 # codes, and puts the chunks of a long prompt under the fair policy's step cap (128 or
 # more) on the copy.
 PANEL_COPY_ROWS = 128
+# Where the panel GEMMs (int4 and int8) multiply in AMX tiles (native/amx_tiles.h; from
+# native.INT4_AMX_ROWS / INT8_AMX_ROWS rows), they stay exact and are faster than
+# dequantizing up to this many rows instead of PANEL_DEQUANT_ROWS / INT8_PANEL_DEQUANT_ROWS
+# (SmolLM2's 960x576, 3072x576 and 576x1536 layers, 2 threads, the Xeon of docs/benchmarks:
+# at 512 rows AMX 1.18-1.44x int4, 1.43-1.49x int8 over dequantize + GEMM; at 1024 rows
+# 0.70-0.79x int4, 0.88-0.95x int8).
+AMX_DEQUANT_ROWS = 768
 
 
 def _panel_lib() -> Any:
@@ -639,7 +650,8 @@ class Int8GroupLinear:
 
     Invariant: ``__call__`` computes ``F.linear(x, self.dequantized(), bias)`` up to the
     activation dtype's rounding. The codes live in the panels of ``native/int8_panels.c``:
-    below ``INT8_PANEL_DEQUANT_ROWS`` rows that kernel multiplies straight from them, from
+    below ``INT8_PANEL_DEQUANT_ROWS`` rows (``AMX_DEQUANT_ROWS`` where it multiplies in AMX
+    tiles and there is no prefill copy) that kernel multiplies straight from them, from
     there it dequantizes a chunk of outputs at a time to bfloat16 for oneDNN's GEMM; where
     it is not built (or the input is not bfloat16 on CPU) the plain-torch fallback. With a
     ``prefill`` copy (``add_prefill_copies``), the rows that would dequantize multiply that
@@ -699,10 +711,13 @@ class Int8GroupLinear:
         lib = _int8_panel_lib()
         if lib is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
             return self.fallback(x)
-        if x.shape[0] < INT8_PANEL_DEQUANT_ROWS:
+        m = x.shape[0]
+        if m < INT8_PANEL_DEQUANT_ROWS:
             return self._panel_gemm(lib, x.contiguous())
         if self.prefill is not None:
             return self.prefill(x)
+        if m < AMX_DEQUANT_ROWS and 0 < lib.int8_panels_amx_rows() <= m:
+            return self._panel_gemm(lib, x.contiguous())
         return self._panel_dequant_gemm(lib, x)
 
     def _ptr(self, t: torch.Tensor | None) -> int | None:

@@ -96,6 +96,89 @@ def test_int4_matmul_matches_float64(rows, group, symmetric):
         assert torch.all(zero == 0)
 
 
+def _amx_libs() -> tuple:
+    from radixserve.executor.native import amx_permission, load_int4_panels, load_int8_panels
+
+    l4, l8 = load_int4_panels(), load_int8_panels()
+    if l4 is None or l8 is None or not (l4.int4_panels_has_amx() and amx_permission()):
+        pytest.skip("no AMX tiles here (or the kernel refused them)")
+    return l4, l8
+
+
+def _elementwise_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Each output within bfloat16's rounding of its own value, plus float32 sums' error:
+    a wrong scale for one group or column, or one tile row's products dropped, fails."""
+    err = (y.double() - ref).abs()
+    allowed = 2.0**-8 * ref.abs() + 2.0**-16 * ref.abs().max()
+    assert torch.all(err <= allowed), (err - allowed).max().item()
+
+
+# rows: shorter tiles (8, 15), one tile (16), a last tile that overlaps (17, 33, 127)
+@pytest.mark.parametrize("rows", [8, 15, 16, 17, 33, 127])
+@pytest.mark.parametrize("group", [16, 32, 64])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8_zeros"])
+def test_amx_panel_gemms_match_float64(rows, group, kind):
+    """The AMX tile path of both panel GEMMs against float64 and against the AVX-512 path
+    (run with the tiles off), element by element."""
+    l4, l8 = _amx_libs()
+    gen = torch.Generator().manual_seed(rows * 100 + group)
+    n, k = 100, 256  # 100 outputs: a partial last block of 16
+    if kind == "int4":
+        q, scale, zero = quantize_int4(torch.randn(n, k, generator=gen), group, False)
+        layer, lib = Int4Linear(q, scale, zero, group), l4
+        w = dequantize_int4(q, scale, zero, group).double()
+        setter, getter = lib.int4_panels_set_amx_rows, lib.int4_panels_amx_rows
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = (torch.rand(n, k // group, generator=gen) * 0.01).half().float()
+        zero = None
+        if kind == "int8_zeros":
+            zero = ((torch.rand(n, k // group, generator=gen) - 0.5) * 0.1).half().float()
+        layer, lib = quant.Int8GroupLinear(q, scale, zero, group), l8
+        w = layer.dequantized().double()
+        setter, getter = lib.int8_panels_set_amx_rows, lib.int8_panels_amx_rows
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    ref = x.double() @ w.T
+    calls = getattr(lib, f"{kind[:4]}_panels_amx_calls")
+    before = getter()
+    try:
+        setter(1)
+        first = calls()
+        tiles = layer._panel_gemm(lib, x)
+        assert calls() == first + 1  # the tiles ran
+        setter(0)
+        vectors = layer._panel_gemm(lib, x)
+        assert calls() == first + 1
+    finally:
+        setter(before)
+    _elementwise_close(tiles, ref)
+    _elementwise_close(vectors, ref)
+    # both exact in the weights: they differ only by float32 summation order
+    assert (tiles.double() - vectors.double()).abs().max() <= 2.0**-7 * ref.abs().max()
+
+
+def test_amx_rows_choose_the_path():
+    """From the AMX row count (and the engine's own default, native.INT4_AMX_ROWS) the
+    layer runs in the tiles; below it, and up to AMX_DEQUANT_ROWS with the tiles, not the
+    dequantizer."""
+    from radixserve.executor.native import INT4_AMX_ROWS
+
+    l4, _ = _amx_libs()
+    assert l4.int4_panels_amx_rows() == INT4_AMX_ROWS  # the loader turned them on
+    torch.manual_seed(3)
+    q, scale, zero = quantize_int4(torch.randn(64, 128), 32, False)
+    layer = Int4Linear(q, scale, zero, 32)
+    before = l4.int4_panels_amx_rows()
+    try:
+        l4.int4_panels_set_amx_rows(21)
+        for rows, tiles in ((20, False), (21, True), (quant.PANEL_DEQUANT_ROWS, True)):
+            first = l4.int4_panels_amx_calls()
+            layer(torch.randn(rows, 128).to(torch.bfloat16))
+            assert l4.int4_panels_amx_calls() == first + tiles, rows
+    finally:
+        l4.int4_panels_set_amx_rows(before)
+
+
 def test_panel_layout_round_trips_and_is_used_where_built():
     from radixserve.executor import quant
     from radixserve.executor.native import load_int4_panels

@@ -70,8 +70,9 @@ def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
         log.info("no C compiler found: native kernels disabled")
         return None
     flags = [*_FLAGS, *_EXTRA_FLAGS.get(source.name, []), *variant_flags]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
-        source.read_bytes() + " ".join([compiler, *flags, _RECIPE]).encode() + _cpu_flags().encode()
+        source.read_bytes() + headers + " ".join([compiler, *flags, _RECIPE]).encode() + _cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
@@ -526,6 +527,40 @@ def apply_token_bitmask(
     return True
 
 
+# From this many rows the int4 panel GEMM multiplies in AMX tiles where the CPU has them
+# (int4_panels.c: int4_panels_gemm_amx; benchmarks/quant_matmul.py, int4_panel against
+# int4_amx).
+INT4_AMX_ROWS = 8
+INT8_AMX_ROWS = 8
+
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+@cache
+def amx_permission() -> bool:
+    """Whether this process may use AMX tiles: Linux hands out their 8 KB of register state
+    only on request (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, once per
+    process, for all its threads). False without the CPU flags, on another OS, when the
+    kernel refuses, or with ``RADIXSERVE_AMX=0``."""
+    if os.environ.get("RADIXSERVE_AMX", "1") == "0":
+        return False
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    flags = _cpu_flags().split()
+    if "amx_tile" not in flags or "amx_bf16" not in flags:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        rc = libc.syscall(
+            ctypes.c_long(_SYS_ARCH_PRCTL),
+            ctypes.c_long(_ARCH_REQ_XCOMP_PERM),
+            ctypes.c_long(_XFEATURE_XTILEDATA),
+        )
+    except (OSError, AttributeError):
+        return False
+    return rc == 0
+
+
 @cache
 def load_int4_panels() -> ctypes.CDLL | None:
     """The int4 "panels" GEMM (a few rows) and dequantizer (None: Int4Linear keeps
@@ -543,6 +578,16 @@ def load_int4_panels() -> ctypes.CDLL | None:
     lib.int4_panels_gemm_bf16.restype = i
     lib.int4_panels_dequant_bf16.argtypes = [p, p, i64, i64, i64, i64, i, p]
     lib.int4_panels_dequant_bf16.restype = i
+    lib.int4_panels_has_amx.argtypes = []
+    lib.int4_panels_has_amx.restype = i
+    lib.int4_panels_set_amx_rows.argtypes = [i]
+    lib.int4_panels_set_amx_rows.restype = None
+    lib.int4_panels_amx_rows.argtypes = []
+    lib.int4_panels_amx_rows.restype = i
+    lib.int4_panels_amx_calls.argtypes = []
+    lib.int4_panels_amx_calls.restype = i64
+    if lib.int4_panels_has_amx() and amx_permission():
+        lib.int4_panels_set_amx_rows(INT4_AMX_ROWS)
     return lib
 
 
@@ -562,6 +607,16 @@ def load_int8_panels() -> ctypes.CDLL | None:
     lib.int8_panels_gemm_bf16.restype = i
     lib.int8_panels_dequant_bf16.argtypes = [p, p, p, i64, i64, i64, i64, i, p]
     lib.int8_panels_dequant_bf16.restype = i
+    lib.int8_panels_has_amx.argtypes = []
+    lib.int8_panels_has_amx.restype = i
+    lib.int8_panels_set_amx_rows.argtypes = [i]
+    lib.int8_panels_set_amx_rows.restype = None
+    lib.int8_panels_amx_rows.argtypes = []
+    lib.int8_panels_amx_rows.restype = i
+    lib.int8_panels_amx_calls.argtypes = []
+    lib.int8_panels_amx_calls.restype = i64
+    if lib.int8_panels_has_amx() and amx_permission():
+        lib.int8_panels_set_amx_rows(INT8_AMX_ROWS)
     return lib
 
 

@@ -23,6 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx_tiles.h"
+
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
     float f;
@@ -38,6 +40,26 @@ int int4_panels_has_gemm(void) {
     return 0;
 #endif
 }
+
+/* From this many rows the GEMM uses AMX tiles (see int4_panels_gemm_amx); 0: never. */
+static int amx_rows = 0;
+
+int int4_panels_has_amx(void) {
+#ifdef RADIXSERVE_AMX
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void int4_panels_set_amx_rows(int rows) { amx_rows = rows; }
+
+int int4_panels_amx_rows(void) { return amx_rows; }
+
+/* Calls that ran in the tiles (tests check the dispatch with it). */
+static int64_t amx_calls = 0;
+
+int64_t int4_panels_amx_calls(void) { return __atomic_load_n(&amx_calls, __ATOMIC_RELAXED); }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -162,6 +184,60 @@ int int4_panels_dequant_bf16(const uint32_t *panels, const uint16_t *sz, int64_t
     return 0;
 }
 
+/* The GEMM in AMX tiles (amx_tiles.h), from amx_rows rows: a block's codes expand to the
+ * bfloat16 pairs (q - 8, exact) with one vpermw from a 32-entry table per 16 pairs (the
+ * pairs PAIR_CODES builds, less 136), scales and zeros to float32; W = (q - 8) scale + zero
+ * as above. */
+#ifdef RADIXSERVE_AMX
+#include <omp.h>
+#include <stdlib.h>
+
+static int int4_panels_gemm_amx(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
+                                const uint16_t *sz, int64_t n, int64_t group, const float *xs,
+                                uint16_t *y, int64_t y_stride, int num_threads) {
+    const int64_t groups = k / group, octets = k / 8, blocks = (n + 15) / 16;
+    const size_t per_thread = amx_scratch_bytes(k, group);
+    __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
+    char *scratch = aligned_alloc(64, (size_t)num_threads * per_thread);
+    if (!scratch) return -2;
+    _Pragma("omp parallel num_threads(num_threads)") {
+        uint32_t *wb = (uint32_t *)(scratch + (size_t)omp_get_thread_num() * per_thread);
+        float *sb = (float *)(wb + (k / 2) * 16), *zb = sb + groups * 16;
+        float c[4][16][16] __attribute__((aligned(64)));
+        memset(c, 0, sizeof c);
+        amx_configure(m < 16 ? (int)m : 16, (int)amx_chunk(group));
+        const __m512i table = _mm512_set_epi16( /* bfloat16 (i & 15) - 8, i = 31 .. 0 */
+            0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+            (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0,
+            (short)0xc0c0, (short)0xc0e0, (short)0xc100,
+            0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000,
+            (short)0xbf80, (short)0xc000, (short)0xc040, (short)0xc080, (short)0xc0a0,
+            (short)0xc0c0, (short)0xc0e0, (short)0xc100);
+        _Pragma("omp for schedule(static)")
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint32_t *pb = panels + b * octets * 16;
+            const uint16_t *szb = sz + b * groups * 32;
+            for (int64_t o = 0; o < octets; o++) { /* vpermw reads each word's low 5 bits */
+                const __m512i v = _mm512_loadu_si512((const void *)(pb + 16 * o));
+                for (int u = 0; u < 4; u++)
+                    _mm512_store_si512((void *)(wb + (4 * o + u) * 16),
+                                       _mm512_permutexvar_epi16(_mm512_srli_epi32(v, 4 * u), table));
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                _mm512_store_ps(sb + g * 16, bf16x16(szb + g * 32));
+                _mm512_store_ps(zb + g * 16, bf16x16(szb + g * 32 + 16));
+            }
+            const int64_t left = n - 16 * b;
+            const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+            amx_block(x, m, k, group, wb, sb, zb, xs, y, y_stride, 16 * b, mask, c);
+        }
+        _tile_release();
+    }
+    free(scratch);
+    return 0;
+}
+#endif
+
 /* Row tiles: 12 rows at a time, then one tile of 8, 4, 2 and 1 as needed (the same order
  * for packing x and for the products). Returns the tile size starting at row m0. */
 static inline int tile_at(int64_t m, int64_t m0) {
@@ -182,6 +258,11 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
                           uint16_t *y, int64_t y_stride, int num_threads) {
     if (k % group || group % 8 || m < 1) return -1;
     const int64_t groups = k / group, pairs = k / 2, octets = k / 8, blocks = (n + 15) / 16;
+#ifdef RADIXSERVE_AMX
+    const int amx = amx_rows > 0 && m >= amx_rows && group % 16 == 0;
+#else
+    const int amx = 0;
+#endif
     /* per row: its group sums and its place in its tile's [pair][row] copy */
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (m * k >= 65536)")
     for (int64_t r = 0; r < m; r++) {
@@ -191,6 +272,7 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
             for (int64_t i = 0; i < group; i++) s += bf16_to_f32(row[g * group + i]);
             xs[r * groups + g] = s;
         }
+        if (amx) continue; /* the tiles read x as it lies */
         const int64_t m0 = r < 12 * (m / 12) ? r / 12 * 12 : 12 * (m / 12);
         int64_t t0 = m0; /* the tile holding row r starts at t0 (tiles after the 12s: 8, 4, 2, 1) */
         int mt = tile_at(m, t0);
@@ -201,6 +283,10 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
         int32_t *t = xp + t0 * pairs + (r - t0);
         for (int64_t p = 0; p < pairs; p++) memcpy(t + p * mt, row + 2 * p, sizeof(int32_t));
     }
+#ifdef RADIXSERVE_AMX
+    if (amx)
+        return int4_panels_gemm_amx(x, m, k, panels, sz, n, group, xs, y, y_stride, num_threads);
+#endif
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t b = 0; b < blocks; b++) {
         const uint32_t *pb = panels + b * octets * 16;

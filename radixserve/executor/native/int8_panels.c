@@ -22,6 +22,28 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx_tiles.h"
+
+/* From this many rows the GEMM uses AMX tiles (int8_panels_gemm_amx); 0: never. */
+static int amx_rows = 0;
+
+int int8_panels_has_amx(void) {
+#ifdef RADIXSERVE_AMX
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void int8_panels_set_amx_rows(int rows) { amx_rows = rows; }
+
+int int8_panels_amx_rows(void) { return amx_rows; }
+
+/* Calls that ran in the tiles (tests check the dispatch with it). */
+static int64_t amx_calls = 0;
+
+int64_t int8_panels_amx_calls(void) { return __atomic_load_n(&amx_calls, __ATOMIC_RELAXED); }
+
 int int8_panels_has_gemm(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
     return 1;
@@ -134,6 +156,57 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+/* The GEMM in AMX tiles (amx_tiles.h), from amx_rows rows: a block's codes expand to
+ * bfloat16 pairs (the codes, exact: a float32 of an integer below 2^8 in magnitude has only
+ * zeros in its low 16 bits), scales and zeros to float32. */
+#ifdef RADIXSERVE_AMX
+#include <omp.h>
+#include <stdlib.h>
+
+static int int8_panels_gemm_amx(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
+                                const uint16_t *scale, const uint16_t *zero, int64_t n,
+                                int64_t group, const float *xs, uint16_t *y, int64_t y_stride,
+                                int num_threads) {
+    const int64_t groups = k / group, blocks = (n + 15) / 16;
+    const size_t per_thread = amx_scratch_bytes(k, group);
+    __atomic_fetch_add(&amx_calls, 1, __ATOMIC_RELAXED);
+    char *scratch = aligned_alloc(64, (size_t)num_threads * per_thread);
+    if (!scratch) return -2;
+    _Pragma("omp parallel num_threads(num_threads)") {
+        uint32_t *wb = (uint32_t *)(scratch + (size_t)omp_get_thread_num() * per_thread);
+        float *sb = (float *)(wb + (k / 2) * 16), *zb = sb + groups * 16;
+        float c[4][16][16] __attribute__((aligned(64)));
+        memset(c, 0, sizeof c);
+        amx_configure(m < 16 ? (int)m : 16, (int)amx_chunk(group));
+        const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+        _Pragma("omp for schedule(static)")
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t *pb = panels + b * k * 16;
+            for (int64_t p = 0; p < k / 2; p++) {
+                if (p % 2 == 0) _mm_prefetch((const char *)(pb + 32 * p) + PREFETCH_BYTES, _MM_HINT_T0);
+                const __m512i even = _mm512_castps_si512(codes16(pb + 32 * p));
+                const __m512i odd = _mm512_castps_si512(codes16(pb + 32 * p + 16));
+                /* (odd & 0xFFFF0000) | (even >> 16): ternary logic 0xEA, (a & b) | c */
+                _mm512_store_si512((void *)(wb + 16 * p),
+                                   _mm512_ternarylogic_epi32(odd, high, _mm512_srli_epi32(even, 16), 0xEA));
+            }
+            const uint16_t *sbb = scale + b * groups * 16;
+            const uint16_t *zbb = zero ? zero + b * groups * 16 : NULL;
+            for (int64_t g = 0; g < groups; g++) {
+                _mm512_store_ps(sb + g * 16, f16x16(sbb + g * 16));
+                if (zbb) _mm512_store_ps(zb + g * 16, f16x16(zbb + g * 16));
+            }
+            const int64_t left = n - 16 * b;
+            const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+            amx_block(x, m, k, group, wb, sb, zbb ? zb : NULL, xs, y, y_stride, 16 * b, mask, c);
+        }
+        _tile_release();
+    }
+    free(scratch);
+    return 0;
+}
+#endif
+
 /* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart (bfloat16,
  * rounded to nearest even). xt is scratch for m * k floats: x as float32, per row tile
  * [k][tile rows] (m = 1: just the row); xs for m * (k / group). Returns 0, or -1 on bad
@@ -150,6 +223,11 @@ int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t 
                 for (int64_t i = 0; i < group; i++) s += bf16_to_f32(x[r * k + g * group + i]);
                 xs[r * groups + g] = s;
             }
+#ifdef RADIXSERVE_AMX
+    if (amx_rows > 0 && m >= amx_rows && group % 16 == 0)
+        return int8_panels_gemm_amx(x, m, k, panels, scale, zero, n, group, xs, y, y_stride,
+                                    num_threads);
+#endif
     if (m == 1) {
         for (int64_t i = 0; i < k; i++) xt[i] = bf16_to_f32(x[i]);
     } else {
