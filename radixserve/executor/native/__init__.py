@@ -72,7 +72,10 @@ def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
     flags = [*_FLAGS, *_EXTRA_FLAGS.get(source.name, []), *variant_flags]
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
-        source.read_bytes() + headers + " ".join([compiler, *flags, _RECIPE]).encode() + _cpu_flags().encode()
+        source.read_bytes()
+        + headers
+        + " ".join([compiler, *flags, _RECIPE]).encode()
+        + _cpu_flags().encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
