@@ -44,7 +44,7 @@ from radixserve.executor.quant import QuantScheme
 logger = logging.getLogger(__name__)
 
 OP_STOP, OP_STEP, OP_NOOP = 0, 1, 2
-HEADER_LEN = 8
+HEADER_LEN = 9
 HEARTBEAT_S = 2.0  # rank 0 sends a no-op step when it has sent nothing for this long
 # a worker that hears nothing from rank 0 (not even a heartbeat) this long exits; shorter
 # when the group's timeout is
@@ -316,6 +316,7 @@ def encode_step(
             num_copies,
             len(plans),
             payload.size,
+            int(fb.long_prompt),
         ],
         dtype=torch.int64,
     )
@@ -333,7 +334,7 @@ class WorkerStep:
 
 
 def decode_step(header: torch.Tensor, payload: torch.Tensor, page_size: int) -> WorkerStep:
-    _, t, b, s, max_pages, c, p, _ = header.tolist()
+    _, t, b, s, max_pages, c, p, _, long_prompt = header.tolist()
     flat = payload.numpy()
     pos = 0
 
@@ -361,6 +362,7 @@ def decode_step(header: torch.Tensor, payload: torch.Tensor, page_size: int) -> 
         page_tables=page_tables,
         logits_indices=logits_indices,
         page_size=page_size,
+        long_prompt=bool(long_prompt),
     )
     return WorkerStep(batch, copies, plans)  # type: ignore[arg-type]
 

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from radixserve.core.page_table import PageTable
+from radixserve.core.request import Request
 from radixserve.core.step import ScheduledBatch
+from radixserve.executor.quant import PANEL_COPY_ROWS
+
+
+def long_prompt_tokens(req: Request) -> int:
+    """The prompt tokens ``req`` computes (its prompt less the prefix cache's hit)."""
+    return req.num_prompt_tokens - req.num_cached_tokens
 
 
 @dataclass
@@ -33,6 +40,9 @@ class ForwardBatch:
     page_tables: np.ndarray  # [B, max_pages] int64
     logits_indices: np.ndarray  # [S] int64
     page_size: int
+    # the step computes prompt tokens of a prompt with at least PANEL_COPY_ROWS of them to
+    # compute (quantized layers then multiply their prefill copy: quant.long_prompt_step)
+    long_prompt: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +80,7 @@ class ForwardBatch:
             )
             positions = starts
             token_req = np.arange(len(reqs))
+            long_prompt = False
         else:
             input_ids = np.concatenate(
                 [
@@ -78,6 +89,10 @@ class ForwardBatch:
                 ]
             ).astype(np.int64)
             token_req = np.repeat(np.arange(len(reqs)), q_lens)
+            long_prompt = any(
+                n > 1 and c < r.num_prompt_tokens and long_prompt_tokens(r) >= PANEL_COPY_ROWS
+                for r, c, n in zip(reqs, starts.tolist(), q_lens.tolist(), strict=True)
+            )
             positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
                 starts - query_start_loc[:-1], q_lens
             )
@@ -107,4 +122,5 @@ class ForwardBatch:
             page_tables=page_tables,
             logits_indices=logits_indices,
             page_size=page_size,
+            long_prompt=long_prompt,
         )

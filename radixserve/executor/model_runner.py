@@ -17,6 +17,7 @@ from radixserve.executor.future_tokens import FutureTokens
 from radixserve.executor.host_memory import keep_freed_memory
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.models.base import CausalLM
+from radixserve.executor.quant import long_prompt_step
 from radixserve.executor.sampler import Sampler, SamplingBatch, TokenLogprobs
 from radixserve.executor.spec.verify import SpecPlan, verify
 from radixserve.executor.spec.verify import plan as spec_plan
@@ -301,9 +302,10 @@ class ModelRunner:
         replay a graph)."""
         if copies is not None:
             self.kv_cache.copy_pages(*copies)
-        hidden = self.model.forward(
-            torch.from_numpy(input_ids), torch.from_numpy(fb.positions), self.attention, meta
-        )
+        with long_prompt_step(fb.long_prompt):
+            hidden = self.model.forward(
+                torch.from_numpy(input_ids), torch.from_numpy(fb.positions), self.attention, meta
+            )
         out = None
         if logits:
             out = self.model.compute_logits(

@@ -22,7 +22,8 @@ Conventions (those of the kernels):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,9 +269,10 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_kernel or x.device.type != "cpu":
             return self.fallback(x)
-        if x.shape[0] >= DEQUANT_GEMM_ROWS_INT8 and x.dtype == torch.bfloat16:
-            if self.prefill is not None:
-                return self.prefill(x)
+        bf16 = x.dtype == torch.bfloat16
+        if self.prefill is not None and bf16 and _copy_rows(DEQUANT_GEMM_ROWS_INT8, x.shape[0]):
+            return self.prefill(x)
+        if x.shape[0] >= DEQUANT_GEMM_ROWS_INT8 and bf16:
             lib = _dequantizer()
             if lib is not None:
                 return self._dequant_gemm(lib, x)
@@ -389,7 +391,7 @@ class Int4Linear:
                 return self.fallback(x)
             lib = _panel_lib()
             m = x.shape[0]
-            if self.prefill is not None and m >= PANEL_COPY_ROWS:
+            if self.prefill is not None and _copy_rows(PANEL_COPY_ROWS, m):
                 return self.prefill(x)
             if m < PANEL_DEQUANT_ROWS or (
                 m < AMX_DEQUANT_ROWS and 0 < lib.int4_panels_amx_rows() <= m
@@ -399,9 +401,10 @@ class Int4Linear:
         if self.packed is None or x.device.type != "cpu":
             return self.fallback(x)
         n_pad = self.sz.shape[1]
-        if x.shape[0] >= DEQUANT_GEMM_ROWS and x.dtype == torch.bfloat16:
-            if self.prefill is not None:
-                return self.prefill(x)
+        bf16 = x.dtype == torch.bfloat16
+        if self.prefill is not None and bf16 and _copy_rows(DEQUANT_GEMM_ROWS, x.shape[0]):
+            return self.prefill(x)
+        if x.shape[0] >= DEQUANT_GEMM_ROWS and bf16:
             lib = _dequantizer()
             sz = self.sz if self.sz.dtype == torch.bfloat16 else self.sz.to(torch.bfloat16)
             if lib is not None:
@@ -524,6 +527,35 @@ PANEL_DEQUANT_ROWS = 256
 # codes, and puts the chunks of a long prompt under the fair policy's step cap (128 or
 # more) on the copy.
 PANEL_COPY_ROWS = 128
+
+
+class _Step:
+    """The step being computed, as the quantized layers see it. Invariant: ``long_prompt``
+    is True only inside ``long_prompt_step(True)`` (the model runner's forward of a step
+    that computes a chunk of a long prompt, ``ForwardBatch.long_prompt``)."""
+
+    long_prompt = False
+
+
+@contextmanager
+def long_prompt_step(on: bool) -> Iterator[None]:
+    """Within it, every layer with a prefill copy multiplies the copy, whatever the rows:
+    each chunk of a prompt of ``PANEL_COPY_ROWS`` tokens or more (and the decode rows that
+    share its steps) runs on the same weights as a prompt prefilled in one step, and a
+    long prompt's last, shorter chunk costs no more per token than the others."""
+    _Step.long_prompt = on
+    try:
+        yield
+    finally:
+        _Step.long_prompt = False
+
+
+def _copy_rows(layer_rows: int, m: int) -> bool:
+    """Whether a layer with a prefill copy multiplies it for ``m`` rows (``layer_rows``:
+    its own threshold)."""
+    return m >= layer_rows or _Step.long_prompt
+
+
 # Where the panel GEMMs (int4 and int8) multiply in AMX tiles (native/amx_tiles.h; from
 # native.INT4_AMX_ROWS / INT8_AMX_ROWS rows), they stay exact and are faster than
 # dequantizing up to this many rows instead of PANEL_DEQUANT_ROWS / INT8_PANEL_DEQUANT_ROWS
@@ -712,10 +744,10 @@ class Int8GroupLinear:
         if lib is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
             return self.fallback(x)
         m = x.shape[0]
+        if self.prefill is not None and _copy_rows(INT8_PANEL_DEQUANT_ROWS, m):
+            return self.prefill(x)
         if m < INT8_PANEL_DEQUANT_ROWS:
             return self._panel_gemm(lib, x.contiguous())
-        if self.prefill is not None:
-            return self.prefill(x)
         if m < AMX_DEQUANT_ROWS and 0 < lib.int8_panels_amx_rows() <= m:
             return self._panel_gemm(lib, x.contiguous())
         return self._panel_dequant_gemm(lib, x)

@@ -343,6 +343,57 @@ def test_prefill_copy_runs_from_its_threshold_and_equals_the_dequantized_weight(
     # the rows from the threshold go through the copy and no other way
     layer.prefill = Linear(torch.zeros(layer.out_features, layer.in_features).to(torch.bfloat16))
     assert not layer(many).any() and torch.equal(layer(few), before_few), name
+    # a step of a long prompt's chunk: any rows multiply the copy, and only in that step
+    with quant.long_prompt_step(True):
+        assert not layer(few).any() and not layer(few[:1]).any(), name
+    assert torch.equal(layer(few), before_few), name
+
+
+def test_long_prompts_prefill_every_chunk_on_the_copy(tiny_llama):
+    """A prompt of PANEL_COPY_ROWS tokens or more runs every chunk on the prefill copy,
+    the last and shorter one too; a short prompt's steps and the decode steps never do."""
+    from radixserve.executor.forward_batch import ForwardBatch
+
+    llm = LLM(
+        str(tiny_llama),
+        dtype="bfloat16",
+        quantization="int4",
+        prefill_weight_copy="on",
+        max_num_batched_tokens=64,
+        disable_radix_cache=True,
+    )
+    flags: list[tuple[int, bool]] = []
+    build = ForwardBatch.build.__func__
+
+    def spy(cls, *a, **k):
+        fb = build(cls, *a, **k)
+        flags.append((fb.num_tokens, fb.long_prompt))
+        return fb
+
+    layer = llm.engine.model.layers[0].down
+    copy_calls = []
+    inner = layer.prefill
+
+    class Counting:
+        def __call__(self, x):
+            copy_calls.append(x.shape[0])
+            return inner(x)
+
+    layer.prefill = Counting()
+    ForwardBatch.build = classmethod(spy)
+    try:
+        long = [(5 * j) % 400 + 3 for j in range(quant.PANEL_COPY_ROWS + 30)]  # 158: 3 chunks
+        llm.generate([long], greedy(3), use_tqdm=False)
+        assert [f for _, f in flags] == [True, True, True, False, False], flags
+        assert copy_calls == [64, 64, 30], copy_calls  # the last chunk's 30 rows as well
+        flags.clear(), copy_calls.clear()
+        short = [(3 * j) % 400 + 3 for j in range(quant.PANEL_COPY_ROWS - 1)]  # 127: 2 chunks
+        llm.generate([short], greedy(2), use_tqdm=False)
+        assert [f for _, f in flags] == [False, False, False], flags
+        assert copy_calls == []
+    finally:
+        ForwardBatch.build = classmethod(build)
+        llm.engine.close()
 
 
 def test_prefill_copy_decision():
