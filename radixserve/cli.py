@@ -239,7 +239,7 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--fair-step-prefill-tokens",
         type=int,
-        default=128,
+        default=64,
         metavar="N",
         help="policy fair: while a tenant served less is active, the tenants served more add "
         "at most N prefill tokens per step between them (0: no cap)",

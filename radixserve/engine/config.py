@@ -45,9 +45,10 @@ class EngineConfig:
     schedule_conservativeness: float = 1.0
     # policy fair: while a tenant served less has been active (a request waiting or running)
     # within fair_active_window_s, the tenants served more add at most this many prefill
-    # tokens per step between them (None: no cap); 128: with the quantized layers' bfloat16
-    # prefill copy (prefill_weight_copy) a 128-token chunk runs near a 256-token one's speed
-    fair_step_prefill_tokens: int | None = 128
+    # tokens per step between them (None: no cap); 64: every chunk of a long prompt runs on
+    # the quantized layers' bfloat16 prefill copy (prefill_weight_copy), and a light
+    # tenant's next request waits for a step of at most 64 prompt tokens (docs/many-users.md)
+    fair_step_prefill_tokens: int | None = 64
     fair_active_window_s: float = 10.0
     # No weights: instant synthetic tokens from a simulated device (for measuring the
     # scheduler, the API and the server around the model).

@@ -521,11 +521,11 @@ class Int4Linear:
 # keeps every prompt up to 256 rows on every CPU.
 PANEL_DEQUANT_ROWS = 256
 # Rows from which an Int4Linear with a bfloat16 prefill copy (add_prefill_copies) multiplies
-# the copy: with no dequantizing to pay, oneDNN's GEMM on it is 5x the panel kernel at 128
-# rows (SmolLM2's four layer shapes, 2 threads, the Xeon of docs/benchmarks; 1.7-3.4x at
-# 32). 128 keeps short prompts, decode steps and speculative verification on the exact
-# codes, and puts the chunks of a long prompt under the fair policy's step cap (128 or
-# more) on the copy.
+# the copy, and the prompt length from which every chunk of a prompt does
+# (long_prompt_step): oneDNN's GEMM on the copy is 1.7-2.0x the panel kernel in AMX tiles at
+# 127 rows, 5x its AVX-512 path at 128 (SmolLM2's layer shapes, 2 threads, the Xeon of
+# docs/benchmarks). 128 keeps short prompts, decode steps and speculative verification on
+# the exact codes, and a long prompt's chunks (the fair policy's step cap is 64) on the copy.
 PANEL_COPY_ROWS = 128
 
 

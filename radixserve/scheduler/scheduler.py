@@ -63,7 +63,7 @@ class SchedulerConfig:
     # the last ``fair_active_window_s`` seconds, a step computes at most this many prompt
     # tokens (None: no cap): the step running when a tenant's next request arrives is
     # short, so is its wait for it (one tenant alone keeps the whole budget)
-    fair_step_prefill_tokens: int | None = None  # (the engine's default: 128)
+    fair_step_prefill_tokens: int | None = None  # (the engine's default: 64)
     fair_active_window_s: float = 10.0
 
     def __post_init__(self) -> None:
