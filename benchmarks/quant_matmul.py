@@ -9,9 +9,11 @@ For each layer shape and row count, microseconds per call of:
   int4_torch  ``_weight_int4pack_mm_for_cpu`` at every row count (group 32, zero points)
   int4        what the engine runs (group 32), as int8 from quant.DEQUANT_GEMM_ROWS rows
   int4_g128   the same with group 128 (64 where 128 does not divide the input size)
-  int4_panel  the panel kernel at every row count (group 32; where it is built)
-  int4_deq    its dequantize + GEMM path at every row count: where the two cross is
-              quant.PANEL_DEQUANT_ROWS
+  int4_panel  the panel kernel at every row count (group 32; where it is built), in AMX
+              tiles from native.INT4_AMX_ROWS rows where the CPU has them
+  int4_avx    the same with the tiles off (its AVX-512 path)
+  int4_deq    its dequantize + GEMM path at every row count: where the panel kernel and
+              it cross is quant.PANEL_DEQUANT_ROWS (quant.AMX_DEQUANT_ROWS with tiles)
 Prints a table, then one JSON line with the speed-ups over bf16 by row count (geometric
 mean over shapes).
 
@@ -29,6 +31,7 @@ import torch
 
 from radixserve.executor import quant
 from radixserve.executor.linear import Linear
+from radixserve.executor.native import load_int4_panels
 from radixserve.executor.quant import Int4Linear, Int8Linear
 
 SHAPES = {  # name: (out N, in K)
@@ -68,13 +71,22 @@ def main() -> None:
         "int4",
         "int4_g128",
         "int4_panel",
+        "int4_avx",
         "int4_deq",
     )
     ratios: dict[str, dict[int, list[float]]] = {k: {m: [] for m in rows} for k in kinds[1:]}
     print(f"threads {torch.get_num_threads()}; microseconds per call")
     print(f"{'shape':<14}{'rows':>6}" + "".join(f"{k:>12}" for k in kinds))
     engine8, engine4 = quant.DEQUANT_GEMM_ROWS_INT8, quant.DEQUANT_GEMM_ROWS
-    panel_cut = quant.PANEL_DEQUANT_ROWS
+    panel_cut, amx_cut = quant.PANEL_DEQUANT_ROWS, quant.AMX_DEQUANT_ROWS
+    lib = load_int4_panels()
+    tiles = lib.int4_panels_amx_rows() if lib is not None else 0
+    print(f"AMX tiles from {tiles} rows" if tiles else "no AMX tiles")
+
+    def set_tiles(rows: int) -> None:
+        if lib is not None:
+            lib.int4_panels_set_amx_rows(rows)
+
     never = 1 << 30  # rows threshold: never dequantize + GEMM
     print(f"quant.PANEL_DEQUANT_ROWS = {panel_cut}")
     for name in args.shapes.split(","):
@@ -94,6 +106,7 @@ def main() -> None:
             "int4": (int4, engine4, panel_cut),
             "int4_g128": (Int4Linear.from_float(w, group_size=g128), engine4, panel_cut),
             "int4_panel": (int4, engine4, never),
+            "int4_avx": (int4, engine4, never),
             "int4_deq": (int4, engine4, 0),
         }
         for m in rows:
@@ -103,8 +116,11 @@ def main() -> None:
             for kind, (layer, threshold, panel_rows) in layers.items():
                 quant.DEQUANT_GEMM_ROWS = quant.DEQUANT_GEMM_ROWS_INT8 = threshold
                 quant.PANEL_DEQUANT_ROWS = panel_rows
+                quant.AMX_DEQUANT_ROWS = amx_cut if panel_rows == panel_cut else panel_rows
+                set_tiles(0 if kind == "int4_avx" else tiles)
                 t[kind] = bench(layer, x, iters)
-            quant.PANEL_DEQUANT_ROWS = panel_cut
+            quant.PANEL_DEQUANT_ROWS, quant.AMX_DEQUANT_ROWS = panel_cut, amx_cut
+            set_tiles(tiles)
             print(f"{name:<14}{m:>6}" + "".join(f"{t[kd] * 1e6:>12.1f}" for kd in kinds))
             for kd in kinds[1:]:
                 ratios[kd][m].append(t["bf16"] / t[kd])

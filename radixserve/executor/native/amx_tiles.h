@@ -77,12 +77,19 @@ static inline __attribute__((always_inline)) void amx_fold(__m512 *out, const fl
 
 /* y[:, col .. col + 16) (bfloat16, store_mask's columns) = x W^T for one block: wb, sb, zb
  * (zb NULL: no zeros) as above, xs the group sums of x's rows ([m][groups], read only with
- * zeros), c scratch for four C tiles. */
+ * zeros), c scratch for four C tiles. `next` (next_bytes long, or NULL) is the caller's
+ * next block of codes: fetched into L2 a slice per group while the tiles work, so that
+ * expanding it reads from cache (without, a decode step's large LM head alternated a
+ * memory-bound expansion with compute-bound tiles). */
 static inline void amx_block(const uint16_t *x, int64_t m, int64_t k, int64_t group,
                              const uint32_t *wb, const float *sb, const float *zb,
                              const float *xs, uint16_t *y, int64_t y_stride, int64_t col,
-                             __mmask16 store_mask, float (*c)[16][16]) {
+                             __mmask16 store_mask, float (*c)[16][16], const char *next,
+                             int64_t next_bytes) {
     const int64_t kc = amx_chunk(group), groups = k / group;
+    /* cache lines of `next` to fetch per group of the first row tile */
+    const int64_t lines = next ? (next_bytes / 64 + groups - 1) / groups : 0;
+    int64_t fetched = 0;
     for (int64_t t = 0; t < m; t += 16) {
         const int64_t m0 = t + 16 <= m || m < 16 ? t : m - 16;
         const uint16_t *xt = x + m0 * k;
@@ -90,6 +97,8 @@ static inline void amx_block(const uint16_t *x, int64_t m, int64_t k, int64_t gr
         for (int r = 0; r < 16; r++) out[r] = _mm512_setzero_ps();
         int64_t g = 0;
         for (; g + 3 < groups; g += 4) { /* four groups in flight in the tile unit */
+            for (int64_t i = 0; i < 4 * lines && fetched < next_bytes; i++, fetched += 64)
+                _mm_prefetch(next + fetched, _MM_HINT_T1);
             AMX_GROUP(0, 4, 6, xt + g * group, wb + g * group * 8);
             AMX_GROUP(1, 5, 7, xt + (g + 1) * group, wb + (g + 1) * group * 8);
             AMX_GROUP(2, 4, 6, xt + (g + 2) * group, wb + (g + 2) * group * 8);
@@ -99,6 +108,8 @@ static inline void amx_block(const uint16_t *x, int64_t m, int64_t k, int64_t gr
                          groups, g + j);
         }
         for (; g < groups; g++) {
+            for (int64_t i = 0; i < lines && fetched < next_bytes; i++, fetched += 64)
+                _mm_prefetch(next + fetched, _MM_HINT_T1);
             AMX_GROUP(0, 4, 6, xt + g * group, wb + g * group * 8);
             amx_fold(out, c[0], sb + g * 16, zb ? zb + g * 16 : NULL, xs, m0, m, groups, g);
         }

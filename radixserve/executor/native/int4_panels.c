@@ -229,7 +229,9 @@ static int int4_panels_gemm_amx(const uint16_t *x, int64_t m, int64_t k, const u
             }
             const int64_t left = n - 16 * b;
             const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-            amx_block(x, m, k, group, wb, sb, zb, xs, y, y_stride, 16 * b, mask, c);
+            const char *next = b + 1 < blocks ? (const char *)(pb + octets * 16) : NULL;
+            amx_block(x, m, k, group, wb, sb, zb, xs, y, y_stride, 16 * b, mask, c, next,
+                      octets * 64);
         }
         _tile_release();
     }
