@@ -530,11 +530,13 @@ def apply_token_bitmask(
     return True
 
 
-# From this many rows the int4 panel GEMM multiplies in AMX tiles where the CPU has them
-# (int4_panels.c: int4_panels_gemm_amx; benchmarks/quant_matmul.py, int4_panel against
-# int4_amx).
+# From these many rows the int4 and int8 panel GEMMs multiply in AMX tiles where the CPU
+# has them (amx_tiles.h; benchmarks/quant_matmul.py, int4_panel against int4_avx). Against
+# their AVX-512 paths, on SmolLM2's and Gemma 3's layer shapes (2 threads, the Xeon of
+# docs/benchmarks): int4 0.8-0.9x at 2 rows, 1.0-1.2x at 4, 1.7-1.8x at 8; int8 0.8-1.3x
+# at 8 rows, 1.5-1.7x at 12.
 INT4_AMX_ROWS = 8
-INT8_AMX_ROWS = 8
+INT8_AMX_ROWS = 12
 
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 
