@@ -1,5 +1,5 @@
-"""Row-wise decoder-layer ops: SiLU-and-multiply, RMSNorm with the residual add folded in,
-and rotary embeddings (in place).
+"""Row-wise decoder-layer ops: SiLU-and-multiply (and GeGLU), RMSNorm with the residual add
+folded in (and per head), and rotary embeddings (in place).
 
 Each uses the fused C kernel (``native/elementwise.c``) for contiguous CPU tensors in
 bfloat16 or float32, and plain PyTorch otherwise; both compute the same function.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from radixserve.executor.layers.norms import rms_norm
 from radixserve.executor.native import load_elementwise
 from radixserve.executor.rotary import apply_rotary
 
@@ -38,6 +39,8 @@ class LayerOps:
             for name in ("silu_and_mul", "add_rms_norm", "rotary"):
                 for dtype, suffix in _SUFFIX.items():
                     self._fns[name, dtype] = getattr(self.native, f"{name}_{suffix}")
+            if self.native.has_gelu_tanh_and_mul():
+                self._fns["gelu_tanh_and_mul", torch.bfloat16] = self.native.gelu_tanh_and_mul_bf16
 
     def _kernel(self, name: str, *tensors: torch.Tensor):
         fn = self._fns.get((name, tensors[0].dtype))
@@ -59,6 +62,25 @@ class LayerOps:
         out = x.new_empty(rows, width // 2)
         kernel(x.data_ptr(), out.data_ptr(), rows, width // 2, _threads(rows))
         return out
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """gelu_pytorch_tanh(x[:, :d]) * x[:, d:] for x [T, 2d] (GeGLU: Gemma)."""
+        kernel = self._kernel("gelu_tanh_and_mul", x)
+        if kernel is None:
+            gate, up = x.chunk(2, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
+        rows, width = x.shape
+        out = x.new_empty(rows, width // 2)
+        kernel(x.data_ptr(), out.data_ptr(), rows, width // 2, _threads(rows))
+        return out
+
+    def rms_norm_heads(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim of [T, heads, d] (per-head q and k norms), in float32,
+        returned contiguous in x's dtype (x may be a view into a fused qkv row)."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # a copy when x is a view
+        if self._kernel("add_rms_norm", rows, weight) is None:
+            return rms_norm(x, weight, eps)
+        return self.add_rms_norm(None, rows, weight, eps).view(x.shape)
 
     def add_rms_norm(
         self, add: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float

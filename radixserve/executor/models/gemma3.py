@@ -9,10 +9,10 @@ import torch
 from radixserve.executor import decode_program
 from radixserve.executor.attention import AttentionBackend
 from radixserve.executor.layer_ops import LayerOps
-from radixserve.executor.layers.activations import GATED_ACTIVATIONS
+from radixserve.executor.layers.activations import GATED_ACTIVATIONS, gelu_tanh_and_mul
 from radixserve.executor.layers.attention import AttentionSpec
 from radixserve.executor.layers.linear import Linear, fused
-from radixserve.executor.layers.norms import fold_one_plus, rms_norm
+from radixserve.executor.layers.norms import fold_one_plus
 from radixserve.executor.layers.parallel import TensorParallel
 from radixserve.executor.layers.rotary import RotaryEmbedding
 from radixserve.executor.model_config import ModelConfig
@@ -68,6 +68,8 @@ class Gemma3ForCausalLM:
             self.act = GATED_ACTIVATIONS[c.hidden_act]
         except KeyError:
             raise ValueError(f"Gemma 3 with hidden_act {c.hidden_act!r}") from None
+        if self.act is gelu_tanh_and_mul:
+            self.act = self.ops.gelu_tanh_and_mul  # the fused kernel where built
         source = Weights(weights, dtype)
         take = source.take
 
@@ -168,8 +170,8 @@ class Gemma3ForCausalLM:
                 num_tokens, kv_heads, head_dim
             )
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
-            q = ops.rotary(rms_norm(q, w.q_norm, eps), cos, sin)
-            k = ops.rotary(rms_norm(k, w.k_norm, eps), cos, sin)
+            q = ops.rotary(ops.rms_norm_heads(q, w.q_norm, eps), cos, sin)
+            k = ops.rotary(ops.rms_norm_heads(k, w.k_norm, eps), cos, sin)
             attn = attention.forward(layer_idx, q, k, v, attn_meta)
             attn_out = self.tp.reduce(w.o(attn))  # row-parallel
             x = ops.add_rms_norm(

@@ -176,6 +176,11 @@ def load_elementwise() -> ctypes.CDLL | None:
         rotary.restype = None
     lib.kv_write.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64, i64, i]
     lib.kv_write.restype = None
+    lib.has_gelu_tanh_and_mul.argtypes = []
+    lib.has_gelu_tanh_and_mul.restype = i
+    if lib.has_gelu_tanh_and_mul():
+        lib.gelu_tanh_and_mul_bf16.argtypes = [p, p, i64, i64, i]
+        lib.gelu_tanh_and_mul_bf16.restype = None
     return lib
 
 

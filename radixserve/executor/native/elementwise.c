@@ -1,5 +1,5 @@
-/* Fused row-wise CPU kernels for the decoder layer: SiLU-and-multiply, and RMSNorm with
- * the residual add folded in. One pass over each row in float32, rounding once at the end
+/* Fused row-wise CPU kernels for the decoder layer: SiLU-and-multiply (and GeGLU, bfloat16
+ * with AVX-512), and RMSNorm with the residual add folded in. One pass over each row in float32, rounding once at the end
  * (PyTorch's unfused bfloat16 ops round after every op and walk memory once per op).
  *
  * Built and called like paged_decode.c (see radixserve/executor/native/__init__.py).
@@ -75,8 +75,7 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even */
 #include <immintrin.h>
 /* exp(x) for x <= 88 (a Cephes-style polynomial on x - n ln2, then 2^n by scalef). The same
  * function as paged_decode.c's exp16, copied on purpose: each kernel is one self-contained
- * source, and the build cache (native/__init__.py) is keyed by that one file's bytes, so a
- * shared header could change without triggering a rebuild. */
+ * source. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -128,6 +127,40 @@ void silu_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t d
     }
 }
 
+/* gelu_tanh(g) * u, gelu_tanh(g) = g / 2 (1 + tanh(c (g + 0.044715 g^3))) with c = sqrt(2 / pi),
+ * written g / (1 + exp(-2 c (g + 0.044715 g^3))) (g times a sigmoid: no cancellation for
+ * negative g); the exponent clamped at 80 (exp(80) is finite, so the division never meets
+ * inf, and the result underflows to 0 there) */
+static inline __m512 gelu_tanh_mul16(__m512 g, __m512 u) {
+    const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 a = _mm512_mul_ps(_mm512_set1_ps(-2.0f * 0.7978845608028654f),
+                                   _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+    const __m512 e = exp16(_mm512_min_ps(a, _mm512_set1_ps(80.0f)));
+    const __m512 gelu = _mm512_div_ps(g, _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+    /* rounded to bfloat16 before the product, as the unfused model rounds it (its gelu's
+     * output is a bfloat16 tensor): with one rounding, Gemma 3's greedy tokens left
+     * transformers' on the real Q4_K_M file (test_gemma3_gguf.py) */
+    const __m512 gelu16 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(gelu)), 16));
+    return _mm512_mul_ps(gelu16, u);
+}
+
+/* bfloat16 GeGLU (Gemma's gelu_pytorch_tanh(gate) * up), as silu_and_mul_bf16 but rounding
+ * twice, as PyTorch's two ops do */
+void gelu_tanh_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t d,
+                            int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * 2 * d, *up = gate + d;
+        uint16_t *o = out + r * d;
+        for (int64_t i = 0; i < d; i += 16) {
+            const __mmask16 m = d - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (d - i)) - 1u);
+            const __m512 g = load_bf16x16(gate + i, m), u = load_bf16x16(up + i, m);
+            _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(gelu_tanh_mul16(g, u)));
+        }
+    }
+}
+
 static inline __m512 bf16x16_to_f32(__m256i x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
@@ -163,7 +196,9 @@ void add_rms_norm_bf16(const uint16_t *add, uint16_t *residual, const uint16_t *
         }
     }
 }
+int has_gelu_tanh_and_mul(void) { return 1; }
 #else
+int has_gelu_tanh_and_mul(void) { return 0; } /* no scalar GeGLU: PyTorch's path runs */
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #endif
