@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetadata
 from radixserve.executor.layer_ops import LayerOps
@@ -246,7 +245,7 @@ class DecodeProgram:
             self._add_norm(add, self.residual, lay.input_norm, self.normed)
             self._linear(lay.qkv, self.normed, self.qkv)
 
-            qk_norm = _qk_norm(q, k, lay.q_norm.float(), lay.k_norm.float(), eps)
+            qk_norm = _qk_norm(model.ops, q, k, lay.q_norm, lay.k_norm, eps)
             self._cut(qk_norm)
             self._rotary(_ptr(self.qkv), heads + kv_heads, table)
             self._attention(attention, i)
@@ -307,15 +306,14 @@ class DecodeProgram:
 
 
 def _qk_norm(
-    q: torch.Tensor, k: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float
+    ops: Any, q: torch.Tensor, k: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float
 ) -> Callable[[], None]:
-    """Gemma 3's per-head q and k RMSNorm in place: ``layers.norms.rms_norm`` of bfloat16
-    rows, with the weights' float32 copies (``qw``, ``kw``) made once."""
-    d = q.shape[-1]
+    """Gemma 3's per-head q and k RMSNorm in place, as its forward computes it
+    (``LayerOps.rms_norm_heads``)."""
 
     def run() -> None:
-        q.copy_(F.rms_norm(q.float(), (d,), qw, eps).to(torch.bfloat16))
-        k.copy_(F.rms_norm(k.float(), (d,), kw, eps).to(torch.bfloat16))
+        q.copy_(ops.rms_norm_heads(q, qw, eps))
+        k.copy_(ops.rms_norm_heads(k, kw, eps))
 
     return run
 
