@@ -446,8 +446,10 @@ def bench_model(
             w = worker.info["weight_bytes"]
             # the tied LM head reads its oneDNN copy (or the table), the embedding one row;
             # an LM head run from the file's codes (int8/int4) is its own copy: then the
-            # bfloat16 embedding table is read one row per token, not whole
+            # bfloat16 embedding table is read one row per token, not whole; the prefill copy
+            # (bfloat16_prefill_copy) serves long prompts only, never a decode step
             per_token = sum(w.values()) - w.get("onednn_copy", 0)
+            per_token -= w.get("bfloat16_prefill_copy", 0)
             if "LM head int" in worker.info["startup"]:
                 per_token -= facts["vocab_size"] * facts["hidden_size"] * 2
             info["radixserve_bytes_per_token"] = per_token
