@@ -571,6 +571,22 @@ def amx_permission() -> bool:
     return rc == 0
 
 
+def _amx_controls(lib: ctypes.CDLL, prefix: str, rows: int) -> None:
+    """Declare a panel library's AMX controls (amx_tiles.h: AMX_CONTROLS) and turn its
+    tiles on from ``rows`` rows where they are built and granted."""
+    i, i64 = ctypes.c_int, ctypes.c_int64
+    for name, args, res in (
+        ("has_amx", [], i),
+        ("set_amx_rows", [i], None),
+        ("amx_rows", [], i),
+        ("amx_calls", [], i64),
+    ):
+        fn = getattr(lib, f"{prefix}_{name}")
+        fn.argtypes, fn.restype = args, res
+    if getattr(lib, f"{prefix}_has_amx")() and amx_permission():
+        getattr(lib, f"{prefix}_set_amx_rows")(rows)
+
+
 @cache
 def load_int4_panels() -> ctypes.CDLL | None:
     """The int4 "panels" GEMM (a few rows) and dequantizer (None: Int4Linear keeps
@@ -588,16 +604,7 @@ def load_int4_panels() -> ctypes.CDLL | None:
     lib.int4_panels_gemm_bf16.restype = i
     lib.int4_panels_dequant_bf16.argtypes = [p, p, i64, i64, i64, i64, i, p]
     lib.int4_panels_dequant_bf16.restype = i
-    lib.int4_panels_has_amx.argtypes = []
-    lib.int4_panels_has_amx.restype = i
-    lib.int4_panels_set_amx_rows.argtypes = [i]
-    lib.int4_panels_set_amx_rows.restype = None
-    lib.int4_panels_amx_rows.argtypes = []
-    lib.int4_panels_amx_rows.restype = i
-    lib.int4_panels_amx_calls.argtypes = []
-    lib.int4_panels_amx_calls.restype = i64
-    if lib.int4_panels_has_amx() and amx_permission():
-        lib.int4_panels_set_amx_rows(INT4_AMX_ROWS)
+    _amx_controls(lib, "int4_panels", INT4_AMX_ROWS)
     return lib
 
 
@@ -617,16 +624,7 @@ def load_int8_panels() -> ctypes.CDLL | None:
     lib.int8_panels_gemm_bf16.restype = i
     lib.int8_panels_dequant_bf16.argtypes = [p, p, p, i64, i64, i64, i64, i, p]
     lib.int8_panels_dequant_bf16.restype = i
-    lib.int8_panels_has_amx.argtypes = []
-    lib.int8_panels_has_amx.restype = i
-    lib.int8_panels_set_amx_rows.argtypes = [i]
-    lib.int8_panels_set_amx_rows.restype = None
-    lib.int8_panels_amx_rows.argtypes = []
-    lib.int8_panels_amx_rows.restype = i
-    lib.int8_panels_amx_calls.argtypes = []
-    lib.int8_panels_amx_calls.restype = i64
-    if lib.int8_panels_has_amx() and amx_permission():
-        lib.int8_panels_set_amx_rows(INT8_AMX_ROWS)
+    _amx_controls(lib, "int8_panels", INT8_AMX_ROWS)
     return lib
 
 

@@ -19,6 +19,7 @@
  */
 #ifndef RADIXSERVE_AMX_TILES_H
 #define RADIXSERVE_AMX_TILES_H
+#include <stdint.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define RADIXSERVE_AMX 1
@@ -127,4 +128,21 @@ static inline size_t amx_scratch_bytes(int64_t k, int64_t group) {
     return (size_t)(k / 2) * 64 + 2 * (size_t)(k / group) * 64;
 }
 #endif
+
+/* A panel library's AMX controls, PREFIX_has_amx / _set_amx_rows / _amx_rows / _amx_calls,
+ * over its own `amx_rows` (from this many rows its GEMM uses the tiles; 0: never, until the
+ * loader enables them) and `amx_calls` (calls that ran in the tiles: tests check the
+ * dispatch with it; the GEMM adds to it). */
+#ifdef RADIXSERVE_AMX
+#define RADIXSERVE_AMX_BUILT 1
+#else
+#define RADIXSERVE_AMX_BUILT 0
+#endif
+#define AMX_CONTROLS(PREFIX)                                                                \
+    static int amx_rows = 0;                                                                \
+    static int64_t amx_calls = 0;                                                           \
+    int PREFIX##_has_amx(void) { return RADIXSERVE_AMX_BUILT; }                              \
+    void PREFIX##_set_amx_rows(int rows) { amx_rows = rows; }                               \
+    int PREFIX##_amx_rows(void) { return amx_rows; }                                        \
+    int64_t PREFIX##_amx_calls(void) { return __atomic_load_n(&amx_calls, __ATOMIC_RELAXED); }
 #endif

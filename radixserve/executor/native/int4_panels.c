@@ -41,25 +41,7 @@ int int4_panels_has_gemm(void) {
 #endif
 }
 
-/* From this many rows the GEMM uses AMX tiles (see int4_panels_gemm_amx); 0: never. */
-static int amx_rows = 0;
-
-int int4_panels_has_amx(void) {
-#ifdef RADIXSERVE_AMX
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-void int4_panels_set_amx_rows(int rows) { amx_rows = rows; }
-
-int int4_panels_amx_rows(void) { return amx_rows; }
-
-/* Calls that ran in the tiles (tests check the dispatch with it). */
-static int64_t amx_calls = 0;
-
-int64_t int4_panels_amx_calls(void) { return __atomic_load_n(&amx_calls, __ATOMIC_RELAXED); }
+AMX_CONTROLS(int4_panels) /* the tiles from amx_rows rows: int4_panels_gemm_amx */
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
