@@ -245,6 +245,14 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         "at most N prefill tokens per step between them (0: no cap)",
     )
     g.add_argument(
+        "--fair-step-target-ms",
+        type=float,
+        default=35.0,
+        metavar="MS",
+        help="policy fair: steer that cap (16 tokens up to N) so such a step takes about MS "
+        "milliseconds on the device, measured step by step (0: the token cap alone)",
+    )
+    g.add_argument(
         "--fair-active-window",
         type=float,
         default=10.0,
@@ -348,6 +356,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "schedule_conservativeness": args.schedule_conservativeness,
         "fair_step_prefill_tokens": args.fair_step_prefill_tokens or None,
         "fair_active_window_s": args.fair_active_window,
+        "fair_step_target_s": args.fair_step_target_ms / 1000 or None,
         "tensor_parallel_size": args.tensor_parallel_size,
         "nnodes": args.nnodes,
         "node_rank": args.node_rank,

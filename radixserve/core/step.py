@@ -45,6 +45,9 @@ class ScheduledBatch:
     # chunk (``num_new_tokens[i] = 1 + num_spec[i]``); they sit in its ``token_ids`` at
     # ``totals[i] ..`` (past ``num_tokens``: unverified, never counted). None: no proposals.
     num_spec: np.ndarray | None = None  # [B] int32
+    # Policy fair, a step built while tenants share the engine: (the prompt-token cap it
+    # was built under, the prompt tokens it computes under it); None otherwise.
+    shared_step: tuple[int, int] | None = None
     _rows: dict[str, int] | None = field(default=None, repr=False)
 
     @property

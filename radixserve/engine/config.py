@@ -50,6 +50,11 @@ class EngineConfig:
     # tenant's next request waits for a step of at most 64 prompt tokens (docs/many-users.md)
     fair_step_prefill_tokens: int | None = 64
     fair_active_window_s: float = 10.0
+    # policy fair: that cap is steered (between 16 tokens and fair_step_prefill_tokens) so
+    # such a step takes about this long on the device, measured step by step (None: the
+    # token cap alone). 35 ms: a 64-token chunk's step takes 30 ms on two threads, 48 ms on
+    # one, where the cap then settles near 40 tokens (SmolLM2, docs/many-users.md)
+    fair_step_target_s: float | None = 0.035
     # No weights: instant synthetic tokens from a simulated device (for measuring the
     # scheduler, the API and the server around the model).
     simulated_device: bool = False
@@ -161,6 +166,8 @@ class EngineConfig:
             raise ValueError("fair_step_prefill_tokens must be >= 1 (None: no cap)")
         if not self.fair_active_window_s >= 0:
             raise ValueError("fair_active_window_s must be >= 0")
+        if self.fair_step_target_s is not None and not self.fair_step_target_s > 0:
+            raise ValueError("fair_step_target_s must be > 0 (None: the token cap alone)")
         if not 0 <= self.schedule_conservativeness <= 1:
             raise ValueError(
                 f"schedule_conservativeness must be in [0, 1], got {self.schedule_conservativeness}"

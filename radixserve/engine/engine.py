@@ -156,6 +156,7 @@ class Engine:
                 reserve_ratio_min=0.1 * config.schedule_conservativeness,
                 fair_step_prefill_tokens=config.fair_step_prefill_tokens,
                 fair_active_window_s=config.fair_active_window_s,
+                fair_step_target_s=config.fair_step_target_s,
             ),
             self.kv_manager,
         )
@@ -798,6 +799,7 @@ class Engine:
             if isinstance(exc, DeviceLost):  # no step can run any more: fail everything
                 failed.extend(self._stop(f"the engine stopped: {exc}"))
             return failed
+        self.scheduler.observe_step(batch, result.seconds)
         outputs: list[SequenceDelta] = []
         for rid, (start, entries) in result.prompt_logprobs.items():
             seq = self._sequences.get(rid)

@@ -38,6 +38,9 @@ class StepResult:
     # float32 vector): the sum of the chunk's final hidden states (mean pooling), or the
     # last prompt token's (last pooling, only from the chunk that ends the prompt)
     pooled: dict[str, tuple[int, int, np.ndarray]] = field(default_factory=dict)
+    # the time the step took on its device, set by the Device that ran it (modelled time on
+    # a simulated device; 0: not measured)
+    seconds: float = 0.0
 
 
 @dataclass
@@ -87,6 +90,21 @@ class StepHandle:
         return self._result
 
 
+def _timed(run: Callable[[PreparedStep], StepResult], step: PreparedStep) -> StepResult:
+    """``run(step)`` with the time it took in ``seconds``."""
+    start = time.perf_counter()
+    result = run(step)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _modelled(run: Callable[[PreparedStep], StepResult], step: PreparedStep) -> StepResult:
+    """``run(step)`` with the step's modelled time in ``seconds`` (a simulated device)."""
+    result = run(step)
+    result.seconds = step.seconds
+    return result
+
+
 class Device:
     """Runs steps in launch order, one at a time. ``busy_s``: device time spent on steps;
     ``idle_s``: time, from the first launch on, during which nothing was queued."""
@@ -126,7 +144,7 @@ class InlineDevice(Device):
         if self._last_end is not None:
             self.idle_s += start - self._last_end
         self.num_launched += 1
-        handle = StepHandle.done(lambda: self.run(step))
+        handle = StepHandle.done(lambda: _timed(self.run, step))
         self._last_end = time.monotonic()
         self.busy_s += self._last_end - start
         return handle
@@ -163,7 +181,7 @@ class ThreadDevice(Device):
     def _run(self, step: PreparedStep) -> StepResult:
         start = time.monotonic()
         try:
-            return self.run(step)
+            return _timed(self.run, step)
         finally:
             end = time.monotonic()
             with self._lock:
@@ -206,7 +224,7 @@ class TimedDevice(Device):
         self.busy_until = start + step.seconds
         self.busy_s += step.seconds
         self.num_launched += 1
-        return StepHandle.done(lambda: self.run(step), ready_at=self.busy_until)
+        return StepHandle.done(lambda: _modelled(self.run, step), ready_at=self.busy_until)
 
     def reset_stats(self) -> None:
         super().reset_stats()

@@ -521,12 +521,18 @@ class Int4Linear:
 # keeps every prompt up to 256 rows on every CPU.
 PANEL_DEQUANT_ROWS = 256
 # Rows from which an Int4Linear with a bfloat16 prefill copy (add_prefill_copies) multiplies
-# the copy, and the prompt length from which every chunk of a prompt does
-# (long_prompt_step): oneDNN's GEMM on the copy is 1.7-2.0x the panel kernel in AMX tiles at
-# 127 rows, 5x its AVX-512 path at 128 (SmolLM2's layer shapes, 2 threads, the Xeon of
-# docs/benchmarks). 128 keeps short prompts, decode steps and speculative verification on
-# the exact codes, and a long prompt's chunks (the fair policy's step cap is 64) on the copy.
+# the copy, and the prompt length from which a prompt's chunks do from
+# LONG_PROMPT_COPY_ROWS (long_prompt_step): oneDNN's GEMM on the copy is 1.7-2.0x the panel
+# kernel in AMX tiles at 127 rows, 5x its AVX-512 path at 128 (SmolLM2's layer shapes, 2
+# threads, the Xeon of docs/benchmarks). 128 keeps short prompts, decode steps and
+# speculative verification on the exact codes.
 PANEL_COPY_ROWS = 128
+# Rows from which a step computing a chunk of a long prompt (long_prompt_step) multiplies
+# the copy: below it the codes cost less (the copy's step reads all its bfloat16 weights
+# whatever the rows). benchmarks/prefill_chunks.py (SmolLM2, AMX, the Xeon of
+# docs/benchmarks), copy / codes ms per step: 1 thread 16 rows 31.8 / 21.2, 48: 43.8 /
+# 42.4, 64: 49.9 / 53.2; 2 threads 16: 19.6 / 13.3, 48: 27.0 / 25.9, 64: 29.7 / 32.3.
+LONG_PROMPT_COPY_ROWS = 56
 
 
 class _Step:
@@ -539,10 +545,12 @@ class _Step:
 
 @contextmanager
 def long_prompt_step(on: bool) -> Iterator[None]:
-    """Within it, every layer with a prefill copy multiplies the copy, whatever the rows:
-    each chunk of a prompt of ``PANEL_COPY_ROWS`` tokens or more (and the decode rows that
-    share its steps) runs on the same weights as a prompt prefilled in one step, and a
-    long prompt's last, shorter chunk costs no more per token than the others."""
+    """Within it, every layer with a prefill copy multiplies the copy from
+    ``LONG_PROMPT_COPY_ROWS`` rows (not only from its own threshold): the chunks of a
+    prompt of ``PANEL_COPY_ROWS`` tokens or more (and the decode rows that share their
+    steps) run on the copy wherever it costs less than the codes, as the whole prompt
+    would in one step; shorter chunks (a long prompt's last one, the fair policy's steps
+    while tenants share) stay on the codes, cheaper there."""
     _Step.long_prompt = on
     try:
         yield
@@ -553,7 +561,7 @@ def long_prompt_step(on: bool) -> Iterator[None]:
 def _copy_rows(layer_rows: int, m: int) -> bool:
     """Whether a layer with a prefill copy multiplies it for ``m`` rows (``layer_rows``:
     its own threshold)."""
-    return m >= layer_rows or _Step.long_prompt
+    return m >= layer_rows or (_Step.long_prompt and m >= LONG_PROMPT_COPY_ROWS)
 
 
 # Where the panel GEMMs (int4 and int8) multiply in AMX tiles (native/amx_tiles.h; from

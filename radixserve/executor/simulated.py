@@ -89,7 +89,9 @@ class SimulatedRunner:
             self.clock.advance(step.seconds)
         elif step.seconds > 0:
             time.sleep(step.seconds)
-        return self.run(step)
+        result = self.run(step)
+        result.seconds = step.seconds
+        return result
 
     def prepare(self, batch: ScheduledBatch) -> PreparedStep:
         reqs = batch.requests

@@ -120,30 +120,85 @@ class FairQueue(WaitingQueue):
             del self.by_tenant[name]
 
 
+class SharedStepCap:
+    """(fair) The prompt tokens a step may compute while tenants share the engine, steered
+    by the time such steps take on the device: a step that ran longer than ``target_s``
+    lowers the cap (in proportion, at most halving it), one under ``0.8 * target_s`` that
+    used the whole cap raises it by a tenth. The step a tenant's next request waits for
+    then lasts about ``target_s`` whatever the machine, the threads and the model (a fixed
+    token cap gave 64-token steps of 30 ms on two threads and 48 ms on one). Steps the
+    device measured while built with another cap (the overlapped loop launches one step
+    ahead) count the same: the cap follows the time, not the token count. Steps without
+    prompt tokens, and those past the cap (a short prompt admitted whole), say nothing.
+
+    Invariant: ``floor <= tokens <= ceiling`` (``floor`` is itself at most ``ceiling``);
+    without a target (``target_s`` None) ``tokens`` stays at ``ceiling``."""
+
+    RAISE = 1.1
+    SLACK = 0.8  # raise only under this fraction of the target: no hunting at the edge
+
+    def __init__(self, ceiling: int, target_s: float | None, floor: int = 16) -> None:
+        if ceiling < 1:
+            raise ValueError("the shared step cap must be >= 1 token")
+        if target_s is not None and not target_s > 0:
+            raise ValueError("the shared step's target time must be > 0 (None: no target)")
+        self.ceiling = ceiling
+        self.floor = min(floor, ceiling)
+        self.target_s = target_s
+        self.tokens = ceiling
+
+    def observe(self, prefill_tokens: int, cap: int, seconds: float) -> None:
+        """A step built under cap ``cap`` computed ``prefill_tokens`` prompt tokens (> 0)
+        in ``seconds`` of device time."""
+        target = self.target_s
+        if target is None or prefill_tokens <= 0 or seconds <= 0:
+            return
+        if prefill_tokens > cap:  # a short prompt admitted whole (PrefillShares): not a chunk
+            return
+        if seconds > target:
+            shrunk = int(self.tokens * max(0.5, target / seconds))
+            self.tokens = max(self.floor, min(self.tokens - 1, shrunk))
+        elif seconds < self.SLACK * target and prefill_tokens >= min(cap, self.tokens):
+            grown = max(self.tokens + 1, int(self.tokens * self.RAISE))
+            self.tokens = min(self.ceiling, grown)
+
+
 class PrefillShares:
     """(fair) The prefill tokens tenants may still add to the step being built: a tenant
     named in ``limits`` has its own allowance (the yield to a tenant served less), and when
     ``pool`` is not None every tenant also draws from that one allowance (the step's cap
-    while tenants share the engine). ``room`` is None for no limit.
+    while tenants share the engine). An admission whose whole prompt fits in what
+    ``ceiling`` (the cap before steering: ``SharedStepCap.ceiling``) leaves may take it
+    all past the pool: steering shortens the chunks of long prompts, it never splits a
+    short prompt. ``room`` is None for no limit; ``taken``: tokens taken from the pool.
 
     Invariant: an allowance never goes below zero; ``take`` is only ever given at most
     ``room`` tokens."""
 
-    def __init__(self, pool: int | None = None) -> None:
+    def __init__(self, pool: int | None = None, ceiling: int | None = None) -> None:
         self.limits: dict[str, int] = {}
         self.pool = pool
+        self.ceiling_left = pool if ceiling is None or pool is None else max(pool, ceiling)
+        self.taken = 0
 
-    def room(self, name: str) -> int | None:
+    def room(self, name: str, whole: int | None = None) -> int | None:
+        """``whole``: the prompt tokens an admission has left to compute."""
         own = self.limits.get(name)
         if self.pool is None:
             return own
-        return self.pool if own is None else min(own, self.pool)
+        pool = self.pool
+        if whole is not None and self.ceiling_left is not None and whole <= self.ceiling_left:
+            pool = max(pool, whole)
+        return pool if own is None else min(own, pool)
 
     def take(self, name: str, n: int) -> None:
         if name in self.limits:
             self.limits[name] -= n
         if self.pool is not None:
-            self.pool -= n
+            self.pool = max(0, self.pool - n)
+            assert self.ceiling_left is not None
+            self.ceiling_left = max(0, self.ceiling_left - n)
+            self.taken += n
 
     def cap(self, name: str, cut: int) -> None:
         """At most ``cut`` more tokens for ``name`` (never raises an allowance)."""

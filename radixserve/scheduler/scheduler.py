@@ -20,6 +20,7 @@ from radixserve.scheduler.fair import (
     FairPolicy,
     FairQueue,
     PrefillShares,
+    SharedStepCap,
     VirtualTokenCounter,
 )
 from radixserve.scheduler.kv_manager import KVManager
@@ -65,6 +66,9 @@ class SchedulerConfig:
     # short, so is its wait for it (one tenant alone keeps the whole budget)
     fair_step_prefill_tokens: int | None = None  # (the engine's default: 64)
     fair_active_window_s: float = 10.0
+    # policy fair: steer that cap (down to 16 tokens, up to fair_step_prefill_tokens) so
+    # such a step takes about this long on the device (None: the token cap as it is)
+    fair_step_target_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -89,6 +93,8 @@ class SchedulerConfig:
             raise ValueError("fair_step_prefill_tokens must be >= 1 (None: no cap)")
         if not self.fair_active_window_s >= 0:
             raise ValueError("fair_active_window_s must be >= 0")
+        if self.fair_step_target_s is not None and not self.fair_step_target_s > 0:
+            raise ValueError("fair_step_target_s must be > 0 (None: no target)")
 
 
 @dataclass
@@ -153,6 +159,14 @@ class Scheduler:
         else:
             self.policy = make_policy(config.policy, kv.cache)
             self.waiting = WaitingQueue(use_priority=config.policy == "priority")
+        # policy fair: the step cap while tenants share, steered by measured step times;
+        # (cap, prompt tokens under it) of the step being built when it is shared
+        self.shared_cap: SharedStepCap | None = None
+        self._shared_step: tuple[int, int] | None = None
+        if self._fair is not None and config.fair_step_prefill_tokens is not None:
+            self.shared_cap = SharedStepCap(
+                config.fair_step_prefill_tokens, config.fair_step_target_s
+            )
         self._held: dict[str, list[Request]] = {}  # group leader id -> siblings
         self._fork_source: dict[str, Request] = {}  # sibling id -> leader to share from
         self._requests: dict[str, Request] = {}
@@ -216,6 +230,7 @@ class Scheduler:
         to schedule), ``max_tokens`` and free pages allow (never by preempting)."""
         failed: list[Request] = []
         self._expire(failed)
+        self._shared_step = None
         budget = self.config.max_num_batched_tokens
         cap = self.config.long_prefill_threshold or budget
         scheduled: list[Request] = []
@@ -299,7 +314,15 @@ class Scheduler:
             page_copies=self.kv.take_pending_copies(),
             failed=failed,
             num_spec=num_spec,
+            shared_step=self._shared_step,
         )
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The device time a launched step took (policy fair steers the shared step cap by
+        it; ``seconds`` <= 0: not measured)."""
+        if self.shared_cap is not None and batch.shared_step is not None:
+            cap, prefill = batch.shared_step
+            self.shared_cap.observe(prefill, cap, seconds)
 
     def _fair_prefills(
         self,
@@ -322,9 +345,10 @@ class Scheduler:
         budget left."""
         fair = self._fair
         assert fair is not None
-        cut = self.config.fair_step_prefill_tokens
+        cut = None if self.shared_cap is None else self.shared_cap.tokens
         shared = cut is not None and fair.shared(self.clock(), self.config.fair_active_window_s)
-        limits = PrefillShares(cut if shared else None)
+        ceiling = None if self.shared_cap is None else self.shared_cap.ceiling
+        limits = PrefillShares(cut if shared else None, ceiling)
         at_start = fair.standing({r.tenant.name for r in held} | fair.waiting_tenants())
         first, later = fair.split_held(held) if held else ([], [])
         budget = self._schedule_held(first, budget, cap, scheduled, counts, failed, limits)
@@ -332,7 +356,10 @@ class Scheduler:
             budget = self._admit_waiting(
                 budget, cap, scheduled, counts, failed, spec, limits, at_start
             )
-        return self._schedule_held(later, budget, cap, scheduled, counts, failed, limits)
+        budget = self._schedule_held(later, budget, cap, scheduled, counts, failed, limits)
+        if shared and cut is not None:
+            self._shared_step = (cut, limits.taken)
+        return budget
 
     def _schedule_held(
         self,
@@ -449,7 +476,8 @@ class Scheduler:
                 if deferrals_left == 0:
                     break  # bounded work per step; the rest would most likely wait too
                 continue
-            limit = None if limits is None else limits.room(req.tenant.name)
+            whole = req.num_tokens - req.num_computed_tokens
+            limit = None if limits is None else limits.room(req.tenant.name, whole)
             if limit is not None and limit <= 0:  # (fair) its share of the step is used up
                 self._fair.pass_over(req.tenant.name)
                 continue

@@ -222,7 +222,9 @@ class Simulator:
                     self.clock.advance_to(min(candidates))
                 continue
             result.steps += 1
-            tokens = self.runner.execute(batch).tokens
+            step = self.runner.execute(batch)
+            self.scheduler.observe_step(batch, step.seconds)
+            tokens = step.tokens
             now = self.clock.now
             received = self.scheduler.update_after_step(batch, tokens)
             if on_step is not None:

@@ -84,3 +84,22 @@ def test_future_tokens_resolve_placeholders_of_the_previous_step():
     assert future.resolve(plain) is plain
     with pytest.raises(ValueError):
         future.reserve(5)
+
+
+@pytest.mark.parametrize("kind", ["inline", "thread", "timed"])
+def test_every_device_reports_the_time_each_step_took(kind):
+    """``StepResult.seconds``: measured around the run (inline, thread), modelled (timed);
+    what the fair policy steers its shared step cap by."""
+
+    def run(step: PreparedStep) -> StepResult:
+        if kind != "timed":
+            time.sleep(step.inputs)
+        return StepResult(np.array([0]))
+
+    device = {"inline": InlineDevice, "thread": ThreadDevice, "timed": TimedDevice}[kind](run)
+    try:
+        for seconds in (0.02, 0.06):
+            got = device.launch(_step(seconds, seconds)).result().seconds
+            assert seconds <= got < seconds + 0.03, (seconds, got)
+    finally:
+        device.close()

@@ -343,15 +343,21 @@ def test_prefill_copy_runs_from_its_threshold_and_equals_the_dequantized_weight(
     # the rows from the threshold go through the copy and no other way
     layer.prefill = Linear(torch.zeros(layer.out_features, layer.in_features).to(torch.bfloat16))
     assert not layer(many).any() and torch.equal(layer(few), before_few), name
-    # a step of a long prompt's chunk: any rows multiply the copy, and only in that step
+    # a step of a long prompt's chunk: the copy from LONG_PROMPT_COPY_ROWS rows too (where
+    # the layer's own threshold is higher), the codes below, and only in that step
+    long_rows = min(rows, quant.LONG_PROMPT_COPY_ROWS)
+    short = few[: long_rows - 1]
+    before_short = layer(short)
     with quant.long_prompt_step(True):
-        assert not layer(few).any() and not layer(few[:1]).any(), name
+        assert not layer(many[:long_rows]).any(), name
+        assert torch.equal(layer(short), before_short), name
     assert torch.equal(layer(few), before_few), name
 
 
-def test_long_prompts_prefill_every_chunk_on_the_copy(tiny_llama):
-    """A prompt of PANEL_COPY_ROWS tokens or more runs every chunk on the prefill copy,
-    the last and shorter one too; a short prompt's steps and the decode steps never do."""
+def test_long_prompts_prefill_their_chunks_on_the_copy(tiny_llama):
+    """A prompt of PANEL_COPY_ROWS tokens or more runs its chunks of LONG_PROMPT_COPY_ROWS
+    tokens or more on the prefill copy, its last, shorter chunk on the codes; a short
+    prompt's steps and the decode steps never use the copy."""
     from radixserve.executor.forward_batch import ForwardBatch
 
     llm = LLM(
@@ -385,7 +391,8 @@ def test_long_prompts_prefill_every_chunk_on_the_copy(tiny_llama):
         long = [(5 * j) % 400 + 3 for j in range(quant.PANEL_COPY_ROWS + 30)]  # 158: 3 chunks
         llm.generate([long], greedy(3), use_tqdm=False)
         assert [f for _, f in flags] == [True, True, True, False, False], flags
-        assert copy_calls == [64, 64, 30], copy_calls  # the last chunk's 30 rows as well
+        assert quant.LONG_PROMPT_COPY_ROWS <= 64
+        assert copy_calls == [64, 64], copy_calls  # the last chunk's 30 rows on the codes
         flags.clear(), copy_calls.clear()
         short = [(3 * j) % 400 + 3 for j in range(quant.PANEL_COPY_ROWS - 1)]  # 127: 2 chunks
         llm.generate([short], greedy(2), use_tqdm=False)

@@ -15,6 +15,7 @@ from radixserve.core.request import Request, RequestState, Tenant
 from radixserve.executor.simulated import CostModel
 from radixserve.scheduler.fair import DEFAULT_OUTPUT_WEIGHT as W_O
 from radixserve.scheduler.fair import DEFAULT_PROMPT_WEIGHT as W_P
+from radixserve.scheduler.fair import SharedStepCap
 from radixserve.scheduler.scheduler import SchedulerConfig
 from radixserve.tools.simulator import Simulator, TraceRequest
 from tests.scheduler.test_scheduler import apply, check_accounting, make, run
@@ -34,6 +35,7 @@ def _sim(
     pages: int,
     cache=False,
     step_cap: int | None = None,
+    step_target_s: float | None = None,
 ):
     config = SchedulerConfig(
         max_num_batched_tokens=budget,
@@ -41,6 +43,7 @@ def _sim(
         long_prefill_threshold=chunk,
         policy=policy,
         fair_step_prefill_tokens=step_cap,
+        fair_step_target_s=step_target_s,
     )
     return Simulator(config, num_pages=pages, page_size=16, cost=COST, enable_cache=cache)
 
@@ -138,7 +141,11 @@ def test_weight_two_tenant_gets_twice_the_service():
 
 
 def _flood(
-    policy: str, cap: int | None = None, duration_s: float = 20.0, step_cap: int | None = None
+    policy: str,
+    cap: int | None = None,
+    duration_s: float = 20.0,
+    step_cap: int | None = None,
+    step_target_s: float | None = None,
 ):
     """ "heavy" sends 1,024-token prompts far faster than they can be served; "light" one
     64-token prompt every 0.5 s. Returns (simulation result, meter, bound in seconds);
@@ -157,15 +164,19 @@ def _flood(
     max_seqs, chunk = 8, 256
     budget = max_seqs * chunk  # every running request gets a full chunk or a token each step
     pages = max_seqs * math.ceil((h_in + h_out) / 16) + 64  # memory never binds: no preemption
-    sim = _sim(policy, max_seqs, budget, chunk, pages, step_cap=step_cap)
+    sim = _sim(
+        policy, max_seqs, budget, chunk, pages, step_cap=step_cap, step_target_s=step_target_s
+    )
     meter = ServiceMeter()
     ends: list[float] = []  # when each step ended
     prompt_tokens: list[int] = []
+    step_s: list[float] = []  # each step's modelled time
 
     light_first: dict[str, tuple[float, float]] = {}  # (arrival, first token) per request
 
     def on_step(batch, got):
         meter.step(batch, got, sim.scheduler)
+        step_s.append(sim.clock.now - (ends[-1] if ends else 0.0))
         ends.append(sim.clock.now)
         prompt_tokens.append(sum(_prompt_tokens(batch).values()))
         for req in got:
@@ -174,9 +185,11 @@ def _flood(
 
     result = sim.run(trace, on_step=on_step)
     meter.step_ends = ends
+    meter.step_s = step_s
     meter.prompt_tokens = prompt_tokens
     meter.light_first = list(light_first.values())
     meter.fair_preemptions = sim.scheduler.stats.num_fair_preemptions
+    meter.shared_cap = sim.scheduler.shared_cap
     assert result.num_finished == len(trace) and result.num_failed == 0  # nothing starves
     stats = sim.scheduler.stats
     # memory never binds: the only preemptions (fair) give a row to the tenant served less
@@ -249,6 +262,121 @@ def test_while_tenants_share_the_engine_a_step_computes_at_most_the_cap():
     # the heavy tenant's cost: the same work done in at most 10 % more time
     assert meter.step_ends[-1] <= 1.10 * meter_without.step_ends[-1]
     assert meter.service["heavy"] == meter_without.service["heavy"]
+
+
+def test_the_shared_step_cap_follows_a_target_time():
+    """With ``fair_step_target_s``, the cap while tenants share is steered by the steps'
+    device times: the modelled 128-token step (about 24 ms) is over a 20 ms target, so the
+    cap comes down until the shared steps take about the target (still room for the light
+    tenant's 64-token prompts), and its first tokens come sooner than under the token cap
+    alone."""
+    cap, target = 128, 0.02
+    result, meter, _ = _flood("fair", step_cap=cap, step_target_s=target)
+    steered = meter.shared_cap
+    assert steered is not None and 64 <= steered.tokens < cap, steered.tokens
+    ends, tokens = np.asarray(meter.step_ends), np.asarray(meter.prompt_tokens)
+    seen = min(f for _, f in meter.light_first)
+    last = max(f for _, f in meter.light_first)
+    shared = (ends > seen + 1.0) & (ends <= last)  # past the first second of steering
+    times = np.asarray(meter.step_s)[shared & (tokens > 0)]
+    assert times.size > 100
+    # the shared steps sit at the target: at most a few over it by more than a tenth, and
+    # most of them above the point from which the cap grows again
+    assert np.mean(times > 1.1 * target) < 0.05, np.sort(times)[-10:]
+    assert np.median(times) > 0.7 * target, np.median(times)
+    fixed, _, _ = _flood("fair", step_cap=cap)
+    light, light_fixed = result.ttft_by_tenant["light"], fixed.ttft_by_tenant["light"]
+    assert np.percentile(light, 99) < np.percentile(light_fixed, 99)
+
+
+def test_shared_step_cap_steering():
+    """SharedStepCap on a step cost of 25 ms + 0.37 ms per token (one thread's 64-token
+    chunk, 48 ms): the cap settles where the steps take the target; a cost that never
+    fits leaves it at the floor, one always under the target at the ceiling; steps that
+    did not use the cap never raise it; without a target it stays at the ceiling."""
+
+    def settle(cost, target, ceiling=64, steps=300, backlog=10**9):
+        cap = SharedStepCap(ceiling, target)
+        times = []
+        for _ in range(steps):
+            n = min(cap.tokens, backlog)
+            times.append(cost(n))
+            cap.observe(n, cap.tokens, times[-1])
+        return cap, times[-100:]
+
+    cap, times = settle(lambda n: 0.025 + 0.00037 * n, 0.035)
+    assert 16 < cap.tokens < 40, cap.tokens  # (0.035 - 0.025) / 0.00037 = 27
+    assert max(times) <= 0.035 * 1.1 and min(times) >= 0.8 * 0.035 * 0.9, (min(times), max(times))
+    cap, _ = settle(lambda n: 0.05 + 0.001 * n, 0.03)
+    assert cap.tokens == cap.floor == 16
+    cap, _ = settle(lambda n: 0.001 * n, 0.5)
+    assert cap.tokens == 64
+    # steps that computed fewer tokens than the cap allowed (short of work) never raise it
+    cap = SharedStepCap(64, 0.03)
+    cap.observe(64, 64, 0.06)
+    lowered = cap.tokens
+    assert 16 <= lowered < 64
+    for _ in range(50):
+        cap.observe(4, lowered, 0.005)
+    assert cap.tokens == lowered
+    none = SharedStepCap(64, None)
+    none.observe(64, 64, 1.0)
+    assert none.tokens == 64
+    with pytest.raises(ValueError):
+        SharedStepCap(64, 0.0)
+    with pytest.raises(ValueError):
+        SchedulerConfig(policy="fair", fair_step_target_s=-1.0)
+
+
+def test_a_steered_cap_shortens_chunks_but_never_splits_a_short_prompt():
+    """Steered down to 16 tokens (under its ceiling of 64), the cap limits the heavy
+    tenant's chunks to 16, while a light prompt of 40 tokens (within the ceiling) is
+    admitted whole; one of 100 is chunked. A step past the cap does not steer it."""
+    now = [0.0]
+    s = make(
+        num_pages=2048,
+        page_size=4,
+        budget=256,
+        max_seqs=8,
+        threshold=256,
+        policy="fair",
+        fair_step_prefill_tokens=64,
+        fair_step_target_s=0.03,
+    )
+    s.clock = lambda: now[0]
+    heavy, light = Tenant("heavy"), Tenant("light")
+    for i in range(4):
+        s.add_request(Request(f"h{i}", [3 + i] * 600, SamplingParams(max_tokens=2), tenant=heavy))
+    apply(s, s.schedule(), [])  # heavy alone: the whole budget
+    s.add_request(Request("l0", [5] * 10, SamplingParams(max_tokens=4), tenant=light))
+    apply(s, s.schedule(), [])  # tenants share from here
+    assert s.shared_cap is not None
+    s.shared_cap.tokens = 16  # as if its steps had run long
+    batch = s.schedule()
+    assert batch.shared_step == (16, sum(_prompt_tokens(batch).values()))
+    assert _prompt_tokens(batch)["heavy"] == 16
+    s.observe_step(batch, 0.001)  # a full chunk step well under the target: up by one
+    assert s.shared_cap.tokens == 17
+    apply(s, batch, [])
+    s.add_request(Request("l1", [6] * 40, SamplingParams(max_tokens=4), tenant=light))
+    batch = s.schedule()
+    got = _prompt_tokens(batch)
+    # (light was served more than heavy by now: heavy's chunk went first, within the cap)
+    assert got["light"] == 40 and got["heavy"] <= 17, got
+    s.observe_step(batch, 1.0)  # a whole short prompt past the cap: no steering
+    assert s.shared_cap.tokens == 17
+    apply(s, batch, [])
+    s.add_request(Request("l2", [7] * 100, SamplingParams(max_tokens=4), tenant=light))
+    light_tokens = 0
+    for _ in range(40):
+        batch = s.schedule()
+        got = _prompt_tokens(batch)
+        assert sum(got.values()) <= 17, got  # a long light prompt is chunked like any
+        light_tokens += got["light"]
+        apply(s, batch, [])
+    assert light_tokens == 100
+    run(s)
+    check_accounting(s)
 
 
 def test_the_step_cap_is_off_for_a_tenant_alone_and_after_the_others_leave():
