@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,6 +11,37 @@ import torch
 
 from radixserve.core.request import Request
 from radixserve.executor.grammar import GrammarBatch
+from radixserve.executor.native import load_elementwise
+
+
+@functools.cache
+def _argmax_kernel() -> Callable[..., None] | None:
+    lib = load_elementwise()  # cached: built and loaded once per process
+    return None if lib is None else lib.argmax_rows_bf16
+
+
+def first_max_indices(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.max(dim=-1).indices`` for [S, vocab] (the first maximal index; a NaN counts
+    above every number): bfloat16 rows on the CPU in one native pass
+    (``native/elementwise.c``: ``argmax_rows_bf16``, a row's spans on every thread), where
+    PyTorch's reduction took 1.6-2.9 ms for 16 rows of Gemma 3's 262,144 logits; anything
+    else through PyTorch."""
+    kernel = _argmax_kernel()
+    if (
+        kernel is None
+        or logits.dtype != torch.bfloat16
+        or logits.dim() != 2
+        or not logits.is_cpu
+        or not logits.is_contiguous()
+        or logits.shape[1] == 0
+        or logits.shape[1] >= 2**31
+    ):
+        return logits.max(dim=-1).indices
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    kernel(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
+    return out
 
 
 @dataclass(frozen=True)
@@ -144,8 +176,8 @@ class Sampler:
         ``resolve`` replaces placeholders in the output histories (penalties)."""
         logits = self.process(logits, batch, resolve)
         # max(...).indices: the first maximal index, like argmax, but a vectorised kernel
-        # for bfloat16 too (argmax on bf16 is ~4x slower on CPU).
-        greedy_tokens = logits.max(dim=-1).indices
+        # for bfloat16 too (argmax on bf16 is ~4x slower on CPU); bfloat16 natively
+        greedy_tokens = first_max_indices(logits)
         if batch.all_greedy:
             return greedy_tokens
         probs = self.probs(logits, batch)

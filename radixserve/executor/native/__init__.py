@@ -176,6 +176,8 @@ def load_elementwise() -> ctypes.CDLL | None:
         rotary.restype = None
     lib.kv_write.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64, i64, i]
     lib.kv_write.restype = None
+    lib.argmax_rows_bf16.argtypes = [p, i64, i64, p, i]
+    lib.argmax_rows_bf16.restype = None
     lib.has_gelu_tanh_and_mul.argtypes = []
     lib.has_gelu_tanh_and_mul.restype = i
     if lib.has_gelu_tanh_and_mul():

@@ -197,10 +197,101 @@ void add_rms_norm_bf16(const uint16_t *add, uint16_t *residual, const uint16_t *
     }
 }
 int has_gelu_tanh_and_mul(void) { return 1; }
+
+/* The first maximum of x[0:n] (bfloat16) as float: *value and *index, or in *nan the index
+ * of the first NaN (-1 if none). 16 lanes keep each its own first maximum (strictly greater
+ * replaces); the lanes then give the greatest value and, among equals, the least index. */
+static void argmax_span_bf16(const uint16_t *x, int64_t n, float *value, int64_t *index,
+                             int64_t *nan) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_i = _mm512_set1_epi32(INT32_MAX);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    *nan = -1;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 v = load_bf16x16(x + i, m);
+        const __mmask16 unord = _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+        if (unord) {
+            *nan = *index = i + __builtin_ctz(unord);
+            *value = NAN;
+            return;
+        }
+        /* the first 16 take their own values, -inf ones included (a row of -inf: index 0) */
+        const __mmask16 up = i == 0 ? m : _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, up, v);
+        best_i = _mm512_mask_mov_epi32(best_i, up, idx);
+        idx = _mm512_add_epi32(idx, step);
+    }
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    *value = top;
+    *index = _mm512_mask_reduce_min_epi32(at, best_i);
+}
+
+/* out[r] = the index of the first maximum of row r of x [rows, n] (bfloat16, rows
+ * contiguous, n < 2^31), what torch.max(x, dim=-1).indices gives: a NaN counts above every
+ * number (its first index). Rows are cut into spans so that one row uses every thread. */
+void argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out,
+                      int num_threads) {
+    int64_t spans = rows >= num_threads ? 1 : (num_threads + rows - 1) / rows;
+    if (spans > 64) spans = 64;
+    const int64_t width = ((n + spans - 1) / spans + 15) / 16 * 16;
+    spans = (n + width - 1) / width;
+    float values[rows * spans];
+    int64_t index[rows * spans], nan[rows * spans];
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t t = 0; t < rows * spans; t++) {
+        const int64_t r = t / spans, start = (t % spans) * width;
+        const int64_t len = n - start < width ? n - start : width;
+        argmax_span_bf16(x + r * n + start, len, &values[t], &index[t], &nan[t]);
+        index[t] += start;
+        if (nan[t] >= 0) nan[t] += start;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t best = -1, first_nan = -1;
+        float top = 0.0f;
+        for (int64_t s = 0; s < spans; s++) {
+            const int64_t t = r * spans + s;
+            if (nan[t] >= 0) {
+                first_nan = nan[t];
+                break;
+            }
+            if (best < 0 || values[t] > top) {
+                top = values[t];
+                best = index[t];
+            }
+        }
+        out[r] = first_nan >= 0 ? first_nan : best;
+    }
+}
 #else
 int has_gelu_tanh_and_mul(void) { return 0; } /* no scalar GeGLU: PyTorch's path runs */
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+
+/* argmax_rows_bf16 one row per thread, scalar: the same answer as the AVX-512 version */
+void argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out,
+                      int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * n;
+        int64_t best = 0;
+        float top = bf16_to_f32(row[0]);
+        for (int64_t i = 0; i < n; i++) {
+            const float v = bf16_to_f32(row[i]);
+            if (v != v) {
+                best = i;
+                break;
+            }
+            if (v > top) {
+                top = v;
+                best = i;
+            }
+        }
+        out[r] = best;
+    }
+}
 #endif
 DEFINE_SILU_AND_MUL(silu_and_mul_f32, float, IDENTITY, IDENTITY)
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, IDENTITY, IDENTITY)
