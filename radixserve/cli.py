@@ -250,7 +250,8 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         default=35.0,
         metavar="MS",
         help="policy fair: steer that cap (16 tokens up to N) so such a step takes about MS "
-        "milliseconds on the device, measured step by step (0: the token cap alone)",
+        "milliseconds on the device, or 1.5 decode-only steps where longer, measured step by "
+        "step (0: the token cap alone)",
     )
     g.add_argument(
         "--fair-active-window",

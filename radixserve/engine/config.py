@@ -51,9 +51,10 @@ class EngineConfig:
     fair_step_prefill_tokens: int | None = 64
     fair_active_window_s: float = 10.0
     # policy fair: that cap is steered (between 16 tokens and fair_step_prefill_tokens) so
-    # such a step takes about this long on the device, measured step by step (None: the
-    # token cap alone). 35 ms: a 64-token chunk's step takes 30 ms on two threads, 48 ms on
-    # one, where the cap then settles near 40 tokens (SmolLM2, docs/many-users.md)
+    # such a step takes about this long on the device (or 1.5 decode-only steps, where
+    # longer), measured step by step (None: the token cap alone). 35 ms: a 64-token chunk's
+    # step takes 30 ms on two threads, 48 ms on one, where the cap then settles at 16-30
+    # tokens (SmolLM2, docs/many-users.md)
     fair_step_target_s: float | None = 0.035
     # No weights: instant synthetic tokens from a simulated device (for measuring the
     # scheduler, the API and the server around the model).

@@ -33,6 +33,7 @@ def first_max_indices(logits: torch.Tensor) -> torch.Tensor:
         or logits.dim() != 2
         or not logits.is_cpu
         or not logits.is_contiguous()
+        or logits.shape[0] == 0
         or logits.shape[1] == 0
         or logits.shape[1] >= 2**31
     ):

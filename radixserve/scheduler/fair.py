@@ -122,20 +122,26 @@ class FairQueue(WaitingQueue):
 
 class SharedStepCap:
     """(fair) The prompt tokens a step may compute while tenants share the engine, steered
-    by the time such steps take on the device: a step that ran longer than ``target_s``
-    lowers the cap (in proportion, at most halving it), one under ``0.8 * target_s`` that
-    used the whole cap raises it by a tenth. The step a tenant's next request waits for
-    then lasts about ``target_s`` whatever the machine, the threads and the model (a fixed
-    token cap gave 64-token steps of 30 ms on two threads and 48 ms on one). Steps the
-    device measured while built with another cap (the overlapped loop launches one step
-    ahead) count the same: the cap follows the time, not the token count. Steps without
-    prompt tokens, and those past the cap (a short prompt admitted whole), say nothing.
+    by the time such steps take on the device, as Sarathi-Serve sizes its chunks for a
+    time-between-tokens target: a step with prompt tokens that ran longer than the target
+    lowers the cap (in proportion, at most halving it), one under ``SLACK`` of the target
+    that used the whole cap raises it by a tenth. The step a tenant's next request waits
+    for then lasts about the target whatever the machine, the threads and the model (a
+    fixed token cap gave 64-token steps of 30 ms on two threads and 48 ms on one). The
+    target is ``target_s``, or ``DECODE_SCALE`` times the shared steps without prompt
+    tokens (a running mean) where that is longer: a model whose decode steps alone take
+    about ``target_s`` still gets chunks that add half a decode step, not the floor's.
+    A step built under a larger cap than the current one (the overlapped loop launches
+    one ahead) does not lower it again; steps past the cap (a short prompt admitted whole)
+    say nothing.
 
     Invariant: ``floor <= tokens <= ceiling`` (``floor`` is itself at most ``ceiling``);
     without a target (``target_s`` None) ``tokens`` stays at ``ceiling``."""
 
     RAISE = 1.1
     SLACK = 0.8  # raise only under this fraction of the target: no hunting at the edge
+    DECODE_SCALE = 1.5
+    DECODE_WEIGHT = 0.1  # of the newest decode-only step in their running mean
 
     def __init__(self, ceiling: int, target_s: float | None, floor: int = 16) -> None:
         if ceiling < 1:
@@ -146,16 +152,33 @@ class SharedStepCap:
         self.floor = min(floor, ceiling)
         self.target_s = target_s
         self.tokens = ceiling
+        self.decode_s: float | None = None  # running mean of shared decode-only steps
+
+    @property
+    def target(self) -> float | None:
+        """The step time steered to (seconds), None without a target."""
+        if self.target_s is None or self.decode_s is None:
+            return self.target_s
+        return max(self.target_s, self.DECODE_SCALE * self.decode_s)
 
     def observe(self, prefill_tokens: int, cap: int, seconds: float) -> None:
-        """A step built under cap ``cap`` computed ``prefill_tokens`` prompt tokens (> 0)
-        in ``seconds`` of device time."""
-        target = self.target_s
-        if target is None or prefill_tokens <= 0 or seconds <= 0:
+        """A step built under cap ``cap`` computed ``prefill_tokens`` prompt tokens in
+        ``seconds`` of device time."""
+        if self.target_s is None or seconds <= 0:
+            return
+        if prefill_tokens <= 0:
+            w = self.DECODE_WEIGHT
+            self.decode_s = (
+                seconds if self.decode_s is None else (1 - w) * self.decode_s + w * seconds
+            )
             return
         if prefill_tokens > cap:  # a short prompt admitted whole (PrefillShares): not a chunk
             return
+        target = self.target
+        assert target is not None
         if seconds > target:
+            if cap > self.tokens:  # built before the cap came down: it has reacted already
+                return
             shrunk = int(self.tokens * max(0.5, target / seconds))
             self.tokens = max(self.floor, min(self.tokens - 1, shrunk))
         elif seconds < self.SLACK * target and prefill_tokens >= min(cap, self.tokens):
@@ -170,7 +193,7 @@ class PrefillShares:
     while tenants share the engine). An admission whose whole prompt fits in what
     ``ceiling`` (the cap before steering: ``SharedStepCap.ceiling``) leaves may take it
     all past the pool: steering shortens the chunks of long prompts, it never splits a
-    short prompt. ``room`` is None for no limit; ``taken``: tokens taken from the pool.
+    short prompt. ``room`` is None for no limit.
 
     Invariant: an allowance never goes below zero; ``take`` is only ever given at most
     ``room`` tokens."""
@@ -179,7 +202,6 @@ class PrefillShares:
         self.limits: dict[str, int] = {}
         self.pool = pool
         self.ceiling_left = pool if ceiling is None or pool is None else max(pool, ceiling)
-        self.taken = 0
 
     def room(self, name: str, whole: int | None = None) -> int | None:
         """``whole``: the prompt tokens an admission has left to compute."""
@@ -198,7 +220,6 @@ class PrefillShares:
             self.pool = max(0, self.pool - n)
             assert self.ceiling_left is not None
             self.ceiling_left = max(0, self.ceiling_left - n)
-            self.taken += n
 
     def cap(self, name: str, cut: int) -> None:
         """At most ``cut`` more tokens for ``name`` (never raises an allowance)."""

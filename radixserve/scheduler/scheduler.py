@@ -305,6 +305,8 @@ class Scheduler:
             sample = starts + num_new - num_spec == totals
         if self._fair is not None:
             self._fair.charge_step(scheduled, (starts + num_new).tolist(), sample.tolist())
+        if self._shared_step is not None:  # rows with more than their last token: prompt
+            self._shared_step = (self._shared_step[0], int(num_new[totals - starts > 1].sum()))
         return ScheduledBatch(
             requests=scheduled,
             num_new_tokens=num_new,
@@ -358,7 +360,7 @@ class Scheduler:
             )
         budget = self._schedule_held(later, budget, cap, scheduled, counts, failed, limits)
         if shared and cut is not None:
-            self._shared_step = (cut, limits.taken)
+            self._shared_step = (cut, 0)  # its prompt tokens: counted once the batch is final
         return budget
 
     def _schedule_held(

@@ -98,8 +98,8 @@ def test_every_device_reports_the_time_each_step_took(kind):
 
     device = {"inline": InlineDevice, "thread": ThreadDevice, "timed": TimedDevice}[kind](run)
     try:
-        for seconds in (0.02, 0.06):
-            got = device.launch(_step(seconds, seconds)).result().seconds
-            assert seconds <= got < seconds + 0.03, (seconds, got)
+        got = [device.launch(_step(s, s)).result().seconds for s in (0.02, 0.08)]
+        assert got[0] >= 0.02 and got[1] >= 0.08 and got[0] < got[1], got
+        assert got[1] < 0.08 + 0.5, got  # (a loaded machine may oversleep a little)
     finally:
         device.close()

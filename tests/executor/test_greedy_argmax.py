@@ -60,3 +60,31 @@ def test_other_inputs_take_pytorch_s_path():
     strided = torch.randn(100, 4, generator=gen).to(torch.bfloat16).t()
     assert not strided.is_contiguous()
     assert torch.equal(first_max_indices(strided), strided.max(dim=-1).indices)
+
+
+def test_the_scalar_build_agrees_too():
+    """Built without AVX-512 BF16 (the kernel's scalar loop, under the file's -ffast-math),
+    the argmax still finds the first maximum and the first NaN."""
+    import ctypes
+
+    from radixserve.executor import native
+
+    lib = native._load(native._SOURCE.with_name("elementwise.c"), ("-mno-avx512bf16",))
+    if lib is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    fn = lib.argmax_rows_bf16
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = None
+    x = _with_ties(6, 1000, 0)
+    x[2, 300], x[2, 900] = float("nan"), float("nan")
+    x[3] = float("-inf")
+    out = torch.empty(6, dtype=torch.int64)
+    fn(x.data_ptr(), 6, 1000, out.data_ptr(), 2)
+    assert torch.equal(out, x.max(dim=-1).indices)
+    assert out[2] == 300 and out[3] == 0
+    fn(x.data_ptr(), 0, 1000, out.data_ptr(), 2)  # no rows: nothing to do, no crash
+
+
+def test_no_rows():
+    empty = torch.empty(0, 50, dtype=torch.bfloat16)
+    assert first_max_indices(empty).shape == (0,)

@@ -319,9 +319,28 @@ def test_shared_step_cap_steering():
     for _ in range(50):
         cap.observe(4, lowered, 0.005)
     assert cap.tokens == lowered
+    # a step built under a larger cap than the current one does not lower it again
+    cap = SharedStepCap(64, 0.03)
+    cap.observe(64, 64, 0.06)
+    assert cap.tokens == 32
+    cap.observe(64, 64, 0.06)  # (launched before the cap came down)
+    assert cap.tokens == 32
+    cap.observe(32, 32, 0.06)
+    assert cap.tokens == 16
+    # decode steps alone near the target: the target becomes 1.5 of them, and the chunks
+    # settle where they add half a decode step (28 ms decode, 0.37 ms a token: 56 tokens
+    # would be 48.7 ms, under 1.5 x 28 = 42 ms at most 37 tokens), not at the floor
+    cap = SharedStepCap(64, 0.03)
+    for _ in range(300):
+        cap.observe(0, cap.tokens, 0.028)
+        n = cap.tokens
+        cap.observe(n, n, 0.028 + 0.00037 * n)
+    assert cap.target == pytest.approx(0.042)
+    assert 20 < cap.tokens <= 38, cap.tokens
     none = SharedStepCap(64, None)
     none.observe(64, 64, 1.0)
-    assert none.tokens == 64
+    none.observe(0, 64, 1.0)
+    assert none.tokens == 64 and none.target is None
     with pytest.raises(ValueError):
         SharedStepCap(64, 0.0)
     with pytest.raises(ValueError):

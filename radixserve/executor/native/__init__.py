@@ -55,8 +55,9 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-# per-source extras: the elementwise kernels need no inf/NaN semantics beyond what the
-# hardware gives, and -ffast-math lets expf vectorise through glibc's libmvec
+# per-source extras: -ffast-math lets expf vectorise through glibc's libmvec; the
+# elementwise kernels need no inf/NaN semantics beyond what the hardware gives, except the
+# argmax, which finds NaN by compare instructions and bit tests that fast-math keeps
 _EXTRA_FLAGS = {"elementwise.c": ["-ffast-math"]}
 
 

@@ -234,6 +234,7 @@ static void argmax_span_bf16(const uint16_t *x, int64_t n, float *value, int64_t
  * number (its first index). Rows are cut into spans so that one row uses every thread. */
 void argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out,
                       int num_threads) {
+    if (rows <= 0 || n <= 0) return;
     int64_t spans = rows >= num_threads ? 1 : (num_threads + rows - 1) / rows;
     if (spans > 64) spans = 64;
     const int64_t width = ((n + spans - 1) / spans + 15) / 16 * 16;
@@ -273,6 +274,7 @@ DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 /* argmax_rows_bf16 one row per thread, scalar: the same answer as the AVX-512 version */
 void argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out,
                       int num_threads) {
+    if (rows <= 0 || n <= 0) return;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = x + r * n;
@@ -280,7 +282,8 @@ void argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out,
         float top = bf16_to_f32(row[0]);
         for (int64_t i = 0; i < n; i++) {
             const float v = bf16_to_f32(row[i]);
-            if (v != v) {
+            if ((row[i] & 0x7FFFu) > 0x7F80u) { /* NaN, tested on the bits: this file is
+                                                   built with -ffast-math, which drops v != v */
                 best = i;
                 break;
             }
