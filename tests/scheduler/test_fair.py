@@ -351,21 +351,7 @@ def test_a_steered_cap_shortens_chunks_but_never_splits_a_short_prompt():
     """Steered down to 16 tokens (under its ceiling of 64), the cap limits the heavy
     tenant's chunks to 16, while a light prompt of 40 tokens (within the ceiling) is
     admitted whole; one of 100 is chunked. A step past the cap does not steer it."""
-    now = [0.0]
-    s = make(
-        num_pages=2048,
-        page_size=4,
-        budget=256,
-        max_seqs=8,
-        threshold=256,
-        policy="fair",
-        fair_step_prefill_tokens=64,
-        fair_step_target_s=0.03,
-    )
-    s.clock = lambda: now[0]
-    heavy, light = Tenant("heavy"), Tenant("light")
-    for i in range(4):
-        s.add_request(Request(f"h{i}", [3 + i] * 600, SamplingParams(max_tokens=2), tenant=heavy))
+    s, _, light = _heavy_and_light([0.0], 4, fair_step_prefill_tokens=64, fair_step_target_s=0.03)
     apply(s, s.schedule(), [])  # heavy alone: the whole budget
     s.add_request(Request("l0", [5] * 10, SamplingParams(max_tokens=4), tenant=light))
     apply(s, s.schedule(), [])  # tenants share from here
@@ -398,23 +384,22 @@ def test_a_steered_cap_shortens_chunks_but_never_splits_a_short_prompt():
     check_accounting(s)
 
 
-def test_the_step_cap_is_off_for_a_tenant_alone_and_after_the_others_leave():
-    now = [0.0]
+def _heavy_and_light(now: list[float], heavy_requests: int, **config):
+    """A fair scheduler (budget 256, 8 rows) on the clock ``now[0]``, with tenant "heavy"'s
+    ``heavy_requests`` 600-token prompts queued; returns it and the tenants heavy, light."""
     s = make(
-        num_pages=2048,
-        page_size=4,
-        budget=256,
-        max_seqs=8,
-        threshold=256,
-        policy="fair",
-        fair_step_prefill_tokens=32,
-        fair_active_window_s=5.0,
+        num_pages=2048, page_size=4, budget=256, max_seqs=8, threshold=256, policy="fair", **config
     )
     s.clock = lambda: now[0]
     heavy, light = Tenant("heavy"), Tenant("light")
-
-    for i in range(6):
+    for i in range(heavy_requests):
         s.add_request(Request(f"h{i}", [3 + i] * 600, SamplingParams(max_tokens=2), tenant=heavy))
+    return s, heavy, light
+
+
+def test_the_step_cap_is_off_for_a_tenant_alone_and_after_the_others_leave():
+    now = [0.0]
+    s, _, light = _heavy_and_light(now, 6, fair_step_prefill_tokens=32, fair_active_window_s=5.0)
     batch = s.schedule()
     assert _prompt_tokens(batch)["heavy"] == 256  # alone: the whole budget
     apply(s, batch, [])
