@@ -67,7 +67,8 @@ class SchedulerConfig:
     fair_step_prefill_tokens: int | None = None  # (the engine's default: 64)
     fair_active_window_s: float = 10.0
     # policy fair: steer that cap (down to 16 tokens, up to fair_step_prefill_tokens) so
-    # such a step takes about this long on the device (None: the token cap as it is)
+    # such a step takes about this long on the device, or 1.5 decode-only steps where
+    # longer (SharedStepCap; None: the token cap as it is)
     fair_step_target_s: float | None = None
 
     def __post_init__(self) -> None:
