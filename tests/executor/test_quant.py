@@ -157,6 +157,42 @@ def test_amx_panel_gemms_match_float64(rows, group, kind):
     assert (tiles.double() - vectors.double()).abs().max() <= 2.0**-7 * ref.abs().max()
 
 
+# rows: tiles of 2-16 (two accumulator sets below 8), two tiles (17, 33)
+@pytest.mark.parametrize("rows", [2, 5, 8, 16, 17, 33])
+@pytest.mark.parametrize("group", [16, 32, 64])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_int8_pair_products_match_float64(rows, group, zeros):
+    """The int8 panel GEMM's bfloat16-pair path (vdpbf16ps on pairs of codes) against
+    float64 and against the float32 multiply-add path, element by element."""
+    from radixserve.executor.native import load_int8_panels
+
+    lib = load_int8_panels()
+    if lib is None:
+        pytest.skip("no AVX-512 BF16 build of the int8 panels here")
+    gen = torch.Generator().manual_seed(rows * 10 + group)
+    n, k = 100, 256  # a partial last block of 16
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(n, k // group, generator=gen) * 0.01).half().float()
+    zero = (
+        ((torch.rand(n, k // group, generator=gen) - 0.5) * 0.1).half().float() if zeros else None
+    )
+    layer = quant.Int8GroupLinear(q, scale, zero, group)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    ref = x.double() @ layer.dequantized().double().T
+    dp, amx = lib.int8_panels_dp_rows(), lib.int8_panels_amx_rows()
+    try:
+        lib.int8_panels_set_amx_rows(0)
+        lib.int8_panels_set_dp_rows(2)
+        pairs = layer._panel_gemm(lib, x)
+        lib.int8_panels_set_dp_rows(0)
+        plain = layer._panel_gemm(lib, x)
+    finally:
+        lib.int8_panels_set_dp_rows(dp)
+        lib.int8_panels_set_amx_rows(amx)
+    _elementwise_close(pairs, ref)
+    _elementwise_close(plain, ref)
+
+
 def test_amx_rows_choose_the_path():
     """From the AMX row count (and the engine's own default, native.INT4_AMX_ROWS) the
     layer runs in the tiles; below it, and up to AMX_DEQUANT_ROWS with the tiles, not the

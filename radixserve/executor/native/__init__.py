@@ -546,6 +546,26 @@ def apply_token_bitmask(
 INT4_AMX_ROWS = 8
 INT8_AMX_ROWS = 12
 
+
+def int8_pair_rows() -> int:
+    """From how many rows the int8 panel GEMM multiplies bfloat16 pairs of codes
+    (vdpbf16ps; int8_panels.c: dp_rows) instead of float32 multiply-adds; 0: never.
+
+    Only on AMD CPUs: there one vdpbf16ps issues like one multiply-add (Zen 5, 2 threads,
+    Gemma 3's shapes: 1.1-1.2x at 2 rows, 1.5-1.6x at 16; benchmarks/quant_matmul.py), so
+    its two products a lane halve a tile's multiply-adds; on the Xeon of docs/benchmarks it
+    costs two, and was 0.58-0.85x at 4-31 rows. ``RADIXSERVE_INT8_PAIR_ROWS`` overrides."""
+    forced = os.environ.get("RADIXSERVE_INT8_PAIR_ROWS")
+    if forced is not None:
+        return max(0, int(forced))
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return 0
+    return 2 if "AuthenticAMD" in vendor else 0
+
+
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
@@ -627,6 +647,11 @@ def load_int8_panels() -> ctypes.CDLL | None:
     lib.int8_panels_gemm_bf16.restype = i
     lib.int8_panels_dequant_bf16.argtypes = [p, p, p, i64, i64, i64, i64, i, p]
     lib.int8_panels_dequant_bf16.restype = i
+    lib.int8_panels_set_dp_rows.argtypes = [i]
+    lib.int8_panels_set_dp_rows.restype = None
+    lib.int8_panels_dp_rows.argtypes = []
+    lib.int8_panels_dp_rows.restype = i
+    lib.int8_panels_set_dp_rows(int8_pair_rows())
     _amx_controls(lib, "int8_panels", INT8_AMX_ROWS)
     return lib
 

@@ -131,6 +131,71 @@ static inline void block_row1(const float *x, const int8_t *pb, const uint16_t *
     _mm256_mask_storeu_epi16(y, store_mask, (__m256i)_mm512_cvtneps_pbh(out));
 }
 
+/* Rows from dp_rows (int8_panels_set_dp_rows; 0: never) multiply bfloat16 pairs instead:
+ * vdpbf16ps takes x's pair (inputs i, i + 1 of a row, as it lies in memory, one 32-bit
+ * broadcast) against the pair of codes in each output's 32-bit lane, two products a lane
+ * per instruction. The codes become bfloat16 exactly (a float32 of an integer below 2^8 in
+ * magnitude has only zeros in its low 16 bits): widened to float32 as above, then input
+ * i + 1's high halves and input i's high halves shifted down, in one ternary-logic op.
+ * Where vdpbf16ps costs one multiply-add's issue slot (AMD Zen 4 and 5) that halves the
+ * multiply-adds of a tile; where it costs two (Xeon) it gains nothing (dp_rows stays 0). */
+static int dp_rows = 0;
+
+void int8_panels_set_dp_rows(int rows) { dp_rows = rows; }
+int int8_panels_dp_rows(void) { return dp_rows; }
+
+static inline __m512bh pair_codes(const int8_t *p) {
+    const __m512i even = _mm512_castps_si512(codes16(p));
+    const __m512i odd = _mm512_castps_si512(codes16(p + 16));
+    /* (odd & 0xFFFF0000) | (even >> 16): ternary logic 0xEA, (a & b) | c */
+    return (__m512bh)_mm512_ternarylogic_epi32(odd, _mm512_set1_epi32((int)0xFFFF0000u),
+                                               _mm512_srli_epi32(even, 16), 0xEA);
+}
+
+/* block_rows with bfloat16 pairs: x the rows [m0, m0 + MT) of x as it lies (bfloat16, k
+ * apart), read as 32-bit pairs. */
+static inline __attribute__((always_inline)) void block_rows_dp(
+    const uint32_t *xp, int64_t m0, const int MT, const int8_t *pb,
+    const uint16_t *sb, const uint16_t *zb, int64_t group, const float *xs, int64_t groups,
+    uint16_t *y, int64_t y_stride, int64_t col, __mmask16 store_mask) {
+    const int two = MT < 8; /* a second accumulator set */
+    __m512 out[MAX_TILE];
+    for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[MAX_TILE], acc2[MAX_TILE];
+        for (int r = 0; r < MT; r++) acc[r] = _mm512_setzero_ps();
+        if (two)
+            for (int r = 0; r < MT; r++) acc2[r] = _mm512_setzero_ps();
+        const int8_t *pg = pb + g * group * 16;
+        const uint32_t *xg = xp + g * (group / 2) * MT;
+        for (int64_t i = 0; i < group; i += 4) {
+            _mm_prefetch((const char *)(pg + 16 * i) + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m512bh w0 = pair_codes(pg + 16 * i), w1 = pair_codes(pg + 16 * (i + 2));
+            const uint32_t *x0 = xg + (i / 2) * MT, *x1 = x0 + MT;
+            for (int r = 0; r < MT; r++)
+                acc[r] = _mm512_dpbf16_ps(acc[r], w0, (__m512bh)_mm512_set1_epi32((int)x0[r]));
+            if (two)
+                for (int r = 0; r < MT; r++)
+                    acc2[r] = _mm512_dpbf16_ps(acc2[r], w1, (__m512bh)_mm512_set1_epi32((int)x1[r]));
+            else
+                for (int r = 0; r < MT; r++)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], w1, (__m512bh)_mm512_set1_epi32((int)x1[r]));
+        }
+        if (two)
+            for (int r = 0; r < MT; r++) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
+        const __m512 s = f16x16(sb + g * 16);
+        for (int r = 0; r < MT; r++) out[r] = _mm512_fmadd_ps(s, acc[r], out[r]);
+        if (zb) {
+            const __m512 z = f16x16(zb + g * 16);
+            for (int r = 0; r < MT; r++)
+                out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * groups + g]), out[r]);
+        }
+    }
+    for (int r = 0; r < MT; r++)
+        _mm256_mask_storeu_epi16(y + (m0 + r) * y_stride + col, store_mask,
+                                 (__m256i)_mm512_cvtneps_pbh(out[r]));
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -212,8 +277,19 @@ int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t 
         return int8_panels_gemm_amx(x, m, k, panels, scale, zero, n, group, xs, y, y_stride,
                                     num_threads);
 #endif
+    const int pairs = dp_rows > 0 && m >= dp_rows && m > 1 && group % 4 == 0;
     if (m == 1) {
         for (int64_t i = 0; i < k; i++) xt[i] = bf16_to_f32(x[i]);
+    } else if (pairs) { /* per row tile, x's pairs [k / 2][tile rows] as 32-bit words */
+        uint32_t *xp = (uint32_t *)xt;
+        for (int64_t i = 0; i < tile_count(m); i++) {
+            const int64_t t0 = tile_start(m, i), mt = tile_start(m, i + 1) - t0;
+            for (int64_t r = 0; r < mt; r++) {
+                const uint32_t *row = (const uint32_t *)(x + (t0 + r) * k);
+                uint32_t *t = xp + t0 * (k / 2) + r;
+                for (int64_t j = 0; j < k / 2; j++) t[j * mt] = row[j];
+            }
+        }
     } else {
         for (int64_t i = 0; i < tile_count(m); i++) {
             const int64_t t0 = tile_start(m, i), mt = tile_start(m, i + 1) - t0;
@@ -238,6 +314,17 @@ int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t 
         for (int64_t i = 0; i < tile_count(m); i++) {
             const int64_t m0 = tile_start(m, i);
             const float *t = xt + m0 * k;
+            if (pairs) {
+#define ROWS(MT) \
+    case MT: block_rows_dp((const uint32_t *)xt + m0 * (k / 2), m0, MT, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break
+                switch (tile_start(m, i + 1) - m0) {
+                ROWS(16); ROWS(15); ROWS(14); ROWS(13); ROWS(12); ROWS(11); ROWS(10); ROWS(9);
+                ROWS(8); ROWS(7); ROWS(6); ROWS(5); ROWS(4); ROWS(3); ROWS(2);
+                default: break;
+                }
+#undef ROWS
+                continue;
+            }
 #define ROWS(MT) \
     case MT: block_rows(t, m0, MT, pb, sb, zb, group, xs, groups, y, y_stride, 16 * b, mask); break
             switch (tile_start(m, i + 1) - m0) { /* constant tile sizes: accumulators in registers */
@@ -276,6 +363,9 @@ int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const 
     return 0;
 }
 #else
+void int8_panels_set_dp_rows(int rows) { (void)rows; }
+int int8_panels_dp_rows(void) { return 0; }
+
 int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
                           const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
                           float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
