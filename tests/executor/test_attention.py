@@ -103,6 +103,7 @@ CASES = [
     ([1100, 31, 16], 9, 3, 64, 16),
     ([70, 3], 8, 1, 128, 1),
     ([45], 10, 2, 64, 7),  # group 5, pages that split the 16-key blocks
+    ([1, 17, 300], 8, 2, 256, 16),  # Gemma 3's head_dim 256 and group 4
 ]
 
 

@@ -465,6 +465,8 @@ static void task_bf16_avx512_dispatch(const uint16_t *q, const uint16_t *k, cons
         AVX512_GROUPS(64)
     } else if (d == 128) {
         AVX512_GROUPS(128)
+    } else if (d == 256) { /* Gemma 3 */
+        AVX512_GROUPS(256)
     } else {
         AVX512_CASE(g, d);
     }
