@@ -634,10 +634,23 @@ def from_panels(
 # types executed from their codes"): Gemma 3 270M Q4_K_M 261 tok/s with the cut at 32 against 128 with it at 2;
 # SmolLM2 Q4_1 399 against 352.
 INT8_PANEL_DEQUANT_ROWS = 32
+# The same cut where the panel kernel multiplies bfloat16 pairs (native.int8_pair_rows: AMD
+# CPUs). Against dequantize + GEMM it is 0.31-0.48x the time at 32 rows and 0.71-0.83x at
+# 96; against a prefill copy's bfloat16 GEMM 0.62-0.92x at 32 rows, 0.90-1.04x at 56 and
+# 1.06-1.20x at 128 (Gemma 3's 2048x640, 640x2048 and 1536x640 layers, 2 threads, Zen 5;
+# one-off scripts, medians of 5): a decode step of 16 requests that shares its step with
+# a prompt's chunk of up to 47 tokens stays on the codes.
+INT8_PAIR_PANEL_ROWS = 64
 
 
 def _int8_panel_lib() -> Any:
     return load_int8_panels()  # cached: built and loaded once per process
+
+
+def int8_panel_rows(lib: Any) -> int:
+    """Rows from which an Int8GroupLinear leaves the panel kernel (for its prefill copy or
+    dequantize + GEMM)."""
+    return INT8_PAIR_PANEL_ROWS if lib.int8_panels_dp_rows() > 0 else INT8_PANEL_DEQUANT_ROWS
 
 
 def to_int8_panels(
@@ -690,7 +703,7 @@ class Int8GroupLinear:
 
     Invariant: ``__call__`` computes ``F.linear(x, self.dequantized(), bias)`` up to the
     activation dtype's rounding. The codes live in the panels of ``native/int8_panels.c``:
-    below ``INT8_PANEL_DEQUANT_ROWS`` rows (``AMX_DEQUANT_ROWS`` where it multiplies in AMX
+    below ``int8_panel_rows()`` rows (``AMX_DEQUANT_ROWS`` where it multiplies in AMX
     tiles and there is no prefill copy) that kernel multiplies straight from them, from
     there it dequantizes a chunk of outputs at a time to bfloat16 for oneDNN's GEMM; where
     it is not built (or the input is not bfloat16 on CPU) the plain-torch fallback. With a
@@ -752,9 +765,10 @@ class Int8GroupLinear:
         if lib is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
             return self.fallback(x)
         m = x.shape[0]
-        if self.prefill is not None and _copy_rows(INT8_PANEL_DEQUANT_ROWS, m):
+        panel_rows = int8_panel_rows(lib)
+        if self.prefill is not None and _copy_rows(panel_rows, m):
             return self.prefill(x)
-        if m < INT8_PANEL_DEQUANT_ROWS:
+        if m < panel_rows:
             return self._panel_gemm(lib, x.contiguous())
         if m < AMX_DEQUANT_ROWS and 0 < lib.int8_panels_amx_rows() <= m:
             return self._panel_gemm(lib, x.contiguous())
