@@ -47,6 +47,38 @@ def timed(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def measure(
+    lib,
+    layer: quant.Int8GroupLinear,
+    dense: torch.Tensor,
+    copy: torch.Tensor,
+    x: torch.Tensor,
+    repeats: int,
+    calls: int,
+) -> tuple[dict[str, float], list[float]]:
+    """Median seconds per call of each kind (alternating within a round) and each panel
+    loop's largest error against float64, relative to its row's largest output."""
+
+    def panel(pair_rows: int) -> torch.Tensor:
+        lib.int8_panels_set_dp_rows(pair_rows)
+        return layer._panel_gemm(lib, x)
+
+    fns = {
+        "fma": lambda: panel(0),
+        "pairs": lambda: panel(1),
+        "copy": lambda: F.linear(x, copy),
+        "dequant": lambda: layer._panel_dequant_gemm(lib, x),
+    }
+    ref = x.double() @ dense.double().T
+    scale = ref.abs().amax(dim=1, keepdim=True)
+    errs = [((panel(p).double() - ref).abs() / scale).max().item() for p in (0, 1)]
+    times: dict[str, list[float]] = {kd: [] for kd in KINDS}
+    for _ in range(repeats):
+        for kd in KINDS:
+            times[kd].append(timed(fns[kd], calls))
+    return {kd: statistics.median(v) for kd, v in times.items()}, errs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128")
@@ -59,9 +91,13 @@ def main() -> None:
     default_pairs, amx = lib.int8_panels_dp_rows(), lib.int8_panels_amx_rows()
     lib.int8_panels_set_amx_rows(0)
     rows = [int(r) for r in args.rows.split(",")]
-    print(f"threads {torch.get_num_threads()}; pair products by default from {default_pairs} rows "
-          f"(0: never); ms per call, median of {args.repeats}")
-    print(f"{'shape':<14}{'rows':>5}" + "".join(f"{k:>10}" for k in KINDS) + "   err fma  err pairs")
+    print(
+        f"threads {torch.get_num_threads()}; pair products by default from {default_pairs} rows "
+        f"(0: never); ms per call, median of {args.repeats}"
+    )
+    print(
+        f"{'shape':<14}{'rows':>5}" + "".join(f"{k:>10}" for k in KINDS) + "   err fma  err pairs"
+    )
     ratios: dict[str, dict[int, list[float]]] = {k: {m: [] for m in rows} for k in KINDS[1:]}
     torch.manual_seed(0)
     try:
@@ -73,26 +109,8 @@ def main() -> None:
             copy = dense.to(torch.bfloat16)
             for m in rows:
                 x = torch.randn(m, k).to(torch.bfloat16)
-                ref = x.double() @ dense.double().T
-                scale = ref.abs().amax(dim=1, keepdim=True)
-
-                def panel(pair_rows: int) -> torch.Tensor:
-                    lib.int8_panels_set_dp_rows(pair_rows)
-                    return layer._panel_gemm(lib, x)
-
-                fns = {
-                    "fma": lambda: panel(0),
-                    "pairs": lambda: panel(1),
-                    "copy": lambda: F.linear(x, copy),
-                    "dequant": lambda: layer._panel_dequant_gemm(lib, x),
-                }
-                errs = [((panel(p).double() - ref).abs() / scale).max().item() for p in (0, 1)]
                 calls = 3 if n > 100_000 else max(5, 200 // max(8, m))
-                times: dict[str, list[float]] = {kd: [] for kd in KINDS}
-                for _ in range(args.repeats):
-                    for kd in KINDS:
-                        times[kd].append(timed(fns[kd], calls))
-                t = {kd: statistics.median(v) for kd, v in times.items()}
+                t, errs = measure(lib, layer, dense, copy, x, args.repeats, calls)
                 print(
                     f"{name:<14}{m:>5}"
                     + "".join(f"{t[kd] * 1e3:>10.3f}" for kd in KINDS)

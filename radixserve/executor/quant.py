@@ -635,11 +635,11 @@ def from_panels(
 # SmolLM2 Q4_1 399 against 352.
 INT8_PANEL_DEQUANT_ROWS = 32
 # The same cut where the panel kernel multiplies bfloat16 pairs (native.int8_pair_rows: AMD
-# CPUs). Against dequantize + GEMM it is 0.31-0.48x the time at 32 rows and 0.71-0.83x at
-# 96; against a prefill copy's bfloat16 GEMM 0.62-0.92x at 32 rows, 0.90-1.04x at 56 and
-# 1.06-1.20x at 128 (Gemma 3's 2048x640, 640x2048 and 1536x640 layers, 2 threads, Zen 5;
-# one-off scripts, medians of 5): a decode step of 16 requests that shares its step with
-# a prompt's chunk of up to 47 tokens stays on the codes.
+# CPUs). Against dequantize + GEMM it is 0.34-0.42x the time at 32 rows and 0.72-0.83x at
+# 128; against a prefill copy's bfloat16 GEMM 0.64-0.84x at 32 rows, 0.89-1.06x at 64 and
+# 1.03-1.12x at 128 (Gemma 3's int8 shapes, 2 threads, Zen 5; benchmarks/int8_panels.py):
+# a decode step of 16 requests that shares its step with a prompt's chunk of up to 47
+# tokens stays on the codes.
 INT8_PAIR_PANEL_ROWS = 64
 
 

@@ -551,10 +551,11 @@ def int8_pair_rows() -> int:
     """From how many rows the int8 panel GEMM multiplies bfloat16 pairs of codes
     (vdpbf16ps; int8_panels.c: dp_rows) instead of float32 multiply-adds; 0: never.
 
-    Only on AMD CPUs: there one vdpbf16ps issues like one multiply-add (Zen 5, 2 threads,
-    Gemma 3's shapes: 1.1-1.2x at 2 rows, 1.5-1.6x at 16; benchmarks/quant_matmul.py), so
-    its two products a lane halve a tile's multiply-adds; on the Xeon of docs/benchmarks it
-    costs two, and was 0.58-0.85x at 4-31 rows. ``RADIXSERVE_INT8_PAIR_ROWS`` overrides."""
+    Only on AMD CPUs: there one vdpbf16ps issues like one multiply-add, so its two products
+    a lane halve a tile's multiply-adds (Zen 5, 2 threads, Gemma 3's int8 shapes: 0.90x the
+    float32 loop's time at 2 rows, 0.61x at 16; benchmarks/int8_panels.py); on the Xeon of
+    docs/benchmarks it costs two, and was 0.58-0.85x as fast at 4-31 rows.
+    ``RADIXSERVE_INT8_PAIR_ROWS`` overrides."""
     forced = os.environ.get("RADIXSERVE_INT8_PAIR_ROWS")
     if forced is not None:
         return max(0, int(forced))

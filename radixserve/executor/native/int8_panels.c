@@ -13,11 +13,11 @@
  * Products: codes widened to float32 (exact), x (bfloat16) widened to float32 (exact),
  * fused multiply-adds in float32 per group, then out += scale * acc + zero * sum(x over
  * the group). Several rows go in tiles of up to 16, each input's codes widened once per
- * tile. (vdpbf16ps on bfloat16 pairs of codes, as int4_panels.c does, was slower here:
- * one vdpbf16ps costs two multiply-adds' issue slots on this machine (Xeon, AVX-512 BF16),
- * so its two products per lane gain nothing, and building the pairs costs more than
- * widening the codes.) Without AVX-512 (F, BW, BF16) both entry points return -1 and
- * callers use another path.
+ * tile. Where the caller turns it on (dp_rows, below: AMD CPUs), tiles multiply bfloat16
+ * pairs of codes with vdpbf16ps instead, two products a lane per instruction. (On a Xeon
+ * with AVX-512 BF16 one vdpbf16ps costs two multiply-adds' issue slots, so there the pairs
+ * gain nothing and building them costs more than widening the codes.) Without AVX-512
+ * (F, BW, BF16) both entry points return -1 and callers use another path.
  */
 #include <stdint.h>
 #include <string.h>
