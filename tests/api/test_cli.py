@@ -26,6 +26,10 @@ def test_generate_streams_a_chat_answer_with_the_default_model():
 
 @pytest.mark.slow  # runs the CLI in a subprocess
 def test_generate_no_chat_on_a_tiny_model(tiny_llama):
+    """Greedy (a random-weight model's samples may all be whitespace): the CLI prints
+    what ``LLM.generate`` gives for the same raw prompt."""
+    from radixserve import LLM, SamplingParams
+
     result = _run(
         "generate",
         "Paris is",
@@ -34,11 +38,17 @@ def test_generate_no_chat_on_a_tiny_model(tiny_llama):
         "--no-chat",
         "--max-tokens",
         "5",
+        "--temperature",
+        "0",
         "--dtype",
         "float32",
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() != ""
+    llm = LLM(str(tiny_llama), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=5)
+    want = llm.generate(["Paris is"], params, use_tqdm=False)[0].outputs[0].text
+    llm.engine.close()
+    assert want.strip() and result.stdout == want + "\n"
 
 
 @pytest.mark.slow  # runs the CLI in a subprocess
