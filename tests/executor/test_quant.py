@@ -193,6 +193,21 @@ def test_int8_pair_products_match_float64(rows, group, zeros):
     _elementwise_close(plain, ref)
 
 
+def test_int8_pair_rows_follow_the_vendor_and_the_override(monkeypatch):
+    """The pair products are on from 2 rows on AMD CPUs only (one vdpbf16ps costs two
+    multiply-adds on Intel's), and RADIXSERVE_INT8_PAIR_ROWS sets the row count (0: off)."""
+    from radixserve.executor.native import int8_pair_rows
+
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in next((line for line in f if line.startswith("vendor_id")), "")
+    monkeypatch.delenv("RADIXSERVE_INT8_PAIR_ROWS", raising=False)
+    assert int8_pair_rows() == (2 if amd else 0)
+    monkeypatch.setenv("RADIXSERVE_INT8_PAIR_ROWS", "0")
+    assert int8_pair_rows() == 0
+    monkeypatch.setenv("RADIXSERVE_INT8_PAIR_ROWS", "5")
+    assert int8_pair_rows() == 5
+
+
 def test_amx_rows_choose_the_path():
     """From the AMX row count (and the engine's own default, native.INT4_AMX_ROWS) the
     layer runs in the tiles; below it, and up to AMX_DEQUANT_ROWS with the tiles, not the

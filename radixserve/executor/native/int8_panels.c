@@ -285,9 +285,9 @@ int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t 
         for (int64_t i = 0; i < tile_count(m); i++) {
             const int64_t t0 = tile_start(m, i), mt = tile_start(m, i + 1) - t0;
             for (int64_t r = 0; r < mt; r++) {
-                const uint32_t *row = (const uint32_t *)(x + (t0 + r) * k);
+                const uint16_t *row = x + (t0 + r) * k; /* 2-byte aligned: memcpy pairs */
                 uint32_t *t = xp + t0 * (k / 2) + r;
-                for (int64_t j = 0; j < k / 2; j++) t[j * mt] = row[j];
+                for (int64_t j = 0; j < k / 2; j++) memcpy(t + j * mt, row + 2 * j, 4);
             }
         }
     } else {
