@@ -62,6 +62,30 @@ static inline int64_t tile_start(int64_t m, int64_t i) {
     return i * base + (i < extra ? i : extra);
 }
 
+/* A group's end in a row tile: acc (+ acc2, a second accumulator set, or NULL) folded into
+ * out with the group's scales (and zeros, times the rows' sums of x over the group). */
+static inline __attribute__((always_inline)) void fold_group(
+    __m512 *out, __m512 *acc, const __m512 *acc2, const int MT, const uint16_t *sb,
+    const uint16_t *zb, const float *xs, int64_t m0, int64_t groups, int64_t g) {
+    if (acc2)
+        for (int r = 0; r < MT; r++) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
+    const __m512 s = f16x16(sb + g * 16);
+    for (int r = 0; r < MT; r++) out[r] = _mm512_fmadd_ps(s, acc[r], out[r]);
+    if (zb) {
+        const __m512 z = f16x16(zb + g * 16);
+        for (int r = 0; r < MT; r++)
+            out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * groups + g]), out[r]);
+    }
+}
+
+/* A row tile's outputs rounded to bfloat16: row r at y + r * y_stride, store_mask's columns */
+static inline __attribute__((always_inline)) void store_rows(const __m512 *out, const int MT,
+                                                             uint16_t *y, int64_t y_stride,
+                                                             __mmask16 store_mask) {
+    for (int r = 0; r < MT; r++)
+        _mm256_mask_storeu_epi16(y + r * y_stride, store_mask, (__m256i)_mm512_cvtneps_pbh(out[r]));
+}
+
 /* Rows [m0, m0 + MT) against output block b. xt: this tile's x as float32 [k][MT]; xs: per
  * row and group the sum of x (only read with zeros). Each input's 16 codes are widened once
  * for the tile's MT rows; below 8 rows (fewer chains than a multiply-add's latency times
@@ -92,19 +116,9 @@ static inline __attribute__((always_inline)) void block_rows(
                 for (int r = 0; r < MT; r++)
                     acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x1[r]), w1, acc[r]);
         }
-        if (two)
-            for (int r = 0; r < MT; r++) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
-        const __m512 s = f16x16(sb + g * 16);
-        for (int r = 0; r < MT; r++) out[r] = _mm512_fmadd_ps(s, acc[r], out[r]);
-        if (zb) {
-            const __m512 z = f16x16(zb + g * 16);
-            for (int r = 0; r < MT; r++)
-                out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * groups + g]), out[r]);
-        }
+        fold_group(out, acc, two ? acc2 : NULL, MT, sb, zb, xs, m0, groups, g);
     }
-    for (int r = 0; r < MT; r++)
-        _mm256_mask_storeu_epi16(y + (m0 + r) * y_stride + col, store_mask,
-                                 (__m256i)_mm512_cvtneps_pbh(out[r]));
+    store_rows(out, MT, y + m0 * y_stride + col, y_stride, store_mask);
 }
 
 /* One row: four independent accumulators per group (a multiply-add's latency is four
@@ -181,19 +195,9 @@ static inline __attribute__((always_inline)) void block_rows_dp(
                 for (int r = 0; r < MT; r++)
                     acc[r] = _mm512_dpbf16_ps(acc[r], w1, (__m512bh)_mm512_set1_epi32((int)x1[r]));
         }
-        if (two)
-            for (int r = 0; r < MT; r++) acc[r] = _mm512_add_ps(acc[r], acc2[r]);
-        const __m512 s = f16x16(sb + g * 16);
-        for (int r = 0; r < MT; r++) out[r] = _mm512_fmadd_ps(s, acc[r], out[r]);
-        if (zb) {
-            const __m512 z = f16x16(zb + g * 16);
-            for (int r = 0; r < MT; r++)
-                out[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * groups + g]), out[r]);
-        }
+        fold_group(out, acc, two ? acc2 : NULL, MT, sb, zb, xs, m0, groups, g);
     }
-    for (int r = 0; r < MT; r++)
-        _mm256_mask_storeu_epi16(y + (m0 + r) * y_stride + col, store_mask,
-                                 (__m256i)_mm512_cvtneps_pbh(out[r]));
+    store_rows(out, MT, y + m0 * y_stride + col, y_stride, store_mask);
 }
 
 static inline float bf16_to_f32(uint16_t h) {
