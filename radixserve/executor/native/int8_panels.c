@@ -166,8 +166,9 @@ static inline __m512bh pair_codes(const int8_t *p) {
                                                _mm512_srli_epi32(even, 16), 0xEA);
 }
 
-/* block_rows with bfloat16 pairs: x the rows [m0, m0 + MT) of x as it lies (bfloat16, k
- * apart), read as 32-bit pairs. */
+/* block_rows with bfloat16 pairs: xp this tile's x pairs [k / 2][MT] (32-bit words, two
+ * bfloat16 inputs each; gemm_bf16 transposes them per tile), each broadcast against the
+ * codes' pairs of the same two inputs. */
 static inline __attribute__((always_inline)) void block_rows_dp(
     const uint32_t *xp, int64_t m0, const int MT, const int8_t *pb,
     const uint16_t *sb, const uint16_t *zb, int64_t group, const float *xs, int64_t groups,
