@@ -216,11 +216,17 @@ async def healthy(port: int) -> bool:
     return False
 
 
-async def repeat_until(deadline: float, make, gap: float = 0.0) -> list[Outcome]:
+# a phase that measures a percentile goes on past its deadline until it has this many
+# samples: on a loaded machine a light request can take a second, and a p99 of two
+# requests says nothing
+MIN_PHASE_SAMPLES = 5
+
+
+async def repeat_until(deadline: float, make, gap: float = 0.0, at_least: int = 0) -> list[Outcome]:
     """``await make()`` one request after another (``gap`` seconds apart) until
-    ``deadline``; their outcomes."""
+    ``deadline`` and at least ``at_least`` of them; their outcomes."""
     outs: list[Outcome] = []
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline or len(outs) < at_least:
         outs.append(await make())
         if gap:
             await asyncio.sleep(gap)
@@ -242,7 +248,7 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     # baseline of light_tenant_ttft_p99_ratio
     alone_until = time.monotonic() + args.light_alone_s
     await light.light_one()  # one warm-up request, not counted
-    alone = await repeat_until(alone_until, light.light_one, args.light_gap)
+    alone = await repeat_until(alone_until, light.light_one, args.light_gap, MIN_PHASE_SAMPLES)
     # then with the flooding tenant only (no other traffic, no kill): the light tenant's
     # TTFT with the flooder present, light_tenant_ttft_p99_ratio's numerator
     flooded: list[Outcome] = []
@@ -250,13 +256,25 @@ async def router_soak_main(args: argparse.Namespace, deployment: Deployment) -> 
     if args.flood_only_s > 0:
         flood_until = time.monotonic() + args.flood_lead_s + args.flood_only_s
 
+        measured = asyncio.Event()
+
         async def flood_light() -> list[Outcome]:
-            await asyncio.sleep(args.flood_lead_s)  # the flood is on before measuring
-            return await repeat_until(flood_until, light.light_one, args.light_gap)
+            try:
+                await asyncio.sleep(args.flood_lead_s)  # the flood is on before measuring
+                return await repeat_until(
+                    flood_until, light.light_one, args.light_gap, MIN_PHASE_SAMPLES
+                )
+            finally:
+                measured.set()
+
+        async def flood_heavy() -> list[Outcome]:
+            outs: list[Outcome] = []  # the flood lasts as long as the light tenant measures
+            while not measured.is_set():
+                outs.append(await heavy.heavy_one())
+            return outs
 
         flooded, *heavies = await asyncio.gather(
-            flood_light(),
-            *[repeat_until(flood_until, heavy.heavy_one) for _ in range(args.heavy_concurrency)],
+            flood_light(), *[flood_heavy() for _ in range(args.heavy_concurrency)]
         )
         flood_heavy = [o for outs in heavies for o in outs]
     started = time.monotonic()
