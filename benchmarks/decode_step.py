@@ -1,6 +1,7 @@
-"""Where a batch-1 decode step's time goes, with the one-call decode program and without.
+"""Where a decode step's time goes, with the one-call decode program and without.
 
     python benchmarks/decode_step.py [--model FILE] [--threads 2] [--rounds 3] [--tokens 129]
+                                     [--rows 1]
 
 Loads the model once (default: the shipped SmolLM2-135M Q4_1 file, ``--quantization
 auto``), then alternates rounds with the decode program (``executor/decode_program.py``)
@@ -8,8 +9,10 @@ and without it (the op-by-op forward, ``RADIXSERVE_DECODE_PROGRAM=0``'s path): e
 generates ``--tokens`` tokens greedily from a fresh random one-token prompt, alone, and
 times the steps after the first with wall-clock timers around the model's forward, the
 LM head (``compute_logits``), the runner's step (``run``: forward, head, sampling) and the
-engine's step (scheduling, inputs, outputs). Prints the median of each mode's rounds in
-ms per step and the step rate; the last line is JSON.
+engine's step (scheduling, inputs, outputs). With ``--rows N`` (N > 1) a round is N fresh
+one-token prompts generating together through ``LLM.generate``: ``--tokens`` steps of N
+rows (the first, the prompts' own, is one of them too), all timed. Prints the median of
+each mode's rounds in ms per step and the step rate; the last line is JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=129)
+    parser.add_argument("--rows", type=int, default=1, help="sequences decoding together")
     args = parser.parse_args()
 
     from radixserve import LLM, SamplingParams
@@ -56,8 +60,25 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
 
+    def rows_round() -> dict[str, float]:
+        """ms per step of ``args.rows`` sequences generating together, split."""
+        prompts = [[rng.randrange(vocab)] for _ in range(args.rows)]
+        split.clear()
+        timing[0] = True
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        timing[0] = False
+        engine.check_idle()
+        out = {"step": 1e3 * elapsed / args.tokens}
+        for label in ("forward", "lm_head", "runner", "engine"):
+            out[label] = 1e3 * split[label] / args.tokens
+        return out
+
     def one_round() -> dict[str, float]:
         """ms per step of the steps after the first, split."""
+        if args.rows > 1:
+            return rows_round()
         split.clear()
         first = last = None
         for delta in llm.stream_deltas([rng.randrange(vocab)], params):
@@ -89,7 +110,11 @@ def main() -> None:
             rounds[mode].append(one_round())
             print(f"round {r + 1} {mode:<9} {rounds[mode][-1]['step']:.2f} ms/step", flush=True)
     engine.close()
-    result: dict[str, object] = {"threads": args.threads, "loadavg": os.getloadavg()}
+    result: dict[str, object] = {
+        "threads": args.threads,
+        "rows": args.rows,
+        "loadavg": os.getloadavg(),
+    }
     print(
         f"\n{'mode':<10} {'step ms':>8} {'tok/s':>7} {'forward':>8} {'LM head':>8} "
         f"{'sampling etc.':>14} {'engine rest':>12}"

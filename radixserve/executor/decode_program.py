@@ -1,24 +1,29 @@
-"""A one-token decode step of a Llama-family or Gemma 3 model as (nearly) one native call.
+"""A decode step (one token per sequence) of a Llama-family or Gemma 3 model as one
+native call.
 
-At batch 1 the decoder's matrices are small (SmolLM2-135M: 0.3-1.8 MB a layer) and a step
-is ~300 kernel calls; called one by one from Python each pays ctypes, argument checks, a
-fresh output tensor and its threads' wake-up, as much as a kernel costs. ``DecodeProgram``
-lays the step's calls out once (``native/decode_program.c``), with preallocated
-activations, and runs them with one call per step. Every call is the op-by-op path's own
-kernel with that path's arguments, so the hidden states are the same bit for bit (tests
-compare the two); only the row-wise kernels of the one row run on one thread (they
-parallelise over rows, so the count changes nothing but the thread wake-ups). Gemma 3's
-ops without a native kernel (the scaled embedding, the per-head q/k RMSNorm, GeGLU) run
-between native segments as its forward runs them: three native calls a layer.
+A decode step of a small model is ~300 kernel calls (SmolLM2-135M: 0.3-1.8 MB a layer);
+called one by one from Python each pays ctypes, argument checks, a fresh output tensor and
+its threads' wake-up: as much as a kernel at one row, ~13% of a step at 16 rows.
+``DecodeProgram`` lays the step's calls out once (``native/decode_program.c``), over
+activations preallocated for up to ``capacity`` rows, and runs them with one call per
+step; the row count, token ids, positions, slots and pages are read from the step. Every
+call is the op-by-op path's own kernel with that path's arguments, so the hidden states
+are the same bit for bit (tests compare the two at one row and at several); only the
+row-wise kernels' thread counts differ (a row is one thread's, so the count changes
+nothing but the wake-ups: one thread below the C file's ``THREADED_ELEMENTS``). Gemma 3's scaled
+embedding runs as its forward runs it (PyTorch), before the native call; its per-head
+q/k RMSNorm and GeGLU are the ``LayerOps`` kernels.
 
-It applies where every other op of the step has its native kernel: bfloat16 on the CPU,
-one rank, the native ``LayerOps``, the native KV write and paged decode, no per-head q/k
-norm (Llama family: Qwen3 has one), and every dense layer held as int4 panels or int8
-group panels without a bias (what ``--quantization auto`` makes of a GGUF file of
-Q4_0/Q4_1/Q4_K/Q5_x/Q6_K/Q8_0 tensors; a bfloat16 ``Linear`` goes through oneDNN, which
-has no entry point here). Elsewhere ``build`` returns None and the model keeps its
-op-by-op forward; ``RADIXSERVE_DECODE_PROGRAM=0`` (or ``ENABLED = False`` before a
-model's first step) keeps it everywhere.
+It applies where every op of the step has its native kernel: bfloat16 on the CPU, one
+rank, the native ``LayerOps``, the native KV write and paged decode (no shared prefix
+attended once), no per-head q/k norm in the Llama family (Qwen3's is PyTorch's), and
+every dense layer held as int4 panels or int8 group panels without a bias (what
+``--quantization auto`` makes of a GGUF file of Q4_0/Q4_1/Q4_K/Q5_x/Q6_K/Q8_0 tensors; a
+bfloat16 ``Linear`` goes through oneDNN, which has no entry point here), for steps of
+fewer rows than any layer leaves its panel kernel at (``_panel_rows``; at most
+``MAX_ROWS``). Elsewhere ``build`` returns None, or ``accepts`` refuses the step, and the
+model keeps its op-by-op forward; ``RADIXSERVE_DECODE_PROGRAM=0`` (or ``ENABLED = False``
+before a model's first step) keeps it everywhere.
 """
 
 from __future__ import annotations
@@ -40,13 +45,34 @@ from radixserve.executor.native import (
     load_int4_panels,
     load_int8_panels,
 )
-from radixserve.executor.quant import Int4Linear, Int8GroupLinear
+from radixserve.executor.quant import (
+    PANEL_COPY_ROWS,
+    PANEL_DEQUANT_ROWS,
+    Int4Linear,
+    Int8GroupLinear,
+    in_long_prompt_step,
+    int8_panel_rows,
+)
 
 # op kinds and the row width of native/decode_program.c
-_EMBED, _NORM, _INT4, _INT8, _ROTARY, _KV_WRITE, _DECODE, _SILU = range(1, 9)
+(
+    _EMBED,
+    _NORM,
+    _INT4,
+    _INT8,
+    _ROTARY_ROWS,
+    _ROTARY,
+    _KV_WRITE,
+    _DECODE,
+    _ACT,
+    _COPY_ROWS,
+    _NORM_HEADS,
+) = range(1, 12)
 _OP_WIDTH = 20
 
 ENABLED = os.environ.get("RADIXSERVE_DECODE_PROGRAM", "1") != "0"
+# the most rows a program is built for (its buffers are this many rows of every activation)
+MAX_ROWS = 64
 
 
 def _bits(value: float) -> int:
@@ -55,17 +81,21 @@ def _bits(value: float) -> int:
 
 
 class DecodeProgram:
-    """The calls of one decode step of one token, in order, over buffers it owns.
+    """The calls of one decode step of one token per sequence, in order, over buffers it
+    owns, for up to ``capacity`` sequences.
 
-    Invariant: ``run`` computes what the model's op-by-op forward computes for one token
-    (the same kernels on the same arguments, and the same PyTorch ops where a model has
-    an op with no native kernel: ``hooks`` run between the native segments), for the
-    linears it was built from (``matches`` says whether the model still holds them), the
-    KV cache of ``attention`` and ``threads`` threads; the tensor it returns is its own
-    (a copy)."""
+    Invariant: ``run`` computes what the model's op-by-op forward computes for a pure
+    decode step of n <= ``capacity`` rows (the same kernels on the same arguments, and the
+    same PyTorch op for Gemma 3's scaled embedding, a hook before the native call), for
+    the linears it was built from (``matches`` says whether the model still holds them),
+    the KV cache of ``attention`` and ``threads`` threads; the tensor it returns is its
+    own (a copy)."""
 
-    def __init__(self, model: Any, attention: TorchNativeAttention, threads: int) -> None:
+    def __init__(
+        self, model: Any, attention: TorchNativeAttention, threads: int, capacity: int
+    ) -> None:
         self.threads = threads
+        self.capacity = capacity
         self.linears = _linears(model)
         self.lib = load_decode_program()
         c = model.config
@@ -76,73 +106,67 @@ class DecodeProgram:
             c.head_dim,
         )
         self.q_size, self.kv_size = self.heads * self.d, self.kv_heads * self.d
+        self.qkv_size = self.q_size + 2 * self.kv_size
         self.eps = _bits(c.rms_norm_eps)
         ew = load_elementwise()
         self._norm_fn, self._rotary_fn, self._silu_fn = (
             address(getattr(ew, f"{n}_bf16")) for n in ("add_rms_norm", "rotary", "silu_and_mul")
         )
+        self._gelu_fn = address(ew.gelu_tanh_and_mul_bf16) if ew.has_gelu_tanh_and_mul() else 0
         self._kv_write_fn = address(ew.kv_write)
         int4, int8 = load_int4_panels(), load_int8_panels()
         self._int4_fn = 0 if int4 is None else address(int4.int4_panels_gemm_bf16)
         self._int8_fn = 0 if int8 is None else address(int8.int8_panels_gemm_bf16)
         self._decode_fn = address(attention.native.paged_decode_bf16)
         bf16 = torch.bfloat16
-        hidden = self.hidden
+        hidden, rows = self.hidden, capacity
+
+        def rows_of(width: int) -> torch.Tensor:
+            return torch.empty(rows, width, dtype=bf16)
+
         # activations: the residual stream, normed rows, each projection's output
-        self.residual = torch.empty(1, hidden, dtype=bf16)
-        self.normed = torch.empty(1, hidden, dtype=bf16)
-        self.qkv = torch.empty(1, self.q_size + 2 * self.kv_size, dtype=bf16)
-        self.attn = torch.empty(1, self.q_size, dtype=bf16)
-        self.o = torch.empty(1, hidden, dtype=bf16)
-        self.o_normed = torch.empty(1, hidden, dtype=bf16)
-        self.gate_up = torch.empty(1, 2 * c.intermediate_size, dtype=bf16)
-        self.act = torch.empty(1, c.intermediate_size, dtype=bf16)
-        self.down = torch.empty(1, hidden, dtype=bf16)
-        self.down_normed = torch.empty(1, hidden, dtype=bf16)
-        self.out = torch.empty(1, hidden, dtype=bf16)
+        self.residual = rows_of(hidden)
+        self.normed = rows_of(hidden)
+        self.qkv = rows_of(self.qkv_size)
+        self.q = rows_of(self.q_size)  # q contiguous (paged decode reads [n, heads, d])
+        self.k = rows_of(self.kv_size)  # Gemma 3: normed k
+        self.attn = rows_of(self.q_size)
+        self.o = rows_of(hidden)
+        self.o_normed = rows_of(hidden)
+        self.gate_up = rows_of(2 * c.intermediate_size)
+        self.act = rows_of(c.intermediate_size)
+        self.down = rows_of(hidden)
+        self.down_normed = rows_of(hidden)
+        self.out = rows_of(hidden)
         k_max = max(int(w.in_features) for w in self.linears)
         # per-call scratch of the GEMM kernels (sized for the widest input)
-        self.xs = torch.empty(k_max, dtype=torch.float32)  # group sums (>= k / group)
-        self.xp = torch.empty(k_max, dtype=torch.int32)  # int4: x as bf16 pairs (k / 2)
-        self.xt = torch.empty(k_max, dtype=torch.float32)  # int8: x as float32 (k)
+        self.xs = torch.empty(rows * k_max, dtype=torch.float32)  # group sums (>= k / group)
+        self.xp = torch.empty(rows * k_max, dtype=torch.int32)  # int4: x as bf16 pairs (k / 2)
+        self.xt = torch.empty(rows * k_max, dtype=torch.float32)  # int8: x as float32 (k)
         self._ops: list[list[int]] = []
         # every tensor the table points into, alive as long as the program
         self._keep: list[torch.Tensor] = [model.embed, model.norm]
-        # (first op, op count, then a hook or None): run in order
-        self._segments: list[tuple[int, int, Callable[[], None] | None]] = []
-        self._segment_start = 0
         self._embed_hook: Callable[[torch.Tensor], None] | None = None
         if _is_gemma3(model):
             self._gemma3(model, attention)
         else:
             self._llama(model, attention)
-        self._cut(None)
         table = np.zeros((len(self._ops), _OP_WIDTH), dtype=np.int64)
         for row, op in zip(table, self._ops, strict=True):
             row[: len(op)] = op
         self.ops = table
-        base = table.ctypes.data
-        self._runs = [
-            (base + first * _OP_WIDTH * 8, count, hook) for first, count, hook in self._segments
-        ]
-        self.step = np.zeros(6, dtype=np.int64)
+        self.step = np.zeros(7, dtype=np.int64)
         self._keep += [attention.kv_cache.k, attention.kv_cache.v]
 
     # -- building ---------------------------------------------------------------------------
-    def _cut(self, hook: Callable[[], None] | None) -> None:
-        """End the current native segment; ``hook`` runs after it."""
-        first = self._segment_start
-        self._segments.append((first, len(self._ops) - first, hook))
-        self._segment_start = len(self._ops)
-
     def _add_norm(
         self, add: torch.Tensor | None, residual: torch.Tensor, w: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """``LayerOps.add_rms_norm(add, residual, w)`` into ``out`` (one row, one thread)."""
+        """``LayerOps.add_rms_norm(add, residual, w)`` into ``out``."""
         self._keep.append(w)
         self._ops.append(
             [_NORM, self._norm_fn, _ptr(add), _ptr(residual), _ptr(w), _ptr(out), self.hidden,
-             self.eps, 1]
+             self.eps, self.threads]
         )  # fmt: skip
 
     def _linear(self, w: Any, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -168,122 +192,166 @@ class DecodeProgram:
                   _ptr(y), nt]  # fmt: skip
         self._ops.append(op)
 
-    def _rotary(self, x_ptr: int, heads: int, table: Any) -> None:
-        """``LayerOps.rotary`` of ``heads`` heads from ``x_ptr`` by ``table``'s row of the
-        step's position (a RotaryEmbedding)."""
-        self._keep += [table.cos, table.sin_signed]
+    def _rotary_rows(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gathers ``table``'s (a RotaryEmbedding) rows of the step's positions; returns
+        the buffers they land in ([capacity, d] cos and signed sin)."""
+        cos = torch.empty(self.capacity, self.d, dtype=torch.bfloat16)
+        sin = torch.empty_like(cos)
+        self._keep += [table.cos, table.sin_signed, cos, sin]
         self._ops.append(
-            [_ROTARY, self._rotary_fn, x_ptr, heads, self.d, _ptr(table.cos),
-             _ptr(table.sin_signed), table.cos.shape[0], 1]
+            [_ROTARY_ROWS, 0, _ptr(table.cos), _ptr(table.sin_signed), table.cos.shape[0],
+             self.d, _ptr(cos), _ptr(sin)]
+        )  # fmt: skip
+        return cos, sin
+
+    def _rotary(
+        self, x: torch.Tensor, heads: int, stride: int, rows: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """``LayerOps.rotary`` of the first ``heads`` heads of each row of ``x`` (rows
+        ``stride`` elements apart) by the gathered table rows ``rows``."""
+        self._ops.append(
+            [_ROTARY, self._rotary_fn, _ptr(x), heads, self.d, stride, _ptr(rows[0]),
+             _ptr(rows[1]), self.threads]
         )  # fmt: skip
 
-    def _attention(self, attention: TorchNativeAttention, layer: int) -> None:
-        """The KV write of the step's k/v, then the paged decode of q into ``attn``."""
+    def _attention(
+        self, attention: TorchNativeAttention, layer: int, k: torch.Tensor, k_stride: int
+    ) -> None:
+        """The KV write of the step's k (rows ``k_stride`` elements apart) and v (in qkv),
+        then the paged decode of ``self.q`` into ``attn``."""
         cache = attention.kv_cache
         k_layer, v_layer = _ptr(cache._k_layers[layer]), _ptr(cache._v_layers[layer])
-        q_ptr = _ptr(self.qkv)
-        k_ptr = q_ptr + 2 * self.q_size
-        v_ptr = k_ptr + 2 * self.kv_size
+        v_ptr = _ptr(self.qkv) + 2 * (self.q_size + self.kv_size)
         self._ops.append(
-            [_KV_WRITE, self._kv_write_fn, k_ptr, v_ptr, k_layer, v_layer, self.kv_heads,
-             cache.page_size, self.d * 2, 1]
+            [_KV_WRITE, self._kv_write_fn, _ptr(k), v_ptr, 2 * k_stride, 2 * self.qkv_size,
+             k_layer, v_layer, self.kv_heads, cache.page_size, self.d * 2]
         )  # fmt: skip
         spec = attention.default_spec if attention.specs is None else attention.specs[layer]
         self._ops.append(
-            [_DECODE, self._decode_fn, q_ptr, k_layer, v_layer, self.kv_heads,
+            [_DECODE, self._decode_fn, _ptr(self.q), k_layer, v_layer, self.kv_heads,
              self.heads // self.kv_heads, cache.page_size, self.d, _bits(spec.scale),
              spec.sliding_window or 0, _bits(spec.softcap or 0.0), self.threads,
              _ptr(self.attn)]
         )  # fmt: skip
 
+    def _copy_q(self) -> None:
+        """Each row's q out of its qkv row, contiguous (``q.contiguous()`` of the
+        attention backend)."""
+        self._ops.append(
+            [_COPY_ROWS, 0, _ptr(self.qkv), 2 * self.qkv_size, _ptr(self.q), 2 * self.q_size]
+        )
+
+    def _norm_heads(
+        self, src: torch.Tensor, offset: int, heads: int, w: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """``LayerOps.rms_norm_heads`` of the ``heads`` heads at ``offset`` in each qkv row
+        into ``dst`` [n, heads, d]."""
+        self._keep.append(w)
+        self._ops.append(
+            [_NORM_HEADS, self._norm_fn, _ptr(src) + 2 * offset, self.qkv_size, heads, self.d,
+             _ptr(w), _ptr(dst), self.eps]
+        )  # fmt: skip
+
     def _llama(self, model: Any, attention: TorchNativeAttention) -> None:
-        """``LlamaForCausalLM.forward`` for one token: all native."""
+        """``LlamaForCausalLM.forward`` of a decode step: all native."""
         embed = model.embed
         self._ops.append(
             [_EMBED, 0, _ptr(self.residual), _ptr(embed), self.hidden * 2, embed.shape[0]]
         )
+        rows = self._rotary_rows(model.rotary)
         add: torch.Tensor | None = None
         for i, lay in enumerate(model.layers):
             self._add_norm(add, self.residual, lay.input_norm, self.normed)
             self._linear(lay.qkv, self.normed, self.qkv)
-            self._rotary(_ptr(self.qkv), self.heads + self.kv_heads, model.rotary)
-            self._attention(attention, i)
+            # q and k rotate together in place, as one [n, heads + kv_heads, d] view
+            self._rotary(self.qkv, self.heads + self.kv_heads, self.qkv_size, rows)
+            self._copy_q()
+            k = self.qkv[:, self.q_size :]  # a view: the kv write reads it at qkv's stride
+            self._attention(attention, i, k, self.qkv_size)
             self._linear(lay.o, self.attn, self.o)
             self._add_norm(self.o, self.residual, lay.post_norm, self.normed)
             self._linear(lay.gate_up, self.normed, self.gate_up)
             self._ops.append(
-                [_SILU, self._silu_fn, _ptr(self.gate_up), _ptr(self.act), self.act.shape[1], 1]
-            )
+                [_ACT, self._silu_fn, _ptr(self.gate_up), _ptr(self.act), self.act.shape[1],
+                 self.threads]
+            )  # fmt: skip
             self._linear(lay.down, self.act, self.down)
             add = self.down
         self._add_norm(add, self.residual, model.norm, self.out)
 
     def _gemma3(self, model: Any, attention: TorchNativeAttention) -> None:
-        """``Gemma3ForCausalLM.forward`` for one token: native but for the scaled embedding,
-        the per-head q/k RMSNorm and GeGLU, which run as that forward runs them (PyTorch)
-        between native segments."""
+        """``Gemma3ForCausalLM.forward`` of a decode step: native but for the scaled
+        embedding, which runs as that forward runs it (PyTorch) before the native call."""
         c = model.config
-        eps = c.rms_norm_eps
-        heads, kv_heads, d = self.heads, self.kv_heads, self.d
-        q = self.qkv[:, : self.q_size].view(1, heads, d)
-        k = self.qkv[:, self.q_size : self.q_size + self.kv_size].view(1, kv_heads, d)
-        # the hooks hold tensors and a weak reference to the model, never the program or
+        heads, kv_heads = self.heads, self.kv_heads
+        # the hook holds a tensor and a weak reference to the model, never the program or
         # the model: no reference cycle keeps a closed engine's KV cache alive
-        residual, gate_up, act_out, act = self.residual, self.gate_up, self.act, model.act
+        residual = self.residual
         owner = weakref.ref(model)
 
         def embed(input_ids: torch.Tensor) -> None:
-            residual.copy_(owner().embed_tokens(input_ids))
-
-        def geglu() -> None:
-            act_out.copy_(act(gate_up))
+            residual[: input_ids.shape[0]].copy_(owner().embed_tokens(input_ids))
 
         self._embed_hook = embed
+        rows = {
+            False: self._rotary_rows(model.rotary_global),
+            True: self._rotary_rows(model.rotary_local),
+        }
         add: torch.Tensor | None = None
         for i, lay in enumerate(model.layers):
-            table = model.rotary_local if c.is_sliding(i) else model.rotary_global
+            cos_sin = rows[c.is_sliding(i)]
             self._add_norm(add, self.residual, lay.input_norm, self.normed)
             self._linear(lay.qkv, self.normed, self.qkv)
-
-            qk_norm = _qk_norm(model.ops, q, k, lay.q_norm, lay.k_norm, eps)
-            self._cut(qk_norm)
-            self._rotary(_ptr(self.qkv), heads + kv_heads, table)
-            self._attention(attention, i)
+            self._norm_heads(self.qkv, 0, heads, lay.q_norm, self.q)
+            self._norm_heads(self.qkv, self.q_size, kv_heads, lay.k_norm, self.k)
+            self._rotary(self.q, heads, self.q_size, cos_sin)
+            self._rotary(self.k, kv_heads, self.kv_size, cos_sin)
+            self._attention(attention, i, self.k, self.kv_size)
             self._linear(lay.o, self.attn, self.o)
             self._add_norm(None, self.o, lay.post_attn_norm, self.o_normed)
             self._add_norm(self.o_normed, self.residual, lay.pre_ffn_norm, self.normed)
             self._linear(lay.gate_up, self.normed, self.gate_up)
-            self._cut(geglu)
+            self._ops.append(
+                [_ACT, self._gelu_fn, _ptr(self.gate_up), _ptr(self.act), self.act.shape[1],
+                 self.threads]
+            )  # fmt: skip
             self._linear(lay.down, self.act, self.down)
             self._add_norm(None, self.down, lay.post_ffn_norm, self.down_normed)
             add = self.down_normed
         self._add_norm(add, self.residual, model.norm, self.out)
 
-    # -- running ----------------------------------------------------------------------------
+    # -- running ---------------------------------------------------------------------------
     def matches(self, model: Any) -> bool:
         """Whether ``model`` still holds the layers this program was built from."""
         return _linears(model) == self.linears
 
-    @staticmethod
     def accepts(
-        input_ids: torch.Tensor, positions: torch.Tensor, meta: TorchNativeMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TorchNativeMetadata
     ) -> bool:
         """Whether the step's inputs are what ``run`` reads through their pointers."""
         g = meta.decode
+        n = input_ids.shape[0]
         return (
             g is not None
+            and 0 < n <= self.capacity
+            and positions.shape == meta.slots.shape == g.seq_lens.shape == (n,)
+            and g.page_tables.shape[0] == n
             and input_ids.dtype == positions.dtype == meta.slots.dtype == torch.int64
             and g.page_tables.dtype == g.seq_lens.dtype == torch.int32
             and input_ids.device.type == positions.device.type == "cpu"
-            and g.page_tables.is_contiguous()
+            and all(
+                t.is_contiguous()
+                for t in (input_ids, positions, meta.slots, g.page_tables, g.seq_lens)
+            )
         )
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TorchNativeMetadata
     ) -> torch.Tensor:
-        """The final hidden state [1, hidden] of the step's one token."""
+        """The final hidden states [n, hidden] of the step's n tokens."""
         g = meta.decode
         assert g is not None
+        n = input_ids.shape[0]
         st = self.step
         st[0] = input_ids.data_ptr()
         st[1] = positions.data_ptr()
@@ -291,31 +359,13 @@ class DecodeProgram:
         st[3] = g.page_tables.data_ptr()
         st[4] = g.seq_lens.data_ptr()
         st[5] = g.page_tables.shape[1]
+        st[6] = n
         if self._embed_hook is not None:
             self._embed_hook(input_ids)
-        step = st.ctypes.data
-        done = 0
-        for ops, count, hook in self._runs:
-            rc = self.lib.decode_program_run(ops, count, step)
-            if rc != 0:
-                raise RuntimeError(f"decode program: op {done - rc - 1} refused its arguments")
-            done += count
-            if hook is not None:
-                hook()
-        return self.out.clone()
-
-
-def _qk_norm(
-    ops: Any, q: torch.Tensor, k: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float
-) -> Callable[[], None]:
-    """Gemma 3's per-head q and k RMSNorm in place, as its forward computes it
-    (``LayerOps.rms_norm_heads``)."""
-
-    def run() -> None:
-        q.copy_(ops.rms_norm_heads(q, qw, eps))
-        k.copy_(ops.rms_norm_heads(k, kw, eps))
-
-    return run
+        rc = self.lib.decode_program_run(self.ops.ctypes.data, len(self.ops), st.ctypes.data)
+        if rc != 0:
+            raise RuntimeError(f"decode program: op {-rc - 1} refused its arguments")
+        return self.out[:n].clone()
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -338,6 +388,25 @@ def _linear_ok(w: Any) -> bool:
     return False
 
 
+def _panel_rows(w: Any) -> int:
+    """The rows below which ``w`` multiplies with its panel kernel in a decode step (from
+    there on, its prefill copy or dequantize + GEMM: see ``Int4Linear.__call__`` and
+    ``Int8GroupLinear.__call__``)."""
+    if isinstance(w, Int4Linear):
+        return min(PANEL_DEQUANT_ROWS, PANEL_COPY_ROWS if w.prefill is not None else MAX_ROWS)
+    return int8_panel_rows(load_int8_panels())
+
+
+def _gelu_ok(model: Any) -> bool:
+    """Whether Gemma 3's activation is ``LayerOps.gelu_tanh_and_mul`` on its native kernel."""
+    act = model.act
+    return (
+        getattr(act, "__func__", None) is LayerOps.gelu_tanh_and_mul
+        and act.__self__ is model.ops
+        and bool(model.ops.native.has_gelu_tanh_and_mul())
+    )
+
+
 def build(model: Any, attention: object) -> DecodeProgram | None:
     """A ``DecodeProgram`` for ``model`` (a ``LlamaForCausalLM`` or ``Gemma3ForCausalLM``)
     over ``attention``, or None where a step's op has no native kernel (see the module
@@ -356,6 +425,7 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
         or model.embed.device.type != "cpu"
         or model.embed.dtype != torch.bfloat16
         or (c.qk_norm and not gemma)
+        or (gemma and not _gelu_ok(model))
     ):
         return None
     cache = attention.kv_cache
@@ -370,7 +440,8 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
         return None
     for lay in model.layers:
         if gemma:
-            norms = (lay.input_norm, lay.post_attn_norm, lay.pre_ffn_norm, lay.post_ffn_norm)
+            norms = (lay.input_norm, lay.q_norm, lay.k_norm, lay.post_attn_norm,
+                     lay.pre_ffn_norm, lay.post_ffn_norm)  # fmt: skip
         elif lay.q_norm is not None or lay.k_norm is not None:
             return None
         else:
@@ -381,22 +452,34 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
             return None
     tables = (model.rotary_local, model.rotary_global) if gemma else (model.rotary,)
     if model.norm.dtype != torch.bfloat16 or any(
-        t.cos.dtype != torch.bfloat16 or t.cos.device.type != "cpu" for t in tables
+        t.cos.dtype != torch.bfloat16
+        or t.cos.device.type != "cpu"
+        or t.cos.shape[1] != c.head_dim
+        or not (t.cos.is_contiguous() and t.sin_signed.is_contiguous())
+        for t in tables
     ):
         return None
-    return DecodeProgram(model, attention, torch.get_num_threads())
+    capacity = min(_panel_rows(w) - 1 for w in _linears(model))
+    if model.mlp_block_rows is not None:
+        capacity = min(capacity, model.mlp_block_rows)
+    capacity = min(capacity, MAX_ROWS)
+    if capacity < 1:
+        return None
+    return DecodeProgram(model, attention, torch.get_num_threads(), capacity)
 
 
 def program_for(model: Any, attention: object, meta: object) -> DecodeProgram | None:
-    """The model's program for this one-token step over ``attention`` (None: this step or
-    this model runs op by op). Built at the model's first such step for a backend, and
-    again when the model's layers or the thread count changed since; the model keeps it
-    in ``_program`` (None: refused) and the backend it was built for in ``_program_for``."""
+    """The model's program for this step over ``attention`` if it is a pure decode step
+    (one token per sequence, no shared prefix to attend once; None: this step or this
+    model runs op by op). Built at the model's first such step for a backend, and again
+    when the model's layers or the thread count changed since; the model keeps it in
+    ``_program`` (None: refused) and the backend it was built for in ``_program_for``."""
     if (
         not isinstance(meta, TorchNativeMetadata)
         or meta.decode is None
         or not meta.decode.whole_batch
         or meta.decode.prefix is not None
+        or in_long_prompt_step()
     ):
         return None
     program = model._program

@@ -543,6 +543,11 @@ class _Step:
     long_prompt = False
 
 
+def in_long_prompt_step() -> bool:
+    """Whether the step being computed is a long prompt's (see ``long_prompt_step``)."""
+    return _Step.long_prompt
+
+
 @contextmanager
 def long_prompt_step(on: bool) -> Iterator[None]:
     """Within it, every layer with a prefill copy multiplies the copy from

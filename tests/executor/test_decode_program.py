@@ -22,41 +22,50 @@ from tests.helpers import greedy, hf_greedy
 PROMPTS = [[5, 17, 101, 9], [200, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 
 
-def _run_both(monkeypatch, llm: LLM) -> dict[str, int]:
-    """Generates each prompt alone (batch-1 decode steps) with every one-token step run
-    twice, through the program and op by op (the second writes the same KV again), and
+def _run_both(monkeypatch, llm: LLM, together: bool = False) -> dict[str, int]:
+    """Generates the prompts (each alone: decode steps of one row; or ``together``: steps
+    of up to four rows, fewer as the shorter requests finish) with every pure decode step
+    run twice, through the program and op by op (the second writes the same KV again), and
     asserts the hidden states are equal bit for bit. Returns the step counts."""
-    seen = {"one_token": 0, "program": 0}
+    seen = {"decode": 0, "program": 0, "rows": 0}
     cls = type(llm.engine.runner.model)
     forward = cls.forward
 
     def both(self, input_ids, positions, attention, meta):
+        program = decode_program.program_for(self, attention, meta)
+        used = program is not None and program.accepts(input_ids, positions, meta)
         out = forward(self, input_ids, positions, attention, meta)
-        if input_ids.shape[0] == 1:
-            seen["one_token"] += 1
-            program = self._program
-            if program is not None:
-                seen["program"] += 1
-                self._program = None  # built for this backend: the op-by-op path
-                try:
-                    plain = forward(self, input_ids, positions, attention, meta)
-                finally:
-                    self._program = program
-                assert torch.equal(out, plain), (out.float() - plain.float()).abs().max()
+        if meta.decode is not None and meta.decode.whole_batch:
+            seen["decode"] += 1
+        if used:
+            seen["program"] += 1
+            seen["rows"] = max(seen["rows"], input_ids.shape[0])
+            self._program = None  # built for this backend: the op-by-op path
+            try:
+                plain = forward(self, input_ids, positions, attention, meta)
+            finally:
+                self._program = program
+            assert torch.equal(out, plain), (out.float() - plain.float()).abs().max()
         return out
 
-    monkeypatch.setattr(cls, "forward", both)
-    for prompt in PROMPTS:
-        llm.generate([prompt], greedy(9, logprobs=2), use_tqdm=False)
-        llm.engine.check_idle()  # every page back
+    with monkeypatch.context() as patch:
+        patch.setattr(cls, "forward", both)
+        if together:  # different lengths: the batch shrinks as requests finish
+            params = [greedy(6 + 3 * i, logprobs=2) for i in range(len(PROMPTS))]
+            llm.generate(PROMPTS, params, use_tqdm=False)
+            llm.engine.check_idle()
+        else:
+            for prompt in PROMPTS:
+                llm.generate([prompt], greedy(9, logprobs=2), use_tqdm=False)
+                llm.engine.check_idle()  # every page back
     return seen
 
 
 @pytest.mark.parametrize("types", ["Q4_1", "Q8_0", "mixed"])
 def test_program_equals_op_by_op(tmp_path, monkeypatch, types):
     """A tiny GGUF file run by ``auto`` (int4 panels, int8 group panels, or both in one
-    model, tied Q8_0 head): every batch-1 decode step goes through the program, and its
-    hidden states equal the op-by-op forward's exactly."""
+    model, tied Q8_0 head): every decode step, of one row and of several, goes through the
+    program, and its hidden states equal the op-by-op forward's exactly."""
     table = MIXED if types == "mixed" else {name: types for name in LAYER_TENSORS}
     path = write_gguf(tmp_path / f"tiny-{types}.gguf", table, tied="Q8_0")
     _check_both_ways(monkeypatch, LLM(str(path)))
@@ -65,31 +74,37 @@ def test_program_equals_op_by_op(tmp_path, monkeypatch, types):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_program_equals_op_by_op_on_requantized_int4(tiny_models, monkeypatch, arch):
     """A tiny Hugging Face model requantized to int4 panels: Llama all native; Gemma 3
-    (sliding-window layers, both rotary bases, four norms a layer) with its scaled
-    embedding, per-head q/k norms and GeGLU in PyTorch between native segments. Every
-    batch-1 decode step is the program's and equals the op-by-op forward exactly."""
+    (sliding-window layers, both rotary bases, four norms a layer, per-head q/k norms,
+    GeGLU) with its scaled embedding in PyTorch before the native call. Every decode step,
+    of one row and of several (past the window), is the program's and equals the op-by-op
+    forward exactly."""
     _check_both_ways(monkeypatch, LLM(str(tiny_models[arch]), quantization="int4"))
 
 
 def _check_both_ways(monkeypatch, llm: LLM) -> None:
-    """Every batch-1 decode step of ``llm`` through the program equals the op-by-op
-    forward (``_run_both``); the engine is closed after."""
+    """Every decode step of ``llm``, of one row and of several, goes through the program
+    and equals the op-by-op forward (``_run_both``); the engine is closed after."""
     try:
         if (
             decode_program.load_decode_program() is None
             or decode_program.load_int4_panels() is None
         ):
             pytest.skip("the native kernels are not built on this machine")
-        seen = _run_both(monkeypatch, llm)
+        alone = _run_both(monkeypatch, llm)
+        together = _run_both(monkeypatch, llm, together=True)
     finally:
         llm.engine.close()
-    # 8 decode steps a prompt, and the one-token prompt's own step
-    assert seen["program"] == seen["one_token"] == len(PROMPTS) * 8 + 1
+    # 8 decode steps a prompt, and the one-token prompt's own step (a decode step too)
+    assert alone["program"] == alone["decode"] == len(PROMPTS) * 8 + 1
+    assert alone["rows"] == 1
+    # the longest request's decode steps, the first of them with every request in
+    assert together["program"] == together["decode"] == 6 + 3 * (len(PROMPTS) - 1) - 1
+    assert together["rows"] == len(PROMPTS)
 
 
 def test_program_greedy_and_logprobs_unchanged(tmp_path, monkeypatch):
-    """Tokens and logprobs of greedy batch-1 generations with the program and without it
-    (``build`` refusing every model) are the same."""
+    """Tokens and logprobs of greedy generations, each prompt alone and all together,
+    with the program and without it (``build`` refusing every model) are the same."""
     path = write_gguf(tmp_path / "tiny-Q4_0.gguf", {n: "Q4_0" for n in LAYER_TENSORS}, tied="Q8_0")
     llm = LLM(str(path))
     try:
@@ -101,6 +116,9 @@ def test_program_greedy_and_logprobs_unchanged(tmp_path, monkeypatch):
             outs = [
                 llm.generate([p], greedy(9, logprobs=3), use_tqdm=False)[0].outputs[0]
                 for p in PROMPTS
+            ]
+            outs += [
+                r.outputs[0] for r in llm.generate(PROMPTS, greedy(9, logprobs=3), use_tqdm=False)
             ]
             llm.engine.check_idle()
             used = llm.engine.runner.model._program is not None
@@ -120,6 +138,23 @@ def test_program_greedy_and_logprobs_unchanged(tmp_path, monkeypatch):
         pytest.skip("the native kernels are not built on this machine")
     assert used_fast and not used_plain
     assert fast == plain
+
+
+def test_steps_beyond_capacity_run_op_by_op(tmp_path, monkeypatch):
+    """A program built for two rows: decode steps of up to two rows are its, steps of more
+    run op by op, and each equals the op-by-op forward."""
+    monkeypatch.setattr(decode_program, "MAX_ROWS", 2)
+    path = write_gguf(tmp_path / "tiny-Q8_0.gguf", {n: "Q8_0" for n in LAYER_TENSORS}, tied="Q8_0")
+    llm = LLM(str(path))
+    try:
+        if decode_program.load_decode_program() is None:
+            pytest.skip("the native kernels are not built on this machine")
+        seen = _run_both(monkeypatch, llm, together=True)
+        assert llm.engine.runner.model._program.capacity == 2
+    finally:
+        llm.engine.close()
+    # 15 tokens for the longest: 14 decode steps, of 4, 3, 2 and 1 rows (5 + 3 + 3 + 3)
+    assert seen["decode"] == 14 and seen["program"] == 6 and seen["rows"] == 2
 
 
 def test_program_not_built_for_bfloat16_layers(tiny_llama):
@@ -182,7 +217,7 @@ def test_program_refuses_an_id_or_position_out_of_range(tmp_path, monkeypatch):
         tables = llm.engine.runner.model.rotary.cos.shape[0]
         with pytest.raises(RuntimeError, match="op 0 refused"):
             program.run(torch.tensor([vocab]), positions, meta)
-        with pytest.raises(RuntimeError, match="op 3 refused"):  # layer 0's rotary
+        with pytest.raises(RuntimeError, match="op 1 refused"):  # the rotary rows' gather
             program.run(ids, torch.tensor([tables]), meta)
     finally:
         llm.engine.close()

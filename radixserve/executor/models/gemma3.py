@@ -123,7 +123,7 @@ class Gemma3ForCausalLM:
             None,
             dtype,
         )
-        # one-token decode steps as one native call but for three PyTorch ops a layer
+        # decode steps as one native call and the scaled embedding before it
         # (executor/decode_program.py); None: not built (or refused) for _program_for
         self._program: decode_program.DecodeProgram | None = None
         self._program_for: object | None = None
@@ -146,10 +146,9 @@ class Gemma3ForCausalLM:
         attn_meta: object,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        if input_ids.shape[0] == 1:
-            program = decode_program.program_for(self, attention, attn_meta)
-            if program is not None and program.accepts(input_ids, positions, attn_meta):
-                return program.run(input_ids, positions, attn_meta)
+        program = decode_program.program_for(self, attention, attn_meta)
+        if program is not None and program.accepts(input_ids, positions, attn_meta):
+            return program.run(input_ids, positions, attn_meta)
         c = self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]

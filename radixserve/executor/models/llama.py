@@ -107,7 +107,7 @@ class LlamaForCausalLM:
         self.rotary = RotaryEmbedding(
             c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, dtype
         )
-        # one-token decode steps as one native call (executor/decode_program.py), built at
+        # decode steps as one native call (executor/decode_program.py), built at
         # the first such step for its attention backend; None: not looked at yet
         self._program: decode_program.DecodeProgram | None = None
         self._program_for: object | None = None  # the backend it was built (or refused) for
@@ -120,10 +120,9 @@ class LlamaForCausalLM:
         attn_meta: object,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        if input_ids.shape[0] == 1:
-            program = decode_program.program_for(self, attention, attn_meta)
-            if program is not None and program.accepts(input_ids, positions, attn_meta):
-                return program.run(input_ids, positions, attn_meta)
+        program = decode_program.program_for(self, attention, attn_meta)
+        if program is not None and program.accepts(input_ids, positions, attn_meta):
+            return program.run(input_ids, positions, attn_meta)
         c = self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
