@@ -8,9 +8,7 @@ its threads' wake-up: as much as a kernel at one row, ~13% of a step at 16 rows.
 activations preallocated for up to ``capacity`` rows, and runs them with one call per
 step; the row count, token ids, positions, slots and pages are read from the step. Every
 call is the op-by-op path's own kernel with that path's arguments, so the hidden states
-are the same bit for bit (tests compare the two at one row and at several); only the
-row-wise kernels' thread counts differ (a row is one thread's, so the count changes
-nothing but the wake-ups: one thread below the C file's ``THREADED_ELEMENTS``). Gemma 3's scaled
+are the same bit for bit (tests compare the two at one row and at several). Gemma 3's scaled
 embedding runs as its forward runs it (PyTorch), before the native call; its per-head
 q/k RMSNorm and GeGLU are the ``LayerOps`` kernels.
 
