@@ -15,9 +15,10 @@ q/k RMSNorm and GeGLU are the ``LayerOps`` kernels.
 It applies where every op of the step has its native kernel: bfloat16 on the CPU, one
 rank, the native ``LayerOps``, the native KV write and paged decode (no shared prefix
 attended once), no per-head q/k norm in the Llama family (Qwen3's is PyTorch's), and
-every dense layer held as int4 panels or int8 group panels without a bias (what
-``--quantization auto`` makes of a GGUF file of Q4_0/Q4_1/Q4_K/Q5_x/Q6_K/Q8_0 tensors; a
-bfloat16 ``Linear`` goes through oneDNN, which has no entry point here), for steps of
+every dense layer held as int4 panels or int8 group panels, with a bfloat16 bias (Qwen2's
+q/k/v) or none (what ``--quantization auto`` makes of a GGUF file of Q4_0/Q4_1/Q4_K/Q5_x/
+Q6_K/Q8_0 tensors; a bfloat16 ``Linear`` goes through oneDNN, which has no entry point
+here), for steps of
 fewer rows than any layer leaves its panel kernel at (``_panel_rows``; at most
 ``MAX_ROWS``). Elsewhere ``build`` returns None, or ``accepts`` refuses the step, and the
 model keeps its op-by-op forward; ``RADIXSERVE_DECODE_PROGRAM=0`` (or ``ENABLED = False``
@@ -65,7 +66,8 @@ from radixserve.executor.quant import (
     _ACT,
     _COPY_ROWS,
     _NORM_HEADS,
-) = range(1, 12)
+    _BIAS,
+) = range(1, 13)
 _OP_WIDTH = 20
 
 ENABLED = os.environ.get("RADIXSERVE_DECODE_PROGRAM", "1") != "0"
@@ -189,6 +191,9 @@ class DecodeProgram:
                   _ptr(w.zero), w.out_features, w.group_size, _ptr(self.xt), _ptr(self.xs),
                   _ptr(y), nt]  # fmt: skip
         self._ops.append(op)
+        if w.bias is not None:  # Qwen2's q/k/v
+            self._keep.append(w.bias)
+            self._ops.append([_BIAS, 0, _ptr(y), _ptr(w.bias), w.out_features])
 
     def _rotary_rows(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathers ``table``'s (a RotaryEmbedding) rows of the step's positions; returns
@@ -379,10 +384,18 @@ def _linears(model: Any) -> list[Any]:
 
 
 def _linear_ok(w: Any) -> bool:
+    b = w.bias
+    if b is not None and (
+        b.dtype != torch.bfloat16
+        or b.device.type != "cpu"
+        or not b.is_contiguous()
+        or tuple(b.shape) != (w.out_features,)
+    ):
+        return False
     if isinstance(w, Int4Linear):
-        return w.panels is not None and w.bias is None and load_int4_panels() is not None
+        return w.panels is not None and load_int4_panels() is not None
     if isinstance(w, Int8GroupLinear):
-        return w.bias is None and load_int8_panels() is not None
+        return load_int8_panels() is not None
     return False
 
 

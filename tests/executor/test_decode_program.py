@@ -71,9 +71,10 @@ def test_program_equals_op_by_op(tmp_path, monkeypatch, types):
     _check_both_ways(monkeypatch, LLM(str(path)))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_program_equals_op_by_op_on_requantized_int4(tiny_models, monkeypatch, arch):
-    """A tiny Hugging Face model requantized to int4 panels: Llama all native; Gemma 3
+    """A tiny Hugging Face model requantized to int4 panels: Llama all native; Qwen2 with
+    its q/k/v biases added in the program; Gemma 3
     (sliding-window layers, both rotary bases, four norms a layer, per-head q/k norms,
     GeGLU) with its scaled embedding in PyTorch before the native call. Every decode step,
     of one row and of several (past the window), is the program's and equals the op-by-op

@@ -38,6 +38,7 @@ enum {
     OP_SILU,
     OP_COPY_ROWS,
     OP_NORM_HEADS,
+    OP_BIAS,
 };
 #define OP_WIDTH 20
 /* a row-wise kernel's threads: no more than rows, as LayerOps' (one row: no thread woken to
@@ -64,6 +65,22 @@ static inline double as_double(int64_t bits) {
     double d;
     memcpy(&d, &bits, sizeof d);
     return d;
+}
+
+/* bfloat16 <-> float32 as PyTorch rounds (to nearest even; any NaN to its one NaN) */
+static inline float bf16_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float f) {
+    if (f != f) return 0x7FC0u;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
 }
 
 #define P(i) ((void *)(intptr_t)op[i])
@@ -138,6 +155,14 @@ int decode_program_run(const int64_t *ops, int64_t count, const int64_t *step) {
             for (int64_t r = 0; r < n; r++)
                 ((norm_fn)P(1))(NULL, BF16(2) + r * op[3], P(6), BF16(7) + r * op[4] * op[5],
                                 op[4], op[5], (float)as_double(op[8]), 1);
+            break;
+        case OP_BIAS: /* y [n, width], bias [width]: y += bias (a linear's bias, after its
+                         GEMM: ``y + bias`` in bfloat16, as the op-by-op path adds it) */
+            for (int64_t r = 0; r < n; r++) {
+                uint16_t *y = BF16(2) + r * op[4];
+                const uint16_t *b = BF16(3);
+                for (int64_t j = 0; j < op[4]; j++) y[j] = f32_bf16(bf16_f32(y[j]) + bf16_f32(b[j]));
+            }
             break;
         default:
             return (int)-(1 + i);
