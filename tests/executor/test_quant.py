@@ -368,10 +368,11 @@ def _copy_cases() -> list[tuple[str, object, int]]:
         ("int4", Int4Linear.from_float(w, group_size=32), quant.PANEL_COPY_ROWS),
         ("int8", Int8Linear.from_float(w), quant.DEQUANT_GEMM_ROWS_INT8),
         ("int8-group", Int8GroupLinear(q8, scale, None, 32), _int8_group_rows()),
+        ("int8-group-zero", Int8GroupLinear(q8, scale, -scale * 3, 32), _int8_group_rows()),
     ]
 
 
-@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("case", range(4))
 def test_prefill_copy_runs_from_its_threshold_and_equals_the_dequantized_weight(case):
     """Below the threshold a layer with a copy computes bit for bit what it did without
     one (its codes); from it, the copy: the bfloat16 weight the dequantize path multiplies,
@@ -393,8 +394,11 @@ def test_prefill_copy_runs_from_its_threshold_and_equals_the_dequantized_weight(
         want_w = dequantize_int4(q, scale, zero, layer.group_size)
     else:
         want_w = layer.dequantized()
-    # the copy is the dequantized weight rounded once to bfloat16
+    # the copy is the dequantized weight rounded once to bfloat16 (without zeros exactly
+    # that: the dequantize kernel's code x scale is the same single float32 rounding)
     assert torch.allclose(w, want_w.double(), rtol=2**-8, atol=0), name
+    if name == "int8-group":
+        assert torch.equal(quant._dense_bf16(layer), want_w.to(torch.bfloat16))
     got = layer(many).double()
     want = many.double() @ w.T
     assert (got - want).abs().max() <= MATMUL_RTOL * want.abs().max(), name
