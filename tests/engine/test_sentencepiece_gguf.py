@@ -168,3 +168,63 @@ def test_unknown_tokenizer_model_is_a_clear_error(sp_and_gguf):
     meta["tokenizer.ggml.model"] = "rwkv"
     with pytest.raises(ValueError, match="'rwkv' is not supported"):
         tokenizer_from_gguf(meta)
+
+
+def _encode_all(tok) -> list[list[int]]:
+    return [tok(text)["input_ids"] for text in CORPUS]
+
+
+def test_rebuilt_tokenizer_is_cached_and_read_back(sp_and_gguf, tmp_path, monkeypatch, caplog):
+    """The first start writes the rebuilt tokenizer to the cache folder; the next reads it
+    (not rebuilt: the builder is made to fail) and tokenizes as SentencePiece does; a
+    damaged file is rebuilt and written again; other metadata, another file; caching
+    off or an unwritable folder: built each time, never an error."""
+    from radixserve.engine import tokenizer as tokenizer_module
+    from radixserve.executor.loader.gguf_loader import read_metadata
+
+    sp, path = sp_and_gguf
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    meta = read_metadata(path)
+    folder = tmp_path / "cache" / "tokenizers"
+    first = tokenizer_module.tokenizer_from_gguf(meta)
+    files = list(folder.glob("*.json"))
+    assert len(files) == 1 and not list(folder.glob("*.tmp"))
+    expected = [[sp.bos_id(), *sp.encode(text)] for text in CORPUS]
+    assert _encode_all(first) == expected
+
+    build = tokenizer_module._backend_from_gguf
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("rebuilt although cached")
+
+    monkeypatch.setattr(tokenizer_module, "_backend_from_gguf", refuse)
+    again = tokenizer_module.tokenizer_from_gguf(meta)
+    assert _encode_all(again) == expected
+    assert (again.bos_token, again.eos_token, again.unk_token) == ("<s>", "</s>", "<unk>")
+    assert again.decode(expected[2], skip_special_tokens=True) == sp.decode(expected[2][1:])
+    monkeypatch.setattr(tokenizer_module, "_backend_from_gguf", build)
+
+    files[0].write_text("{ not a tokenizer")
+    with caplog.at_level("WARNING", logger="radixserve.engine.tokenizer"):
+        mended = tokenizer_module.tokenizer_from_gguf(meta)
+    assert "unreadable" in caplog.text
+    assert _encode_all(mended) == expected
+    assert _encode_all(tokenizer_module.tokenizer_from_gguf(meta)) == expected  # valid again
+
+    other = dict(meta, **{"tokenizer.ggml.add_bos_token": False})
+    assert tokenizer_module._cache_path(other) != tokenizer_module._cache_path(meta)
+    no_bos = tokenizer_module.tokenizer_from_gguf(other)
+    assert no_bos("hi")["input_ids"] == sp.encode("hi")
+    assert len(list(folder.glob("*.json"))) == 2
+
+    monkeypatch.setenv("RADIXSERVE_TOKENIZER_CACHE", "0")
+    assert tokenizer_module._cache_path(meta) is None
+    assert _encode_all(tokenizer_module.tokenizer_from_gguf(meta)) == expected
+    monkeypatch.delenv("RADIXSERVE_TOKENIZER_CACHE")
+
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(blocked))
+    with caplog.at_level("WARNING", logger="radixserve.engine.tokenizer"):
+        assert _encode_all(tokenizer_module.tokenizer_from_gguf(meta)) == expected
+    assert "not written" in caplog.text

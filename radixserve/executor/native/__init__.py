@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from radixserve.core.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -51,8 +53,7 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("RADIXSERVE_CACHE") or Path.home() / ".cache" / "radixserve"
-    return Path(root) / "native"
+    return cache_root() / "native"
 
 
 # per-source extras: -ffast-math lets expf vectorise through glibc's libmvec; the
