@@ -384,19 +384,24 @@ def _linears(model: Any) -> list[Any]:
 
 
 def _linear_ok(w: Any) -> bool:
-    b = w.bias
-    if b is not None and (
-        b.dtype != torch.bfloat16
-        or b.device.type != "cpu"
-        or not b.is_contiguous()
-        or tuple(b.shape) != (w.out_features,)
-    ):
-        return False
+    """Whether ``w`` is a layer the program multiplies: int4 or int8 group panels with a
+    native kernel, and a bias (if any) it can add."""
     if isinstance(w, Int4Linear):
-        return w.panels is not None and load_int4_panels() is not None
-    if isinstance(w, Int8GroupLinear):
-        return load_int8_panels() is not None
-    return False
+        panels = w.panels is not None and load_int4_panels() is not None
+    elif isinstance(w, Int8GroupLinear):
+        panels = load_int8_panels() is not None
+    else:
+        return False
+    b = w.bias
+    return panels and (
+        b is None
+        or (
+            b.dtype == torch.bfloat16
+            and b.device.type == "cpu"
+            and b.is_contiguous()
+            and tuple(b.shape) == (w.out_features,)
+        )
+    )
 
 
 def _panel_rows(w: Any) -> int:

@@ -158,11 +158,14 @@ def test_steps_beyond_capacity_run_op_by_op(tmp_path, monkeypatch):
     assert seen["decode"] == 14 and seen["program"] == 6 and seen["rows"] == 2
 
 
-def test_program_not_built_for_bfloat16_layers(tiny_llama):
-    """A model whose dense layers are bfloat16 ``Linear``s (oneDNN) runs op by op."""
-    llm = LLM(str(tiny_llama), quantization="none")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_program_not_built_for_bfloat16_layers(tiny_models, arch):
+    """A model whose dense layers are bfloat16 ``Linear``s (oneDNN; Qwen2's q/k/v with their
+    biases) runs op by op."""
+    llm = LLM(str(tiny_models[arch]), quantization="none")
     try:
-        llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)
+        out = llm.generate([[5, 6, 7], [8, 9]], greedy(4), use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in out)
         llm.engine.check_idle()
         model = llm.engine.runner.model
         assert model._program_for is not None and model._program is None
