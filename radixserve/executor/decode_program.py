@@ -18,9 +18,8 @@ attended once), no per-head q/k norm in the Llama family (Qwen3's is PyTorch's),
 every dense layer held as int4 panels or int8 group panels, with a bfloat16 bias (Qwen2's
 q/k/v) or none (what ``--quantization auto`` makes of a GGUF file of Q4_0/Q4_1/Q4_K/Q5_x/
 Q6_K/Q8_0 tensors; a bfloat16 ``Linear`` goes through oneDNN, which has no entry point
-here), for steps of
-fewer rows than any layer leaves its panel kernel at (``_panel_rows``; at most
-``MAX_ROWS``). Elsewhere ``build`` returns None, or ``accepts`` refuses the step, and the
+here), for steps of fewer rows than any layer leaves its panel kernel at (``_panel_rows``;
+at most ``MAX_ROWS``). Elsewhere ``build`` returns None, or ``accepts`` refuses the step, and the
 model keeps its op-by-op forward; ``RADIXSERVE_DECODE_PROGRAM=0`` (or ``ENABLED = False``
 before a model's first step) keeps it everywhere.
 """
@@ -409,7 +408,7 @@ def _panel_rows(w: Any) -> int:
     there on, its prefill copy or dequantize + GEMM: see ``Int4Linear.__call__`` and
     ``Int8GroupLinear.__call__``)."""
     if isinstance(w, Int4Linear):
-        return min(PANEL_DEQUANT_ROWS, PANEL_COPY_ROWS if w.prefill is not None else MAX_ROWS)
+        return PANEL_COPY_ROWS if w.prefill is not None else PANEL_DEQUANT_ROWS
     return int8_panel_rows(load_int8_panels())
 
 

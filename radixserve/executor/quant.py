@@ -814,22 +814,27 @@ class Int8GroupLinear:
         for first in range(0, blocks, chunk):
             count = min(chunk, blocks - first)
             wt = _Scratch.take(k, 16 * count)
-            rc = lib.int8_panels_dequant_bf16(
-                self.panels.data_ptr(),
-                self.scale.data_ptr(),
-                self._ptr(self.zero),
-                k,
-                self.group_size,
-                first,
-                count,
-                _threads(),
-                wt.data_ptr(),
-            )
-            if rc != 0:
-                raise RuntimeError(f"int8_panels_dequant_bf16 refused its arguments ({rc})")
+            self.dequant_blocks(lib, first, count, wt)
             lo, hi = 16 * first, min(16 * (first + count), self.out_features)
             y[:, lo:hi] = torch.mm(x, wt[:, : hi - lo])
         return y if self.bias is None else y + self.bias
+
+    def dequant_blocks(self, lib: Any, first: int, count: int, wt: torch.Tensor) -> None:
+        """Output blocks ``first`` .. ``first + count - 1`` (16 outputs each) dequantized to
+        bfloat16 W^T into ``wt`` [K, 16 * count] by the native kernel."""
+        rc = lib.int8_panels_dequant_bf16(
+            self.panels.data_ptr(),
+            self.scale.data_ptr(),
+            self._ptr(self.zero),
+            self.in_features,
+            self.group_size,
+            first,
+            count,
+            _threads(),
+            wt.data_ptr(),
+        )
+        if rc != 0:
+            raise RuntimeError(f"int8_panels_dequant_bf16 refused its arguments ({rc})")
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
@@ -996,21 +1001,9 @@ def _dense_bf16(layer: QuantizedLinear) -> torch.Tensor:
         return dequantize_int4(q, scale, zero, layer.group_size).to(torch.bfloat16)
     lib = _int8_panel_lib() if isinstance(layer, Int8GroupLinear) else None
     if lib is not None and layer.panels.device.type == "cpu":
-        k, blocks = layer.in_features, layer.panels.shape[0]
-        wt = torch.empty(k, 16 * blocks, dtype=torch.bfloat16)
-        rc = lib.int8_panels_dequant_bf16(
-            layer.panels.data_ptr(),
-            layer.scale.data_ptr(),
-            layer._ptr(layer.zero),
-            k,
-            layer.group_size,
-            0,
-            blocks,
-            _threads(),
-            wt.data_ptr(),
-        )
-        if rc != 0:
-            raise RuntimeError(f"int8_panels_dequant_bf16 refused its arguments ({rc})")
+        blocks = layer.panels.shape[0]
+        wt = torch.empty(layer.in_features, 16 * blocks, dtype=torch.bfloat16)
+        layer.dequant_blocks(lib, 0, blocks, wt)
         return wt[:, : layer.out_features].t().contiguous()
     return layer.dequantized().to(torch.bfloat16)
 
