@@ -225,11 +225,20 @@ def _cost(text: str) -> tuple[float, float, float]:
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    from radixserve.core.request import PREFIX_CACHE_SCOPES
     from radixserve.scheduler.policy import POLICIES
 
     g = parser.add_argument_group("scheduler")
     g.add_argument("--schedule-policy", default="fcfs", choices=list(POLICIES))
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix caching")
+    g.add_argument(
+        "--prefix-cache-scope",
+        default="tenant",
+        choices=list(PREFIX_CACHE_SCOPES),
+        help="tenant: a tenant's requests reuse only its own cached prefixes, so none learns "
+        "another's prompts from cached_tokens or time to first token (no-op without "
+        "--api-keys-file); global: all tenants share (docs/many-users.md)",
+    )
     g.add_argument("--max-waiting-requests", type=int, default=None, help="refuse beyond this")
     g.add_argument("--max-queue-time", type=float, default=None, help="seconds a request may wait")
     g.add_argument("--batch-wait-ms", type=float, default=0.0, help="wait for more arrivals")
@@ -350,6 +359,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "prefill_weight_copy": args.prefill_weight_copy,
         "memory_budget_gb": args.memory_budget,
         "disable_radix_cache": args.disable_radix_cache,
+        "prefix_cache_scope": args.prefix_cache_scope,
         "schedule_policy": args.schedule_policy,
         "max_waiting_requests": args.max_waiting_requests,
         "max_queue_time_s": args.max_queue_time,

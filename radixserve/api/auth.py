@@ -87,9 +87,11 @@ class AccessPolicy:
     Invariants: inference routes (``protected``) need an inference key when keys are
     configured; admin routes (``admin``: metrics, engine views, debug) need an admin key
     when admin keys are configured (an inference key is not enough), and without any they
-    are served only on a loopback listener (there guarded like inference routes); other
-    users' prompts (``may_read_prompts``) are visible with an admin key, or on a
-    single-user server (loopback, no keys at all).
+    are served only on a loopback listener (there guarded like inference routes); the
+    inference routes under ``admin_too`` (what the server stores for tenants) take an
+    admin key as well, which sees every tenant's (``is_admin``); other users' prompts
+    (``may_read_prompts``) are visible with an admin key, or on a single-user server
+    (loopback, no keys at all).
     """
 
     def __init__(
@@ -99,9 +101,16 @@ class AccessPolicy:
         loopback_only: bool,
         protected: tuple[tuple[str, ...], frozenset[str]],
         admin: tuple[tuple[str, ...], frozenset[str]],
+        admin_too: tuple[str, ...] = (),
     ) -> None:
         self.keys, self.admin_keys, self.loopback_only = keys, admin_keys, loopback_only
-        self.protected, self.admin = protected, admin
+        self.protected, self.admin, self.admin_too = protected, admin, admin_too
+
+    def is_admin(self, headers: Mapping[str, str]) -> bool:
+        """Whether the request carries an admin key (False when none is configured)."""
+        return bool(self.admin_keys) and self.admin_keys.allows(
+            headers.get("authorization"), headers.get("x-api-key")
+        )
 
     @staticmethod
     def _matches(path: str, rule: tuple[tuple[str, ...], frozenset[str]]) -> bool:
@@ -130,5 +139,7 @@ class AccessPolicy:
         if not self._matches(path, self.protected):
             return None
         if self.keys.allows(headers.get("authorization"), headers.get("x-api-key")):
+            return None
+        if path.startswith(self.admin_too) and self.is_admin(headers):
             return None
         return Denied(401, "authentication_error", MISSING_KEY_MESSAGE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,25 @@ class Tenant:
 
 DEFAULT_TENANT = Tenant("default")
 
+# Who may share cached KV (``--prefix-cache-scope``): ``tenant`` (the default): a tenant's
+# requests match only pages its own requests computed; ``global``: every tenant's do (one
+# trusted team sharing system prompts). A ``cache_salt`` partitions within either.
+PREFIX_CACHE_SCOPES = ("tenant", "global")
+
+
+def cache_namespace(cache_salt: str | None, tenant: Tenant | None, scope: str) -> Hashable:
+    """The radix-cache namespace of a request: requests share cached KV exactly when their
+    namespaces are equal. Under scope ``tenant`` a named tenant's namespace is a tuple
+    ``("tenant", name, cache_salt)``, which no client-chosen salt (a string) can equal, so
+    no tenant reaches another's pages whatever it sends; tenant ``default`` (a server
+    without tenants, or a ``--api-key`` key) keeps the bare salt, as before. Sub-tenants
+    (``NAME/SUB``) are tenants of their own here."""
+    if scope not in PREFIX_CACHE_SCOPES:
+        raise ValueError(f"prefix cache scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}")
+    if scope == "global" or tenant is None or tenant.name == DEFAULT_TENANT.name:
+        return cache_salt
+    return ("tenant", tenant.name, cache_salt)
+
 
 class Request:
     """One sequence being generated.
@@ -117,8 +137,8 @@ class Request:
     __slots__ = (
         "admit_seq",
         "arrival_time",
+        "cache_namespace",
         "cache_node",
-        "cache_salt",
         "deadline",
         "error",
         "finish_reason",
@@ -154,7 +174,7 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         group_id: str | None = None,
-        cache_salt: str | None = None,
+        cache_namespace: Hashable = None,
         priority: int = 0,
         deadline: float | None = None,
         tenant: Tenant | None = None,
@@ -181,7 +201,8 @@ class Request:
         self.num_pages = 0
         self.num_preemptions = 0
         self.table_row = -1
-        self.cache_salt = cache_salt  # prefix-cache namespace: tenants never share KV
+        # radix-cache namespace (``cache_namespace``): only equal ones share cached KV
+        self.cache_namespace = cache_namespace
         self.cache_node: object | None = None  # radix node locked while using cached pages
         self.admit_seq = -1
         self.last_step = 0  # id of the latest launched step that contains it

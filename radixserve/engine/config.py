@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.core.request import PREFIX_CACHE_SCOPES
 from radixserve.executor.placement import check_gpu_count
 from radixserve.executor.quant import INT4_GROUP_SIZES, PREFILL_COPY_MODES, QUANTIZATIONS
 
@@ -36,6 +37,10 @@ class EngineConfig:
     long_prefill_threshold: int | None = None
     num_threads: int | None = None
     disable_radix_cache: bool = False
+    # who shares cached KV (core.request.PREFIX_CACHE_SCOPES): tenant = each tenant only
+    # its own requests' pages (one tenant learns nothing of another's prompts from
+    # cached_tokens or time to first token); global = every tenant's
+    prefix_cache_scope: str = "tenant"
     schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | priority
     max_waiting_requests: int | None = None
     max_queue_time_s: float | None = None
@@ -197,6 +202,11 @@ class EngineConfig:
             raise ValueError(
                 "runner 'cuda' on the cpu device runs Triton kernels in Triton's interpreter: "
                 "set TRITON_INTERPRET=1 (slow; meant for tests)"
+            )
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(
+                f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}; "
+                f"got {self.prefix_cache_scope!r}"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")

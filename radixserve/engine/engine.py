@@ -18,7 +18,14 @@ from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
 from radixserve.core.radix_cache import RadixCache
 from radixserve.core.radix_summary import RadixSummaryData, summarize
-from radixserve.core.request import POOLING_KINDS, FinishReason, Request, RequestState, Tenant
+from radixserve.core.request import (
+    POOLING_KINDS,
+    FinishReason,
+    Request,
+    RequestState,
+    Tenant,
+    cache_namespace,
+)
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
 from radixserve.engine.config import EngineConfig
@@ -532,8 +539,9 @@ class Engine:
     ) -> list[int]:
         """Queue ``params.n`` samples of ``prompt``; returns the prompt's token ids.
 
-        Requests with different ``cache_salt`` never share cached KV; lower ``priority``
-        values run first under the ``priority`` policy; ``tenant`` is who it is served for (the
+        Requests with different ``cache_salt`` never share cached KV, nor do different
+        tenants' under ``prefix_cache_scope`` ``tenant`` (``core.request.cache_namespace``);
+        lower ``priority`` values run first under the ``priority`` policy; ``tenant`` is who it is served for (the
         ``fair`` policy shares the engine between tenants); a request still unfinished
         ``timeout_s`` seconds from now fails with an error. Raises ``EngineOverloaded`` when
         the waiting queue is full."""
@@ -545,13 +553,14 @@ class Engine:
         seq_ids = (
             [request_id] if params.n == 1 else [f"{request_id}\x1f{i}" for i in range(params.n)]
         )
+        namespace = cache_namespace(cache_salt, tenant, self.config.prefix_cache_scope)
         requests = [
             Request(
                 sid,
                 token_ids,
                 _sample_params(params, i),
                 group_id=request_id,
-                cache_salt=cache_salt,
+                cache_namespace=namespace,
                 priority=priority,
                 deadline=None if timeout_s is None else time.monotonic() + timeout_s,
                 tenant=tenant,
@@ -627,7 +636,7 @@ class Engine:
             request_id,
             ids,
             params,
-            cache_salt=cache_salt,
+            cache_namespace=cache_namespace(cache_salt, tenant, self.config.prefix_cache_scope),
             priority=priority,
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
             tenant=tenant,

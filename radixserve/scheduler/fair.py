@@ -396,7 +396,7 @@ class FairPolicy:
             req.probe_len, req.probe_node = 0, None
         else:
             hit = self.cache.match_prefix(
-                req.token_ids[: req.num_tokens - 1], req.cache_salt, touch=False
+                req.token_ids[: req.num_tokens - 1], req.cache_namespace, touch=False
             )
             req.probe_len, req.probe_node = hit.num_tokens, hit.node
         req.probe_stamp = stamp

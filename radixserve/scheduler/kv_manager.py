@@ -73,8 +73,8 @@ class KVManager:
             return None
         tokens = request.token_ids[: request.num_tokens - 1]
         if self.cache.host is not None:  # KV tiers: host/disk pages into the pool first
-            self.cache.promote(tokens, request.cache_salt, self._alloc)
-        hit = self.cache.match_prefix(tokens, request.cache_salt)
+            self.cache.promote(tokens, request.cache_namespace, self._alloc)
+        hit = self.cache.match_prefix(tokens, request.cache_namespace)
         return hit if hit.num_tokens else None
 
     def attach(self, request: Request, source: Request | None, hit: MatchResult | None) -> int:
@@ -171,7 +171,7 @@ class KVManager:
         row = self.page_table.table[request.table_row]
         own = row[:num_pages].copy()
         _, tree_pages, node = self.cache.insert(
-            request.token_ids[:num_tokens], own, request.cache_salt
+            request.token_ids[:num_tokens], own, request.cache_namespace
         )
         differs = own != tree_pages
         if differs.any():  # someone cached the same tokens first: share theirs, free ours
@@ -197,7 +197,7 @@ class KVManager:
                 self.cache.insert(
                     request.token_ids[:computed],
                     pages[: self.pool.pages_for(computed)],
-                    request.cache_salt,
+                    request.cache_namespace,
                 )
             if request.cache_node is not None:
                 self.cache.unlock(request.cache_node)

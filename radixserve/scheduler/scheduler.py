@@ -629,7 +629,9 @@ class Scheduler:
             hit_len = req.probe_len
         else:
             tokens = req.token_ids[: req.num_tokens - 1]
-            hit_len = self.kv.cache.match_prefix(tokens, req.cache_salt, touch=False).num_tokens
+            hit_len = self.kv.cache.match_prefix(
+                tokens, req.cache_namespace, touch=False
+            ).num_tokens
         key = self._prefix_key(req, hit_len)
         return key is not None and key in prefilling
 

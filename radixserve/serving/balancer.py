@@ -75,8 +75,13 @@ class Balancer:
             self.trees[worker].clear()
         self.available[worker] = available
 
-    def choose(self, key: str, exclude: frozenset[int] = frozenset()) -> Decision:
-        """Pick a worker for a prompt whose routing key is ``key`` and count it as loaded."""
+    def choose(
+        self, key: str, exclude: frozenset[int] = frozenset(), namespace: str = ""
+    ) -> Decision:
+        """Pick a worker for a prompt whose routing key is ``key`` and count it as loaded.
+        ``namespace``: the prompt's cache namespace on the workers (its tenant, its cache
+        salt); prompts in different namespaces never match each other's, and the matched
+        fraction is that of ``key`` alone."""
         candidates = [i for i, ok in enumerate(self.available) if ok and i not in exclude]
         if not candidates:
             raise NoWorkerAvailable("no healthy worker")
@@ -91,24 +96,32 @@ class Balancer:
             worker = min(candidates, key=lambda i: (self.load[i], i))
             decision = Decision(worker, "least_load", 0)
         else:
-            decision = self._cache_aware(key, candidates)
-            self.trees[decision.worker].insert(key)
+            # the namespace leads, with a separator no namespace holds, so a tree matches
+            # across namespaces at most up to it: ``skip`` characters are not the prompt's
+            full, skip = (f"{namespace}\x00{key}", len(namespace) + 1) if namespace else (key, 0)
+            decision = self._cache_aware(full, skip, candidates)
+            self.trees[decision.worker].insert(full)
         self.load[decision.worker] += 1
         return decision
 
-    def _cache_aware(self, key: str, candidates: list[int]) -> Decision:
+    def _cache_aware(self, key: str, skip: int, candidates: list[int]) -> Decision:
         c = self.config
         loads = [self.load[i] for i in candidates]
         busiest, idlest = max(loads), min(loads)
+
+        def matched(i: int) -> int:  # characters of the prompt (after the namespace)
+            return max(0, self.trees[i].match(key) - skip)
+
         if (
             busiest - idlest > c.balance_abs_threshold
             and busiest > idlest * c.balance_rel_threshold
         ):
             worker = min(candidates, key=lambda i: (self.load[i], self.trees[i].size, i))
-            return Decision(worker, "load_balance", self.trees[worker].match(key))
-        matches = {i: self.trees[i].match(key) for i in candidates}
+            return Decision(worker, "load_balance", matched(worker))
+        matches = {i: matched(i) for i in candidates}
         best = max(candidates, key=lambda i: (matches[i], -self.load[i], -i))
-        if key and matches[best] > 0 and matches[best] / len(key) > c.cache_threshold:
+        prompt_len = len(key) - skip
+        if prompt_len and matches[best] > 0 and matches[best] / prompt_len > c.cache_threshold:
             return Decision(best, "cache_hit", matches[best])
         worker = min(candidates, key=lambda i: (self.trees[i].size, self.load[i], i))
         return Decision(worker, "cache_miss", matches[worker])
@@ -118,8 +131,7 @@ class Balancer:
             self.load[worker] -= 1
 
 
-def token_key(token_ids: list[int], salt: str | None = None) -> str:
+def token_key(token_ids: list[int]) -> str:
     """A routing key for a token-id prompt: one character per token (ids are below
-    0x110000), after the cache salt (prompts under different salts share no cache)."""
-    body = "".join(map(chr, token_ids))
-    return body if salt is None else f"{salt}\x00{body}"
+    0x110000)."""
+    return "".join(map(chr, token_ids))

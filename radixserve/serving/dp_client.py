@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from radixserve.core.request import Tenant
+from radixserve.core.request import Tenant, cache_namespace
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.parallel import replica_environments
@@ -189,13 +189,25 @@ class DataParallelClient:
         return p.EngineStats(**{k: sum(getattr(s, k) for s in all_stats) for k in _SUMMED})
 
     # -- requests -------------------------------------------------------------------------
-    def _pick(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None) -> int:
+    def _pick(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        cache_salt: str | None,
+        tenant: Tenant | None,
+    ) -> int:
+        """The engine for a request: its routing key is the prompt in the radix-cache
+        namespace the engine will match it in (its tenant's, under scope ``tenant``), so
+        the balancer's trees follow the engines' caches."""
+        namespace = cache_namespace(cache_salt, tenant, self.config.prefix_cache_scope)
         for i, client in enumerate(self.clients):
             alive = client.alive
             if alive != self.balancer.available[i]:  # (a silent engine keeps its tree)
                 self.balancer.set_available(i, alive, forget=client.dead)
         try:
-            worker = self.balancer.choose(token_key(prompt_token_ids, cache_salt)).worker
+            worker = self.balancer.choose(
+                token_key(prompt_token_ids), namespace="" if namespace is None else repr(namespace)
+            ).worker
         except NoWorkerAvailable:
             raise EngineDead("no engine is running") from None
         self.requests[worker] += 1
@@ -247,7 +259,7 @@ class DataParallelClient:
     ) -> AsyncIterator[Any]:
         """The chosen engine's ``method`` (an async generator), counted in its load until the
         caller is done with it."""
-        worker = self._pick(request_id, prompt_token_ids, cache_salt)
+        worker = self._pick(request_id, prompt_token_ids, cache_salt, tenant)
         extra = {} if pooling is None else {"pooling": pooling}
         gen = getattr(self.clients[worker], method)(
             request_id, prompt_token_ids, params, cache_salt, priority, tenant, **extra

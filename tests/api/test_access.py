@@ -15,6 +15,7 @@ from radixserve.api.openai.server import (
     _PROTECTED_PREFIXES,
     ADMIN_PATHS,
     ADMIN_PREFIXES,
+    STORED_PREFIX,
 )
 from tests.api.server_helpers import ServerProcess
 
@@ -26,6 +27,7 @@ def _policy(keys=(), admin=(), loopback=True) -> AccessPolicy:
         loopback,
         protected=(_PROTECTED_PREFIXES, _PROTECTED_PATHS),
         admin=(ADMIN_PREFIXES, ADMIN_PATHS),
+        admin_too=(STORED_PREFIX,),
     )
 
 
@@ -46,6 +48,18 @@ def test_admin_routes_need_the_admin_key_not_an_inference_key(path):
     assert policy.check("/v1/completions", _bearer("user")) is None
     assert policy.check("/v1/completions", _bearer("root")).status == 401
     assert policy.check("/health", {}) is None
+
+
+def test_stored_responses_take_the_admin_key_too_and_nothing_else_does():
+    policy = _policy(keys=["user"], admin=["root"])
+    for method_path in ("/v1/responses/resp_1", "/v1/responses/resp_1/"):
+        assert policy.check(method_path, _bearer("root")) is None
+        assert policy.check(method_path, _bearer("user")) is None
+        assert policy.check(method_path, _bearer("nope")).status == 401
+    assert policy.is_admin(_bearer("root")) and not policy.is_admin(_bearer("user"))
+    # creating one (and every other inference route) stays the inference keys'
+    assert policy.check("/v1/responses", _bearer("root")).status == 401
+    assert not _policy(keys=["user"]).is_admin({})  # no admin key configured: nobody is
 
 
 def test_without_an_admin_key_admin_routes_are_loopback_only():

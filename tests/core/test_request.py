@@ -83,3 +83,28 @@ def test_tokens_append_up_to_max_tokens():
 def test_empty_prompt_rejected():
     with pytest.raises(ValueError, match="non-empty"):
         Request("r", [], SamplingParams())
+
+
+def test_cache_namespace_keeps_tenants_apart_whatever_salt_they_send():
+    from radixserve.core.request import DEFAULT_TENANT, Tenant, cache_namespace
+
+    alice, bob = Tenant("alice"), Tenant("bob", weight=2)
+    ns = {
+        (t.name if t else None, salt, scope): cache_namespace(salt, t, scope)
+        for t in (None, DEFAULT_TENANT, alice, bob, Tenant("alice/u1"))
+        for salt in (None, "s", repr(("tenant", "alice", None)))
+        for scope in ("tenant", "global")
+    }
+    tenant_scoped = {k: v for k, v in ns.items() if k[2] == "tenant"}
+    # under scope tenant, distinct (tenant, salt) pairs are distinct namespaces, except that
+    # no tenant and tenant default are one (a server without tenants is unchanged)
+    assert len(set(tenant_scoped.values())) == 4 * 3
+    assert cache_namespace("s", None, "tenant") == cache_namespace("s", DEFAULT_TENANT, "tenant")
+    assert cache_namespace("s", DEFAULT_TENANT, "tenant") == "s"  # as before tenants
+    # a named tenant's namespace is no string: no salt a client sends can reach it
+    assert cache_namespace(None, alice, "tenant") == ("tenant", "alice", None)
+    assert not any(isinstance(cache_namespace(s, alice, "tenant"), str) for s in ("s", None))
+    # global: the salt alone
+    assert {cache_namespace("s", t, "global") for t in (None, alice, bob)} == {"s"}
+    with pytest.raises(ValueError, match="scope"):
+        cache_namespace(None, alice, "everyone")

@@ -143,3 +143,41 @@ def test_cache_salt_keeps_tenants_apart(tiny_llama):
                     cached = d.num_cached_tokens
         assert cached == (59 if rid == "c" else 0)  # all but the last prompt token
     engine.check_idle()
+
+
+def _cached_tokens(engine, rid: str, prompt: list[int], **kw) -> int:
+    """Run one request alone; its ``num_cached_tokens``."""
+    engine.add_request(rid, prompt, greedy(2), **kw)
+    cached = None
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.finished:
+                cached = d.num_cached_tokens
+    return cached
+
+
+@pytest.mark.parametrize("scope", ["tenant", "global"])
+def test_tenants_share_no_cached_prefix_unless_the_scope_is_global(tiny_llama, scope):
+    """Scope ``tenant`` (the default): a tenant's request never matches another tenant's
+    pages (nor a sub-tenant's of the same key), even with the same salt; it does match its
+    own. Tenant ``default`` keeps the bare salt's namespace. ``global``: all share."""
+    from radixserve.core.request import Tenant
+
+    llm = _llm(tiny_llama, page_size=4, prefix_cache_scope=scope)
+    engine = llm.engine
+    prompt = list(range(20, 80))
+    alice, bob, bob_sub = Tenant("alice"), Tenant("bob"), Tenant("bob/team-1")
+    full = 59  # all but the last prompt token
+    assert _cached_tokens(engine, "a1", prompt, tenant=alice) == 0
+    shared = full if scope == "global" else 0
+    assert _cached_tokens(engine, "b1", prompt, tenant=bob) == shared
+    assert _cached_tokens(engine, "s1", prompt, tenant=bob_sub) == shared
+    assert _cached_tokens(engine, "d1", prompt) == shared  # tenant default
+    assert _cached_tokens(engine, "a2", prompt, tenant=alice) == full
+    assert _cached_tokens(engine, "b2", prompt, tenant=bob) == full
+    # a salt partitions within a tenant; another tenant sending it gets nothing of it
+    assert _cached_tokens(engine, "a3", prompt, tenant=alice, cache_salt="x") == 0
+    assert _cached_tokens(engine, "a4", prompt, tenant=alice, cache_salt="x") == full
+    assert _cached_tokens(engine, "b3", prompt, tenant=bob, cache_salt="x") == shared
+    assert _cached_tokens(engine, "d2", prompt, cache_salt="x") == shared
+    engine.check_idle()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.api.router.server import RouterConfig, routing_key
+from radixserve.api.router.server import RouterConfig, requester, routing_key, routing_namespace
 from radixserve.serving.balancer import (
     BalanceConfig,
     Balancer,
@@ -111,6 +111,42 @@ def test_cache_aware_sticks_to_a_prefix_and_spreads_new_ones():
         assert (d.worker, d.outcome) == (other.worker, "cache_hit")
 
 
+def test_cache_aware_matches_within_a_namespace_only():
+    """A tenant's prompt is never routed by another tenant's (the replicas would not match
+    it either), and the namespace counts for nothing in the matched fraction."""
+    b = Balancer(2, "cache-aware")
+    alice = b.choose("S" * 100 + "q1", namespace="alice")
+    bob = b.choose("S" * 100 + "q1", namespace="bob")
+    assert (alice.outcome, bob.outcome) == ("cache_miss", "cache_miss")
+    assert bob.worker != alice.worker and bob.matched == 0  # the emptier tree, no match
+    again = b.choose("S" * 100 + "q2", namespace="alice")
+    assert (again.worker, again.outcome, again.matched) == (alice.worker, "cache_hit", 101)
+    # a short prompt of a known namespace matches only its own characters
+    short = b.choose("xyz", namespace="alice")
+    assert short.outcome == "cache_miss" and short.matched == 0
+
+
+def test_router_namespaces_follow_the_credentials_and_salt():
+    alice = {"authorization": "Bearer sk-alice-0001"}
+    bob = {"authorization": "Bearer sk-bob-00002"}
+    assert requester(alice) == requester(dict(alice)) != requester(bob)
+    assert requester(alice) != requester({**alice, "x-tenant": "t1"})
+    assert requester(alice, {"user": "u1"}) != requester(alice, {"user": "u2"})
+    assert requester({"x-api-key": "ab"}) != requester({"authorization": "ab"})
+    body = {"prompt": "hi"}
+    assert routing_namespace("tenant", alice, body) != routing_namespace("tenant", bob, body)
+    assert routing_namespace("global", alice, body) == routing_namespace("global", bob, body) == ""
+    salted = {**body, "cache_salt": "s\x00"}
+    assert routing_namespace("global", alice, salted) == repr("s\x00")
+    assert "\x00" not in routing_namespace("tenant", alice, salted)  # the balancer's separator
+    # the user field names a sub-tenant only where the key allows it: routing ignores it
+    assert routing_namespace("tenant", alice, {"user": "u1"}) == routing_namespace(
+        "tenant", alice, {"user": "u2"}
+    )
+    with pytest.raises(ValueError):
+        RouterConfig(workers=("http://a:1",), prefix_cache_scope="nobody")
+
+
 def test_cache_aware_balances_when_load_is_unbalanced():
     b = Balancer(2, "cache-aware", BalanceConfig(balance_abs_threshold=4, balance_rel_threshold=2))
     first = b.choose("P" * 50).worker
@@ -170,7 +206,6 @@ def test_routing_keys():
     assert routing_key("/v1/chat/completions", longer).startswith(key)  # turns share a prefix
     assert routing_key("/v1/completions", None) == ""
     assert routing_key("/v1/completions", {"prompt": [-1]}) == ""
-    assert token_key([1, 2], "salt") != token_key([1, 2])
     # Anthropic's Messages: the system prompt (a string or text blocks) leads, as in chat
     messages = {"system": [{"type": "text", "text": "be brief"}], "messages": chat["messages"][1:]}
     assert routing_key("/v1/messages", messages) == key

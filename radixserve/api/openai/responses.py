@@ -6,7 +6,10 @@ A request becomes chat messages (``instructions``, then the stored conversation 
 ``function_call_output`` items) and ``SamplingParams`` through the same converter,
 template, sampling defaults, tool context and grammar path as Chat Completions; the answer
 is a response object with ``message`` and ``function_call`` output items. Responses with
-``store`` (the default) are kept in a bounded in-memory store (``response_store``).
+``store`` (the default) are kept in a bounded in-memory store (``response_store``), each
+for the tenant that created it: another tenant's ``GET``, ``DELETE`` and
+``previous_response_id`` find nothing (a 404 like an id never stored); an admin key reads
+and deletes any.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from radixserve.api.openai.tool_parser import (
 )
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving import tenancy
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 
@@ -217,6 +221,7 @@ class _Responder:
         ids: list[int],
     ) -> None:
         self.server, self.body, self.conversation, self.ids = server, body, conversation, ids
+        self.owner = tenancy.current.get().tenant.name  # the tenant it is stored for
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -276,7 +281,9 @@ class _Responder:
             said: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:  # as the template takes them: arguments as objects
                 said["tool_calls"] = [_template_call(c) for c in calls]
-            self.server.responses.put(self.id, StoredResponse(response, [*self.conversation, said]))
+            self.server.responses.put(
+                self.id, StoredResponse(response, [*self.conversation, said], self.owner)
+            )
         return response, output
 
 
@@ -293,7 +300,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         _refuse_unsupported(body)
         conversation: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
-            previous = store.get(body.previous_response_id)
+            # another tenant's response is not found, exactly like one never stored
+            previous = store.get(body.previous_response_id, tenancy.current.get().tenant.name)
             if previous is None:
                 raise APIError(
                     404,
@@ -346,7 +354,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("GET", "/v1/responses/{response_id}")
     async def retrieve(request: HTTPRequest) -> Response:
-        stored = store.get(_response_id(request))
+        stored = store.get(_response_id(request), server.reader(request.headers))
         if stored is None:
             raise _not_found(_response_id(request))
         return json_response(stored.response)
@@ -354,7 +362,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     @app.route("DELETE", "/v1/responses/{response_id}")
     async def delete(request: HTTPRequest) -> Response:
         response_id = _response_id(request)
-        if not store.delete(response_id):
+        if not store.delete(response_id, server.reader(request.headers)):
             raise _not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 

@@ -28,12 +28,20 @@ from radixserve.api.console.debug import add_debug_routes
 from radixserve.api.console.routes import register_console
 from radixserve.api.openai import chat, completions, embeddings, native, responses
 from radixserve.api.openai.converter import parse_body
-from radixserve.api.openai.response_store import DEFAULT_MAX_RESPONSES, ResponseStore
+from radixserve.api.openai.response_store import ANY_TENANT, DEFAULT_MAX_RESPONSES, ResponseStore
 from radixserve.api.tenants import load_keys_file, tenant_tag
 from radixserve.core.version import __version__
 from radixserve.serving import tenancy
 from radixserve.serving.frontend import EngineConfig, Frontend, ServingConfig
 from radixserve.serving.supervisor import SupervisorConfig
+
+_PROTECTED_PREFIXES = ("/v1/", "/debug/")  # (/v1/messages takes x-api-key too)
+_PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
+ADMIN_PREFIXES = ("/v1/engine/", "/debug/")
+ADMIN_PATHS = frozenset({"/metrics"})
+# what the server stores for tenants (GET/DELETE /v1/responses/{id}): an admin key may read
+# and delete any tenant's
+STORED_PREFIX = "/v1/responses/"
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,14 @@ class OpenAIServer:
         self.frontend = Frontend(engine_config, config.serving())
         self.keys = auth.ApiKeys(config.api_keys, file_entries)
         self.admin_keys = auth.ApiKeys(config.admin_api_keys)
+        self.policy = auth.AccessPolicy(
+            self.keys,
+            self.admin_keys,
+            config.loopback_only,
+            protected=(_PROTECTED_PREFIXES, _PROTECTED_PATHS),
+            admin=(ADMIN_PREFIXES, ADMIN_PATHS),
+            admin_too=(STORED_PREFIX,),
+        )
         self.responses = ResponseStore(config.max_stored_responses)  # /v1/responses
 
     def reload_keys(self) -> bool:
@@ -119,11 +135,22 @@ class OpenAIServer:
 
     def set_tenant(self, headers: dict[str, str], user: Any = None) -> None:
         """Identify the request's tenant from its key (a 400 for a bad sub-tenant)."""
+        tenancy.current.set(self._tenant_tag(headers, user))
+
+    def _tenant_tag(self, headers: dict[str, str], user: Any = None) -> tenancy.TenantTag:
         entry = self.keys.identify(headers.get("authorization"), headers.get("x-api-key"))
         tag = tenant_tag(entry, headers, user if isinstance(user, str) else None)
         if isinstance(tag, str):
             raise APIError(400, tag, param=None if "x-tenant" in headers else "user")
-        tenancy.current.set(tag)
+        return tag
+
+    def reader(self, headers: dict[str, str]) -> str:
+        """Whose stored objects a request without a body (``GET``/``DELETE`` of a stored
+        response) may see: ``ANY_TENANT`` with an admin key, else its tenant's name (its
+        key's, refined by ``X-Tenant`` where the key allows sub-tenants)."""
+        if self.policy.is_admin(headers):
+            return ANY_TENANT
+        return self._tenant_tag(headers).tenant.name
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.frontend.model_name:
@@ -150,24 +177,12 @@ def _watch_sighup(server: OpenAIServer) -> None:
         log.warning("SIGHUP not watched (%s): the keys file is read once", exc)
 
 
-_PROTECTED_PREFIXES = ("/v1/", "/debug/")  # (/v1/messages takes x-api-key too)
-_PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
-ADMIN_PREFIXES = ("/v1/engine/", "/debug/")
-ADMIN_PATHS = frozenset({"/metrics"})
-
-
 def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> ASGIApp:
     config = config or ServerConfig()
     server = OpenAIServer(engine_config, config)
     frontend = server.frontend
 
-    policy = auth.AccessPolicy(
-        server.keys,
-        server.admin_keys,
-        config.loopback_only,
-        protected=(_PROTECTED_PREFIXES, _PROTECTED_PATHS),
-        admin=(ADMIN_PREFIXES, ADMIN_PATHS),
-    )
+    policy = server.policy
 
     def authorize(request: HTTPRequest) -> APIError | None:
         denied = policy.check(request.path, request.headers)

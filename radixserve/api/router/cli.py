@@ -67,6 +67,13 @@ def add_router_args(r: argparse.ArgumentParser) -> None:
         help="consecutive failed checks before a worker is taken out",
     )
     r.add_argument("--max-body-mb", type=float, default=8.0, help="request body size limit (MiB)")
+    r.add_argument(
+        "--prefix-cache-scope",
+        default="tenant",
+        choices=["tenant", "global"],
+        help="as the workers' flag: tenant = a prompt is matched against the prompts sent "
+        "with the same key (and X-Tenant) only; global = against all",
+    )
     add_balance_args(r)
 
 
@@ -83,6 +90,7 @@ def run_router(args: argparse.Namespace) -> int:
         health_check_timeout_s=args.health_check_timeout,
         health_failure_threshold=args.health_failure_threshold,
         max_body_bytes=int(args.max_body_mb * 2**20),
+        prefix_cache_scope=args.prefix_cache_scope,
     )
     app = create_router_app(config)
     uvicorn.run(

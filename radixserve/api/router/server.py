@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,10 +81,17 @@ class RouterConfig:
     health_failure_threshold: int = 2  # consecutive failed checks before a worker is out
     max_body_bytes: int = 8 * 2**20
     connect_timeout_s: float = 5.0
+    # as the replicas' --prefix-cache-scope: tenant = a prompt is matched only against the
+    # prompts sent with the same credentials (the replicas cache per tenant); global = all
+    prefix_cache_scope: str = "tenant"
 
     def __post_init__(self) -> None:
         if not self.workers:
             raise ValueError("give at least one --worker URL")
+        if self.prefix_cache_scope not in ("tenant", "global"):
+            raise ValueError(
+                f"prefix_cache_scope must be tenant or global; got {self.prefix_cache_scope!r}"
+            )
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"a worker URL must start with http:// or https://; got {url!r}")
@@ -138,6 +146,32 @@ def routing_key(path: str, body: Any) -> str:
     if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < 0x110000 for t in prompt):
         return token_key(prompt)
     return ""
+
+
+def requester(headers: Mapping[str, str], body: Any = None) -> str:
+    """Who sent a request, as far as the router can tell without the keys (the replicas
+    check them): a digest of its credentials and sub-tenant (``authorization``,
+    ``x-api-key``, ``x-tenant``, and the body's ``user`` when given). Requests of one
+    tenant with one key share it; requests of different tenants never do."""
+    user = body.get("user") if isinstance(body, dict) else None
+    parts = [headers.get(k, "") for k in ("authorization", "x-api-key", "x-tenant")]
+    parts.append(user if isinstance(user, str) else "")
+    digest = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        digest.update(len(part).to_bytes(4, "little") + part.encode("utf-8", "replace"))
+    return digest.hexdigest()
+
+
+def routing_namespace(scope: str, headers: Mapping[str, str], body: Any) -> str:
+    """The cache namespace a prompt will be matched in on the replicas, for the balancer:
+    its tenant's (under scope ``tenant``, told by the credentials and ``x-tenant``; a
+    sub-tenant named by ``user`` alone shares its key's here, which costs routing, not
+    isolation: the replicas keep them apart) and its ``cache_salt``."""
+    parts = [requester(headers)] if scope == "tenant" else []
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    if isinstance(salt, str) and salt:
+        parts.append(repr(salt))  # (repr: no NUL, the balancer's separator)
+    return " ".join(parts)
 
 
 def _unavailable(url: str) -> APIError:
@@ -208,8 +242,9 @@ class Router:
         self.http: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self._rr = 0  # for requests that any worker can answer
-        # a stored Responses answer lives in the replica that made it: id -> worker
-        self.response_owner: OrderedDict[str, int] = OrderedDict()
+        # a stored Responses answer lives in the replica that made it: id -> (worker, the
+        # requester digest of the request that made it)
+        self.response_owner: OrderedDict[str, tuple[int, str]] = OrderedDict()
         self.registry = CollectorRegistry()
         self.registry.register(_RouterCollector(self))
         self.requests = Counter(
@@ -391,13 +426,14 @@ class Router:
         except orjson.JSONDecodeError:
             body = None  # the worker answers it (400)
         key = routing_key(request.path, body)
+        namespace = routing_namespace(self.config.prefix_cache_scope, request.headers, body)
         tried: set[int] = set()
         last_failure: APIError | Response | None = None
         last_worker = -1
         while True:
             try:
                 if pinned is None:
-                    decision = self.balancer.choose(key, frozenset(tried))
+                    decision = self.balancer.choose(key, frozenset(tried), namespace)
                 elif pinned in tried or not self.workers[pinned].healthy:
                     raise NoWorkerAvailable(self.workers[pinned].url)
                 else:
@@ -452,9 +488,10 @@ class Router:
         except orjson.JSONDecodeError:
             body = None
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        who = requester(request.headers, body)
         pinned = None
         if isinstance(previous, str):
-            pinned = await self._owner(previous, request)
+            pinned = await self._owner(previous, request, who)
             if pinned is None:
                 raise APIError(
                     404,
@@ -469,13 +506,13 @@ class Router:
             first = answer.body if answer.status == 200 else b""
         found = _RESPONSE_ID.search(first)
         if found:
-            self._remember(found.group(1).decode(), worker)
+            self._remember(found.group(1).decode(), worker, who)
         return answer
 
     async def proxy_stored(self, request: HTTPRequest) -> Response:
         """``GET`` or ``DELETE /v1/responses/{id}``: to the replica holding it."""
         response_id = request.path_params["response_id"]
-        worker = await self._owner(response_id, request)
+        worker = await self._owner(response_id, request, requester(request.headers))
         if worker is None:
             raise APIError(
                 404,
@@ -492,18 +529,22 @@ class Router:
             self.response_owner.pop(response_id, None)
         return answer
 
-    def _remember(self, response_id: str, worker: int) -> None:
-        self.response_owner[response_id] = worker
+    def _remember(self, response_id: str, worker: int, who: str) -> None:
+        self.response_owner[response_id] = (worker, who)
         self.response_owner.move_to_end(response_id)
         while len(self.response_owner) > MAX_RESPONSE_OWNERS:
             self.response_owner.popitem(last=False)
 
-    async def _owner(self, response_id: str, request: HTTPRequest) -> int | None:
-        """The worker holding a stored response: the one remembered, else the first
-        healthy one that has it (the router restarted, or forgot it); None if none has.
-        A remembered worker that is out: a 503 (its store may come back with it)."""
-        worker = self.response_owner.get(response_id)
-        if worker is not None:
+    async def _owner(self, response_id: str, request: HTTPRequest, who: str) -> int | None:
+        """The worker holding a stored response for the requester ``who``: the one
+        remembered when ``who`` made it, else the first healthy one that answers this
+        request's credentials with it (the router restarted or forgot it, or another key,
+        such as the admin's, asks); None if none does. Only to its maker is a remembered
+        worker that is out a 503 (its store may come back with it): anyone else learns
+        nothing the replicas would not tell them."""
+        remembered = self.response_owner.get(response_id)
+        if remembered is not None and remembered[1] == who:
+            worker = remembered[0]
             if not self.workers[worker].healthy:
                 raise _unavailable(self.workers[worker].url)
             self.response_owner.move_to_end(response_id)
@@ -525,7 +566,8 @@ class Router:
         found = await asyncio.gather(*(has_it(i) for i in healthy))
         for i, yes in zip(healthy, found, strict=True):
             if yes:
-                self._remember(response_id, i)
+                if remembered is None:
+                    self._remember(response_id, i, who)
                 return i
         return None
 

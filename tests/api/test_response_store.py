@@ -1,0 +1,41 @@
+"""The Responses API's store with no server: bounded, least recently used out, and each
+response visible to the tenant that made it (and the admin) only."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.api.openai.response_store import ANY_TENANT, ResponseStore, StoredResponse
+
+
+def _item(owner: str, n: int = 0) -> StoredResponse:
+    return StoredResponse({"id": f"resp_{n}"}, [{"role": "user", "content": "hi"}], owner)
+
+
+def test_another_tenant_finds_nothing_and_changes_nothing():
+    store = ResponseStore(4)
+    store.put("resp_a", _item("alice"))
+    # bob: as for an id never stored; alice's entry is untouched by his delete
+    assert store.get("resp_a", "bob") is None and store.get("resp_x", "bob") is None
+    assert store.delete("resp_a", "bob") is False and store.delete("resp_x", "bob") is False
+    assert store.get("resp_a", "alice/u1") is None  # a sub-tenant is a tenant of its own
+    assert store.get("resp_a", "alice").owner == "alice"
+    assert store.get("resp_a", ANY_TENANT) is not None  # the admin reads any
+    assert store.delete("resp_a", ANY_TENANT) and store.get("resp_a", "alice") is None
+    store.put("resp_b", _item("alice"))
+    assert store.delete("resp_b", "alice") and len(store) == 0
+
+
+def test_bounded_least_recently_used_first_out():
+    store = ResponseStore(2)
+    store.put("r1", _item("t"))
+    store.put("r2", _item("t"))
+    assert store.get("r1", "t") is not None  # r1 is now the most recent
+    store.put("r3", _item("t"))
+    assert store.get("r2", "t") is None and store.get("r1", "t") and store.get("r3", "t")
+    # (r3 is now the most recent) another tenant's look-up does not refresh r1
+    assert store.get("r1", "other") is None
+    store.put("r4", _item("t"))
+    assert store.get("r1", "t") is None and store.get("r3", "t") is not None
+    with pytest.raises(ValueError):
+        ResponseStore(0)
