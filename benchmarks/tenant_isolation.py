@@ -117,10 +117,7 @@ def main() -> None:
                 "requests": n,
                 "tenants": args.tenants,
                 "rounds": args.rounds,
-                **{
-                    scope: {k: round(v, 4) for k, v in s.items()}
-                    for scope, s in summary.items()
-                },
+                **{scope: {k: round(v, 4) for k, v in s.items()} for scope, s in summary.items()},
                 "throughput_ratio": round(ratio, 3),
             }
         )
