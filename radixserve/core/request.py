@@ -114,6 +114,32 @@ def cache_namespace(cache_salt: str | None, tenant: Tenant | None, scope: str) -
     return ("tenant", tenant.name, cache_salt)
 
 
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as the engine takes it, the one value at the engine's boundary: built
+    and checked once where it enters (``Engine.add_request`` offline, the serving frontend
+    for HTTP and gRPC), then trusted: it crosses the engine client, the wire (msgpack) and
+    ``Engine.submit`` unchanged, and nothing below re-validates it.
+
+    Invariants (its builder's): ``prompt_token_ids`` is non-empty, in the vocabulary and
+    fits the context with ``params.max_tokens`` more; ``params`` was checked against the
+    vocabulary; ``pooling`` is None or one of ``POOLING_KINDS``, and then ``params`` is
+    ``POOLING_PARAMS``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None  # prefix-cache partition (``cache_namespace``)
+    priority: int = 0  # lower runs first (policy "priority")
+    tenant: Tenant | None = None  # who it is served for (None: "default")
+    # a pooling request (an embedding): "last" or "mean"; nothing is sampled
+    pooling: str | None = None
+
+
+# what a pooling request "samples": its prompt's last position, greedily, then it ends
+POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+
 class Request:
     """One sequence being generated.
 

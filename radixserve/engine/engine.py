@@ -20,6 +20,8 @@ from radixserve.core.radix_cache import RadixCache
 from radixserve.core.radix_summary import RadixSummaryData, summarize
 from radixserve.core.request import (
     POOLING_KINDS,
+    POOLING_PARAMS,
+    EngineRequest,
     FinishReason,
     Request,
     RequestState,
@@ -537,52 +539,112 @@ class Engine:
         timeout_s: float | None = None,
         tenant: Tenant | None = None,
     ) -> list[int]:
-        """Queue ``params.n`` samples of ``prompt``; returns the prompt's token ids.
+        """Check and queue ``params.n`` samples of ``prompt`` (the offline entry point:
+        ``validate_prompt``, then ``submit``); returns the prompt's token ids.
 
         Requests with different ``cache_salt`` never share cached KV, nor do different
         tenants' under ``prefix_cache_scope`` ``tenant`` (``core.request.cache_namespace``);
-        lower ``priority`` values run first under the ``priority`` policy; ``tenant`` is who it is served for (the
-        ``fair`` policy shares the engine between tenants); a request still unfinished
-        ``timeout_s`` seconds from now fails with an error. Raises ``EngineOverloaded`` when
-        the waiting queue is full."""
+        lower ``priority`` values run first under the ``priority`` policy; ``tenant`` is who
+        it is served for (the ``fair`` policy shares the engine between tenants); a request
+        still unfinished ``timeout_s`` seconds from now fails with an error. Raises
+        ``EngineOverloaded`` when the waiting queue is full."""
+        self._check_open(request_id)
+        token_ids = self.validate_prompt(prompt, params)
+        request = EngineRequest(request_id, token_ids, params, cache_salt, priority, tenant)
+        self.submit(request, timeout_s)
+        return token_ids
+
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        pooling: str = "last",
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        tenant: Tenant | None = None,
+    ) -> list[int]:
+        """Check and queue a pooling request (an embedding) for ``tenant`` (as
+        ``add_request``): the prompt is prefilled like any other, under the same token
+        budget and in the same batches as generation, but nothing is sampled; its one
+        finished delta carries ``embedding``, the final-norm hidden state of the last
+        prompt token (``pooling="last"``) or the mean over all prompt tokens (``"mean"``),
+        float32, not normalised. Returns the prompt's token ids.
+
+        Prefix cache: ``last`` reuses a cached prefix (its last token is always computed);
+        ``mean`` needs every token's hidden state and never reuses one. Both leave their
+        prompt's KV in the cache when they end, like a finished generation."""
+        self._check_open(request_id)
+        if pooling not in POOLING_KINDS:
+            raise InputError(
+                f"pooling must be one of {', '.join(POOLING_KINDS)}, got {pooling!r}",
+                param="pooling",
+            )
+        ids = self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.inputs.check_prompt(ids, 0)  # nothing is generated: the prompt may fill it
+        request = EngineRequest(
+            request_id, ids, POOLING_PARAMS, cache_salt, priority, tenant, pooling
+        )
+        self.submit(request, timeout_s)
+        return ids
+
+    def _check_open(self, request_id: str) -> None:
+        """What only the engine knows about a new request: it is alive, the id is free."""
         if self.fatal_error is not None:
             raise RuntimeError(self.fatal_error)
         if request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.validate_prompt(prompt, params)
-        seq_ids = (
-            [request_id] if params.n == 1 else [f"{request_id}\x1f{i}" for i in range(params.n)]
+
+    def submit(self, request: EngineRequest, timeout_s: float | None = None) -> None:
+        """Queue a request its entry point built and checked (``EngineRequest``'s
+        invariants): nothing is validated again, only what only the engine can know (it
+        is alive, the id is free, the model can do it, the queue has room:
+        ``EngineOverloaded``). ``timeout_s``: it fails if still unfinished that long from
+        now."""
+        self._check_open(request.request_id)
+        params, pooling, rid = request.params, request.pooling, request.request_id
+        if self.config.simulated_device and pooling is not None:
+            raise ValueError("pooling requests need a model (not a simulated device)")
+        if self.config.simulated_device and params.grammar_key() is not None:
+            raise ValueError("structured_output needs a model (not a simulated device)")
+        n = 1 if pooling is not None else params.n
+        seq_ids = [rid] if n == 1 else [f"{rid}\x1f{i}" for i in range(n)]
+        namespace = cache_namespace(
+            request.cache_salt, request.tenant, self.config.prefix_cache_scope
         )
-        namespace = cache_namespace(cache_salt, tenant, self.config.prefix_cache_scope)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         requests = [
             Request(
                 sid,
-                token_ids,
-                _sample_params(params, i),
-                group_id=request_id,
+                request.prompt_token_ids,
+                params if pooling is not None else _sample_params(params, i),
+                group_id=rid,
                 cache_namespace=namespace,
-                priority=priority,
-                deadline=None if timeout_s is None else time.monotonic() + timeout_s,
-                tenant=tenant,
+                priority=request.priority,
+                deadline=deadline,
+                tenant=request.tenant,
+                pooling=pooling,
             )
             for i, sid in enumerate(seq_ids)
         ]
-        grammar_key = params.grammar_key()
+        grammar_key = None if pooling is not None else params.grammar_key()
         if grammar_key is None:
             self.scheduler.add_group(requests)
-        elif self.proposer is not None:
-            self._constrained.update(seq_ids)  # no speculation while a grammar runs
-            self.grammars.add(requests, grammar_key)
-        elif self.config.simulated_device:
-            raise ValueError("structured_output needs a model (not a simulated device)")
         else:
+            if self.proposer is not None:
+                self._constrained.update(seq_ids)  # no speculation while a grammar runs
             self.grammars.add(requests, grammar_key)  # scheduled once compiled
+        if pooling is not None:
+            self._sequences[rid] = _Sequence(rid, 0, None, frozenset(), pooling=pooling)
+            self._children[rid] = seq_ids
+            return
+        token_ids = request.prompt_token_ids
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         )
         for i, sid in enumerate(seq_ids):
             self._sequences[sid] = _Sequence(
-                request_id,
+                rid,
                 i,
                 IncrementalDetokenizer(
                     self._backend_tokenizer,
@@ -596,56 +658,7 @@ class Engine:
                 stop_ids,
                 [None] * (len(token_ids) - 1) if params.prompt_logprobs is not None else None,
             )
-        self._children[request_id] = seq_ids
-        return token_ids
-
-    def add_pooling_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        pooling: str = "last",
-        cache_salt: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        tenant: Tenant | None = None,
-    ) -> list[int]:
-        """Queue a pooling request (an embedding) for ``tenant`` (as ``add_request``): the prompt is prefilled like any other,
-        under the same token budget and in the same batches as generation, but nothing is
-        sampled; its one finished delta carries ``embedding``, the final-norm hidden state
-        of the last prompt token (``pooling="last"``) or the mean over all prompt tokens
-        (``"mean"``), float32, not normalised. Returns the prompt's token ids.
-
-        Prefix cache: ``last`` reuses a cached prefix (its last token is always computed);
-        ``mean`` needs every token's hidden state and never reuses one. Both leave their
-        prompt's KV in the cache when they end, like a finished generation."""
-        if self.fatal_error is not None:
-            raise RuntimeError(self.fatal_error)
-        if pooling not in POOLING_KINDS:
-            raise InputError(
-                f"pooling must be one of {', '.join(POOLING_KINDS)}, got {pooling!r}",
-                param="pooling",
-            )
-        if self.config.simulated_device:
-            raise ValueError("pooling requests need a model (not a simulated device)")
-        if request_id in self._children:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        ids = self.inputs.check_prompt(ids, 0)  # nothing is generated: the prompt may fill it
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        req = Request(
-            request_id,
-            ids,
-            params,
-            cache_namespace=cache_namespace(cache_salt, tenant, self.config.prefix_cache_scope),
-            priority=priority,
-            deadline=None if timeout_s is None else time.monotonic() + timeout_s,
-            tenant=tenant,
-            pooling=pooling,
-        )
-        self.scheduler.add_group([req])
-        self._sequences[request_id] = _Sequence(request_id, 0, None, frozenset(), pooling=pooling)
-        self._children[request_id] = [request_id]
-        return ids
+        self._children[rid] = seq_ids
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort every sample of ``request_id`` (any state), or only sample ``index``; pages

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from radixserve.core.errors import InputError
+from radixserve.core.request import POOLING_KINDS, POOLING_PARAMS, EngineRequest
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.engine import Engine
@@ -54,7 +56,7 @@ class LLM:
         order: list[str] = []
         for prompt, ids, params in zip(prompt_list, token_ids, params_list, strict=True):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, ids, params)
+            self.engine.submit(EngineRequest(rid, ids, params))  # (checked above)
             results[rid] = RequestOutput(
                 request_id=rid,
                 prompt=prompt if isinstance(prompt, str) else None,
@@ -102,6 +104,11 @@ class LLM:
         ``normalize=False``; float32 arrays of the model's hidden size. Every prompt is
         checked before any is queued; a failed one raises ``RuntimeError``."""
         prompt_list = _as_prompt_list(prompts)
+        if pooling not in POOLING_KINDS:
+            raise InputError(
+                f"pooling must be one of {', '.join(POOLING_KINDS)}, got {pooling!r}",
+                param="pooling",
+            )
         token_ids = [
             self.engine.inputs.check_prompt(
                 self.engine.inputs.encode(p) if isinstance(p, str) else list(p), 0
@@ -112,7 +119,7 @@ class LLM:
         results: dict[str, np.ndarray] = {}
         try:
             for rid, ids in zip(order, token_ids, strict=True):
-                self.engine.add_pooling_request(rid, ids, pooling)
+                self.engine.submit(EngineRequest(rid, ids, POOLING_PARAMS, pooling=pooling))
             while len(results) < len(order):
                 for delta in self.engine.step():
                     if not delta.finished:
@@ -172,7 +179,7 @@ class LLM:
         ids = self.apply_chat_template(prompt) if chat else prompt  # type: ignore[arg-type]
         ids = self.engine.validate_prompt(ids, params)  # type: ignore[arg-type]
         rid = f"stream-{next(self._ids)}"
-        self.engine.add_request(rid, ids, params)
+        self.engine.submit(EngineRequest(rid, ids, params))
         finished = False
         try:
             while not finished:

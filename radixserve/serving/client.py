@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from radixserve.core.request import Tenant
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.request import EngineRequest
 from radixserve.serving import protocol as p
 
 
@@ -25,29 +24,12 @@ class EngineClient(Protocol):
 
     async def shutdown(self, timeout_s: float = 10.0) -> None: ...
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        tenant: Tenant | None = None,
-        pooling: str | None = None,
-    ) -> AsyncIterator[p.Delta]:
-        """The deltas of ``params.n`` samples, with their text, until all have finished;
-        with ``pooling``, a pooling request's one finished delta (with ``embedding``)."""
+    def generate(self, request: EngineRequest) -> AsyncIterator[p.Delta]:
+        """The deltas of the request's ``params.n`` samples, with their text, until all
+        have finished; a pooling request's one finished delta (with ``embedding``)."""
         ...
 
-    def generate_batches(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        tenant: Tenant | None = None,
-    ) -> AsyncIterator[list[p.Delta]]:
+    def generate_batches(self, request: EngineRequest) -> AsyncIterator[list[p.Delta]]:
         """As ``generate``, every delta that has arrived at once (a slow reader's batch)."""
         ...
 

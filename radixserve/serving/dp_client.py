@@ -13,8 +13,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from radixserve.core.request import Tenant, cache_namespace
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.request import EngineRequest, cache_namespace
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.parallel import replica_environments
 from radixserve.serving import protocol as p
@@ -189,29 +188,26 @@ class DataParallelClient:
         return p.EngineStats(**{k: sum(getattr(s, k) for s in all_stats) for k in _SUMMED})
 
     # -- requests -------------------------------------------------------------------------
-    def _pick(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        cache_salt: str | None,
-        tenant: Tenant | None,
-    ) -> int:
+    def _pick(self, request: EngineRequest) -> int:
         """The engine for a request: its routing key is the prompt in the radix-cache
         namespace the engine will match it in (its tenant's, under scope ``tenant``), so
         the balancer's trees follow the engines' caches."""
-        namespace = cache_namespace(cache_salt, tenant, self.config.prefix_cache_scope)
+        namespace = cache_namespace(
+            request.cache_salt, request.tenant, self.config.prefix_cache_scope
+        )
         for i, client in enumerate(self.clients):
             alive = client.alive
             if alive != self.balancer.available[i]:  # (a silent engine keeps its tree)
                 self.balancer.set_available(i, alive, forget=client.dead)
         try:
             worker = self.balancer.choose(
-                token_key(prompt_token_ids), namespace="" if namespace is None else repr(namespace)
+                token_key(request.prompt_token_ids),
+                namespace="" if namespace is None else repr(namespace),
             ).worker
         except NoWorkerAvailable:
             raise EngineDead("no engine is running") from None
         self.requests[worker] += 1
-        self._owner[request_id] = worker
+        self._owner[request.request_id] = worker
         return worker
 
     def _done(self, request_id: str, worker: int) -> None:
@@ -219,57 +215,23 @@ class DataParallelClient:
         if self._owner.get(request_id) == worker:
             del self._owner[request_id]
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        tenant: Tenant | None = None,
-        pooling: str | None = None,
-    ) -> AsyncIterator[p.Delta]:
-        return self._routed(
-            "generate", request_id, prompt_token_ids, params, cache_salt, priority, tenant, pooling
-        )
+    def generate(self, request: EngineRequest) -> AsyncIterator[p.Delta]:
+        return self._routed("generate", request)
 
-    def generate_batches(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        tenant: Tenant | None = None,
-    ) -> AsyncIterator[list[p.Delta]]:
-        return self._routed(
-            "generate_batches", request_id, prompt_token_ids, params, cache_salt, priority, tenant
-        )
+    def generate_batches(self, request: EngineRequest) -> AsyncIterator[list[p.Delta]]:
+        return self._routed("generate_batches", request)
 
-    async def _routed(
-        self,
-        method: str,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None,
-        priority: int,
-        tenant: Tenant | None = None,
-        pooling: str | None = None,
-    ) -> AsyncIterator[Any]:
+    async def _routed(self, method: str, request: EngineRequest) -> AsyncIterator[Any]:
         """The chosen engine's ``method`` (an async generator), counted in its load until the
         caller is done with it."""
-        worker = self._pick(request_id, prompt_token_ids, cache_salt, tenant)
-        extra = {} if pooling is None else {"pooling": pooling}
-        gen = getattr(self.clients[worker], method)(
-            request_id, prompt_token_ids, params, cache_salt, priority, tenant, **extra
-        )
+        worker = self._pick(request)
+        gen = getattr(self.clients[worker], method)(request)
         try:
             async for item in gen:
                 yield item
         finally:
             await gen.aclose()
-            self._done(request_id, worker)
+            self._done(request.request_id, worker)
 
     def abort(self, request_id: str) -> bool:
         worker = self._owner.get(request_id)

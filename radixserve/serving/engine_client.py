@@ -21,8 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from radixserve.core.request import Tenant
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.request import EngineRequest
 from radixserve.engine.config import EngineConfig
 from radixserve.serving import protocol as p
 from radixserve.serving.output_processor import RequestOutputProcessor
@@ -364,26 +363,15 @@ class EngineProcessClient:
         logger.error("%s", self.reason)
 
     # -- requests -------------------------------------------------------------------------
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        tenant: Tenant | None = None,
-        pooling: str | None = None,
-    ) -> AsyncIterator[p.Delta]:
-        """Yield the deltas of ``params.n`` samples, with their text, until all have finished.
-        Cancelling (client gone) aborts the request in the engine. ``pooling``: a pooling
-        request instead (``params.n`` must be 1): one finished delta with ``embedding``."""
-        outputs, pending = self._start(
-            request_id, prompt_token_ids, params, cache_salt, priority, tenant, pooling
-        )
+    async def generate(self, request: EngineRequest) -> AsyncIterator[p.Delta]:
+        """Yield the deltas of the request's samples, with their text, until all have
+        finished (a pooling request: one finished delta with ``embedding``). Cancelling
+        (client gone) aborts the request in the engine."""
+        outputs, pending = self._start(request)
         finished = False
         try:
             while pending.remaining:
-                batch, error = self._deltas(request_id, outputs, pending)
+                batch, error = self._deltas(request.request_id, outputs, pending)
                 for delta in batch:
                     yield delta
                 if error is not None:
@@ -393,27 +381,17 @@ class EngineProcessClient:
                     await pending.queue.wait()
             finished = True
         finally:
-            self._end(request_id, finished)
+            self._end(request.request_id, finished)
 
-    async def generate_batches(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        tenant: Tenant | None = None,
-    ) -> AsyncIterator[list[p.Delta]]:
+    async def generate_batches(self, request: EngineRequest) -> AsyncIterator[list[p.Delta]]:
         """As ``generate``, but each item is every delta that had arrived by the time the
         caller asked for more (one or more, in order): a caller slower than the engine (a
         gRPC stream waiting on its writes) takes them in one go instead of one per turn."""
-        outputs, pending = self._start(
-            request_id, prompt_token_ids, params, cache_salt, priority, tenant
-        )
+        outputs, pending = self._start(request)
         finished = False
         try:
             while pending.remaining:
-                batch, error = self._deltas(request_id, outputs, pending)
+                batch, error = self._deltas(request.request_id, outputs, pending)
                 if batch:
                     yield batch
                 if error is not None:
@@ -423,7 +401,7 @@ class EngineProcessClient:
                     await pending.queue.wait()
             finished = True
         finally:
-            self._end(request_id, finished)
+            self._end(request.request_id, finished)
 
     def _deltas(
         self, request_id: str, outputs: RequestOutputProcessor, pending: _Pending
@@ -452,19 +430,15 @@ class EngineProcessClient:
         if not finished and self.alive:
             self._send(p.AbortRequest(request_id))
 
-    def _start(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None,
-        priority: int,
-        tenant: Tenant | None = None,
-        pooling: str | None = None,
-    ) -> tuple[RequestOutputProcessor, _Pending]:
+    def _start(self, request: EngineRequest) -> tuple[RequestOutputProcessor, _Pending]:
         """Register the request (and with the tracker) and send it to the engine."""
         if not self.alive:
             raise self._error()
+        request_id, prompt_token_ids, params = (
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+        )
         n = params.n
         outputs = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, n)
         pending = _Pending(remaining=n, owed=n)
@@ -472,11 +446,7 @@ class EngineProcessClient:
             self._watch.work_started()  # the hang clock starts with the engine's work
         self._owed += n
         self._pending[request_id] = pending
-        self._send(
-            p.GenerateRequest(
-                request_id, prompt_token_ids, params, cache_salt, priority, tenant, pooling
-            )
-        )
+        self._send(p.GenerateRequest(request))
         self.tracker.start(request_id, len(prompt_token_ids), n)
         return outputs, pending
 

@@ -63,7 +63,8 @@ def decode_messages(raw: bytes, push: zmq.Socket) -> list[p.ToEngine]:
             messages.append(p.to_engine_item_decoder.decode(item))
         except msgspec.ValidationError as exc:
             loose = msgspec.msgpack.decode(item)
-            request_id = loose.get("request_id") if isinstance(loose, dict) else None
+            inner = loose.get("request") if isinstance(loose, dict) else None
+            request_id = inner.get("request_id") if isinstance(inner, dict) else None
             logger.error("undecodable message from the frontend: %s", exc)
             if isinstance(request_id, str) and loose.get("type") == "generate":
                 push.send(p.encoder.encode(p.Rejected(request_id, f"bad request: {exc}")))
@@ -143,29 +144,13 @@ def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
     if isinstance(msg, p.FlushCache):
         push.send(p.encoder.encode(flush_cache(engine, msg.query_id)))
         return
+    request = msg.request  # built and checked by the frontend: submitted as it is
     try:
-        if msg.pooling is not None:
-            engine.add_pooling_request(
-                msg.request_id,
-                msg.prompt_token_ids,
-                msg.pooling,
-                cache_salt=msg.cache_salt,
-                priority=msg.priority,
-                tenant=msg.tenant,
-            )
-            return
-        engine.add_request(
-            msg.request_id,
-            msg.prompt_token_ids,
-            msg.params,
-            cache_salt=msg.cache_salt,
-            priority=msg.priority,
-            tenant=msg.tenant,
-        )
+        engine.submit(request)
     except EngineOverloaded as exc:
-        push.send(p.encoder.encode(p.Rejected(msg.request_id, str(exc), overloaded=True)))
+        push.send(p.encoder.encode(p.Rejected(request.request_id, str(exc), overloaded=True)))
     except (ValueError, TypeError) as exc:
-        push.send(p.encoder.encode(p.Rejected(msg.request_id, str(exc))))
+        push.send(p.encoder.encode(p.Rejected(request.request_id, str(exc))))
 
 
 def wire_delta(d) -> p.Delta:

@@ -17,12 +17,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.core.request import Tenant
+from radixserve.core.request import EngineRequest
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.inputs import InputProcessor
 from radixserve.engine.tokenizer import load_model_tokenizer
-from radixserve.serving import tenancy
 from radixserve.serving.client import EngineClient
 from radixserve.serving.dp_client import DataParallelClient
 from radixserve.serving.engine_client import EngineProcessClient
@@ -30,6 +29,7 @@ from radixserve.serving.grammar import DEFAULT_COMPILE_TIMEOUT_S, GrammarChecker
 from radixserve.serving.metrics import Metrics
 from radixserve.serving.protocol import Delta
 from radixserve.serving.supervisor import SupervisionCollector, SupervisorConfig
+from radixserve.serving.tenancy import DEFAULT_ROUTING, Routing
 from radixserve.serving.tokenize_batcher import TokenizeBatcher
 
 
@@ -149,32 +149,30 @@ class Frontend:
         self,
         prompts: list[list[int]],
         params: SamplingParams,
-        cache_salt: str | None = None,
-        priority: int = 0,
+        routing: Routing = DEFAULT_ROUTING,
         request_id: str | None = None,
         pooling: str | None = None,
     ) -> AsyncIterator[tuple[int, Delta]]:
         """Yield (prompt index, delta) for all prompts' ``params.n`` samples, as they come;
-        with ``pooling`` (``params.n`` 1), each prompt's one pooling delta (``embedding``).
-        They run for the tenant the transport set (``tenancy.current``)."""
+        with ``pooling`` (``params`` then ``POOLING_PARAMS``), each prompt's one pooling
+        delta (``embedding``). Each prompt is one ``EngineRequest``, checked by the
+        transport (``engine.inputs``) and sent as it is."""
         base = request_id or uuid.uuid4().hex
-        tag = tenancy.current.get()
-        tenant: Tenant | None = None if tag is tenancy.DEFAULT_TAG else tag.tenant
-        extra = {} if pooling is None else {"pooling": pooling}
+        label = routing.tag.label
+
+        def request(i: int, ids: list[int]) -> EngineRequest:
+            return routing.request(f"{base}-{i}", ids, params, pooling)
+
         if len(prompts) == 1:  # the common case: no fan-in queue, no extra tasks
-            async for delta in self.client.generate(
-                f"{base}-0", prompts[0], params, cache_salt, priority, tenant, **extra
-            ):
-                self.observe(delta, tag.label)
+            async for delta in self.client.generate(request(0, prompts[0])):
+                self.observe(delta, label)
                 yield 0, delta
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, ids: list[int]) -> None:
             try:
-                async for delta in self.client.generate(
-                    f"{base}-{i}", ids, params, cache_salt, priority, tenant, **extra
-                ):
+                async for delta in self.client.generate(request(i, ids)):
                     await queue.put((i, delta))
             except BaseException as exc:
                 await queue.put((i, exc))
@@ -190,7 +188,7 @@ class Frontend:
                     raise item
                 if item.finished:
                     remaining -= 1
-                self.observe(item, tag.label)
+                self.observe(item, label)
                 yield i, item
         finally:
             for t in tasks:

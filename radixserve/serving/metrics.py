@@ -11,7 +11,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from radixserve.serving import tenancy
 from radixserve.serving.protocol import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -173,11 +172,11 @@ class RequestTimer:
     HTTP and gRPC frontends). Invariants: TTFT is observed once, at the first token of any
     sample; ITL between consecutive token-bearing deltas of one sample; one success count
     per finished sample; e2e and token totals once, at ``finish``; every series under the
-    tenant label current when it was made (``tenancy.current``)."""
+    request's tenant ``label`` (``tenancy.TenantTag``)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, label: str) -> None:
         self.metrics = metrics
-        self.label = tenancy.current.get().label
+        self.label = label
         self.started = time.monotonic()
         self.first: float | None = None
         self.last: dict[Hashable, float] = {}

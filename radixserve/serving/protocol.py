@@ -1,8 +1,8 @@
 """Messages between the frontend and the engine process (msgpack via msgspec; no pickle).
 
-Typed end to end: a request carries its ``SamplingParams`` (a dataclass msgspec encodes
-field by field and rebuilds, re-running its validation), the engine's counters travel as
-the engine's own ``EngineStats``."""
+Typed end to end: a request is the engine's own ``EngineRequest`` (dataclasses msgspec
+encodes field by field and rebuilds; ``SamplingParams`` re-runs its validation), the
+engine's counters travel as the engine's own ``EngineStats``."""
 
 from __future__ import annotations
 
@@ -10,23 +10,16 @@ from typing import Any
 
 import msgspec
 
-from radixserve.core.request import Tenant
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.request import EngineRequest
 from radixserve.engine.outputs import EngineStats
 
 __all__ = ["EngineStats"]  # (the wire form of the engine's counters)
 
 
 class GenerateRequest(msgspec.Struct, tag="generate"):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams  # made and checked by the frontend (engine.inputs)
-    cache_salt: str | None = None
-    priority: int = 0
-    tenant: Tenant | None = None  # who it is served for (policy "fair"; None: "default")
-    # a pooling request (an embedding: ``Engine.add_pooling_request``): "last" or "mean";
-    # ``params`` is then ignored (the engine makes its own)
-    pooling: str | None = None
+    """A request for the engine, as the frontend built and checked it (``Engine.submit``)."""
+
+    request: EngineRequest
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

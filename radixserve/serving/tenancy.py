@@ -1,16 +1,14 @@
-"""Which tenant the request being handled is for, as transports found it (``api.tenants``):
-the scheduling identity that travels to the engine and the label of its metrics series.
-
-Transports set ``current`` in the task that handles a request, before they call
-``Frontend.run``; the frontend and the metrics read it there, so no route has to pass it
-along by hand."""
+"""Who a request is for and how its KV is keyed, as its transport found them
+(``api.tenants``): the scheduling identity that travels to the engine, the label of its
+metrics series, its cache salt and priority. Transports build one ``Routing`` per request
+and hand it to the frontend explicitly."""
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass
 
-from radixserve.core.request import DEFAULT_TENANT, Tenant
+from radixserve.core.request import DEFAULT_TENANT, EngineRequest, Tenant
+from radixserve.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -25,4 +23,39 @@ class TenantTag:
 
 DEFAULT_TAG = TenantTag(DEFAULT_TENANT, "default")
 
-current: ContextVar[TenantTag] = ContextVar("radixserve_tenant", default=DEFAULT_TAG)
+
+@dataclass(frozen=True)
+class Routing:
+    """A request's tenant (``tag``), ``cache_salt`` (a prefix-cache partition within the
+    tenant's) and ``priority`` (lower first under the ``priority`` policy), as the
+    transport found them; the same for every prompt and sample of the request."""
+
+    tag: TenantTag = DEFAULT_TAG
+    cache_salt: str | None = None
+    priority: int = 0
+
+    @property
+    def tenant(self) -> Tenant | None:
+        """The tenant the engine is told (None: ``default``)."""
+        return None if self.tag is DEFAULT_TAG else self.tag.tenant
+
+    def request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        pooling: str | None = None,
+    ) -> EngineRequest:
+        """The engine request of one checked prompt (``engine.inputs``), routed so."""
+        return EngineRequest(
+            request_id,
+            prompt_token_ids,
+            params,
+            self.cache_salt,
+            self.priority,
+            self.tenant,
+            pooling,
+        )
+
+
+DEFAULT_ROUTING = Routing()

@@ -19,7 +19,7 @@ from radixserve.api import auth
 from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
 from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
 from radixserve.api.tenants import KeysFileError, load_keys_file, parse_keys_file, tenant_tag
-from radixserve.core.request import Tenant
+from radixserve.core.request import EngineRequest, Tenant
 from radixserve.serving import protocol as p
 from radixserve.serving.tenancy import DEFAULT_TAG
 from tests.api.server_helpers import ServerProcess, free_port
@@ -117,13 +117,14 @@ def test_reload_swaps_keys_and_a_bad_file_keeps_the_old_ones(tmp_path, caplog):
 
 
 def test_the_tenant_travels_on_the_wire():
-    req = p.GenerateRequest("r1", [1, 2], SamplingParams(max_tokens=2), tenant=Tenant("a", 2, 3))
-    back = msgspec.msgpack.decode(p.encoder.encode(req), type=p.ToEngine)
-    assert back.tenant == Tenant("a", 2.0, 3)
+    sent = EngineRequest("r1", [1, 2], SamplingParams(max_tokens=2), "s", 3, Tenant("a", 2, 3))
+    back = msgspec.msgpack.decode(p.encoder.encode(p.GenerateRequest(sent)), type=p.ToEngine)
+    assert back.request == sent and back.request.tenant == Tenant("a", 2.0, 3)
     plain = msgspec.msgpack.decode(
-        p.encoder.encode(p.GenerateRequest("r2", [1], SamplingParams())), type=p.ToEngine
+        p.encoder.encode(p.GenerateRequest(EngineRequest("r2", [1], SamplingParams()))),
+        type=p.ToEngine,
     )
-    assert plain.tenant is None
+    assert plain.request.tenant is None
 
 
 def _scrape(url: str, headers: dict) -> dict[tuple, float]:

@@ -44,6 +44,7 @@ from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
+from radixserve.serving.tenancy import Routing
 
 if TYPE_CHECKING:
     from radixserve.api.openai.server import OpenAIServer
@@ -203,7 +204,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("POST", PREFIX, watch_disconnect=True, body_schema=body_schema(MessagesRequest))
     async def messages(request: HTTPRequest) -> Response | StreamResponse:
-        body: MessagesRequest = server.parse(request, MessagesRequest)
+        body, routing = server.parse_routed(request, MessagesRequest)
         _reject_refused(body)
         server.check_model(body.model)
         tools = tools_of(body, server.config.tool_call_parser)
@@ -224,8 +225,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             params = dataclasses.replace(params, structured_output=spec)
         message_id = f"msg_{uuid.uuid4().hex}"
         if body.stream:
-            return StreamResponse(_stream(server, message_id, ids, params, tools))
-        return await _whole(server, message_id, ids, params, tools)
+            return StreamResponse(_stream(server, message_id, ids, params, routing, tools))
+        return await _whole(server, message_id, ids, params, routing, tools)
 
     @app.route("POST", PREFIX + "/count_tokens", body_schema=body_schema(CountTokensRequest))
     async def count_tokens(request: HTTPRequest) -> Response:
@@ -237,9 +238,14 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
 
 async def _whole(
-    server: OpenAIServer, message_id: str, ids: list[int], params: SamplingParams, tools: Any
+    server: OpenAIServer,
+    message_id: str,
+    ids: list[int],
+    params: SamplingParams,
+    routing: Routing,
+    tools: Any,
 ) -> Response:
-    done = await collect(server, [ids], params, None, 0)
+    done = await collect(server, [ids], params, routing)
     out = done.outputs[0]
     calls: list[dict[str, Any]] = []
     content: list[dict[str, Any]] = []
@@ -265,14 +271,19 @@ async def _whole(
 
 
 async def _stream(
-    server: OpenAIServer, message_id: str, ids: list[int], params: SamplingParams, tools: Any
+    server: OpenAIServer,
+    message_id: str,
+    ids: list[int],
+    params: SamplingParams,
+    routing: Routing,
+    tools: Any,
 ) -> AsyncIterator[bytes]:
     """Anthropic's event sequence: message_start, ping, then per content block
     content_block_start / deltas / content_block_stop (text first, then each tool_use
     with its input as one input_json_delta), message_delta (stop_reason, usage),
     message_stop. A failure after the start is an ``error`` event."""
     frontend = server.frontend
-    timer = RequestTimer(frontend.metrics)
+    timer = RequestTimer(frontend.metrics, routing.tag.label)
     start = {
         "id": message_id,
         "type": "message",
@@ -308,7 +319,7 @@ async def _stream(
         )
 
     try:
-        async for _, d in frontend.run([ids], params):
+        async for _, d in frontend.run([ids], params, routing):
             timer.delta(0, d)
             text = d.text
             if streamer is not None:

@@ -31,9 +31,9 @@ from radixserve.api.openai import converter as cv
 from radixserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.api.openai.server import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.serving import tenancy
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
+from radixserve.serving.tenancy import DEFAULT_TAG, Routing, TenantTag
 
 log = logging.getLogger(__name__)
 
@@ -154,12 +154,12 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self._prefix = uuid.uuid4().hex[:12]
         self._count = itertools.count()
 
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        """``authorization: Bearer KEY`` metadata (``api.auth``, as for HTTP); sets the
-        call's tenant from its key, refined by ``x-tenant`` metadata when the key allows."""
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> TenantTag:
+        """``authorization: Bearer KEY`` metadata (``api.auth``, as for HTTP); the call's
+        tenant from its key, refined by ``x-tenant`` metadata when the key allows."""
         keys = self.server.keys
         if not keys:
-            return
+            return DEFAULT_TAG
         metadata: dict[str, str] = {}
         for key, value in context.invocation_metadata() or ():
             if key in ("authorization", "x-tenant") and isinstance(value, str):
@@ -167,9 +167,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         if not keys.allows(metadata.get("authorization")):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, auth.MISSING_KEY_MESSAGE)
         try:
-            self.server.set_tenant(metadata)
+            return self.server.tenant_tag(metadata)
         except APIError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            raise  # (abort raises)
 
     async def _fail(
         self, context: grpc.aio.ServicerContext, error: APIError, input_name: str = "input"
@@ -234,7 +235,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        await self._authorize(context)
+        tag = await self._authorize(context)
         input_name = request.WhichOneof("input") or "input"
         engine_id = f"grpc-{self._prefix}-{next(self._count)}"
         rid = request.request_id or engine_id
@@ -251,16 +252,14 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                 error = exc
                 return
             frontend = self.frontend
-            timer = RequestTimer(frontend.metrics)
+            timer = RequestTimer(frontend.metrics, tag.label)
             wants_logprobs = params.logprobs is not None
             completion: dict[int, int] = {}
             # one message per sample for everything that arrived while the last one was
             # being written: a stream that keeps up gets a message per engine step
-            tag = tenancy.current.get()  # (set by _authorize)
-            tenant = None if tag is tenancy.DEFAULT_TAG else tag.tenant
-            async for batch in frontend.client.generate_batches(
-                engine_id, ids, params, request.cache_salt or None, request.priority, tenant
-            ):
+            routing = Routing(tag, request.cache_salt or None, request.priority)
+            engine_request = routing.request(engine_id, ids, params)
+            async for batch in frontend.client.generate_batches(engine_request):
                 outs: dict[int, pb.GenerateResponse] = {}
                 for d in batch:
                     frontend.observe(d, tag.label)

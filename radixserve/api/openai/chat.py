@@ -21,6 +21,7 @@ from radixserve.api.openai.tool_parser import (
     tool_context,
 )
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving.tenancy import Routing
 
 if TYPE_CHECKING:
     from radixserve.api.openai.server import OpenAIServer
@@ -34,7 +35,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body_schema=body_schema(ChatCompletionRequest),
     )
     async def chat_completions(request: HTTPRequest) -> Response | StreamResponse:
-        body: ChatCompletionRequest = server.parse(request, ChatCompletionRequest)
+        body, routing = server.parse_routed(request, ChatCompletionRequest)
         server.check_model(body.model)
         frontend = server.frontend
         tools = tool_context(body, server.config.tool_call_parser)
@@ -48,8 +49,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             params = dataclasses.replace(params, structured_output=spec)
         rid = cv.response_id("chatcmpl", body)
         if body.stream:
-            return StreamResponse(_stream(server, rid, ids, params, body, tools))
-        return await _whole(server, rid, ids, params, body, tools)
+            return StreamResponse(_stream(server, rid, ids, params, body, routing, tools))
+        return await _whole(server, rid, ids, params, body, routing, tools)
 
 
 async def _whole(
@@ -58,9 +59,10 @@ async def _whole(
     ids: list[int],
     params: SamplingParams,
     body: ChatCompletionRequest,
+    routing: Routing,
     tools: ToolContext,
 ) -> Response:
-    done = await collect(server, [ids], params, body.cache_salt, body.priority)
+    done = await collect(server, [ids], params, routing)
     choices = []
     for idx, o in done.outputs.items():
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
@@ -94,6 +96,7 @@ def _stream(
     ids: list[int],
     params: SamplingParams,
     body: ChatCompletionRequest,
+    routing: Routing,
     tools: ToolContext,
 ):
     token_text = server.frontend.token_text
@@ -138,4 +141,4 @@ def _stream(
                 )
         return frames + frame(idx, {}, reason)
 
-    return stream_events(server, [ids], params, body, on_delta, on_finish, head, base)
+    return stream_events(server, [ids], params, routing, body, on_delta, on_finish, head, base)

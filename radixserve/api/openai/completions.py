@@ -15,6 +15,7 @@ from radixserve.api.openai.logprobs import completion_logprobs, join_logprobs, p
 from radixserve.api.openai.protocol import CompletionRequest, body_schema
 from radixserve.api.openai.structured import structured_spec
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving.tenancy import Routing
 
 if TYPE_CHECKING:
     from radixserve.api.openai.server import OpenAIServer
@@ -28,7 +29,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body_schema=body_schema(CompletionRequest),
     )
     async def completions(request: HTTPRequest) -> Response | StreamResponse:
-        body: CompletionRequest = server.parse(request, CompletionRequest)
+        body, routing = server.parse_routed(request, CompletionRequest)
         server.check_model(body.model)
         frontend = server.frontend
         texts, prompts = await cv.completion_prompts(
@@ -60,8 +61,10 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
                 params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         rid = cv.response_id("cmpl", body)
         if body.stream:
-            return StreamResponse(_stream(server, rid, texts, prompts, params, body, prompt_only))
-        return await _whole(server, rid, texts, prompts, params, body, prompt_only)
+            return StreamResponse(
+                _stream(server, rid, texts, prompts, params, body, routing, prompt_only)
+            )
+        return await _whole(server, rid, texts, prompts, params, body, routing, prompt_only)
 
 
 async def _whole(
@@ -71,9 +74,10 @@ async def _whole(
     prompts: list[list[int]],
     params: SamplingParams,
     body: CompletionRequest,
+    routing: Routing,
     prompt_only: bool = False,
 ) -> Response:
-    done = await collect(server, prompts, params, body.cache_salt, body.priority)
+    done = await collect(server, prompts, params, routing)
     token_text, n = server.frontend.token_text, params.n
     choices = []
     for idx, o in done.outputs.items():
@@ -112,6 +116,7 @@ def _stream(
     prompts: list[list[int]],
     params: SamplingParams,
     body: CompletionRequest,
+    routing: Routing,
     prompt_only: bool = False,
 ):
     n, token_text = params.n, server.frontend.token_text
@@ -162,5 +167,14 @@ def _stream(
         return sse({**base, "choices": [choice]})
 
     return stream_events(
-        server, prompts, params, body, on_delta, on_finish, head, base, every_token_step=True
+        server,
+        prompts,
+        params,
+        routing,
+        body,
+        on_delta,
+        on_finish,
+        head,
+        base,
+        every_token_step=True,
     )

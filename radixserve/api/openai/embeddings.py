@@ -18,14 +18,13 @@ from radixserve.api.asgi import APIError, ASGIApp, HTTPRequest, Response, json_r
 from radixserve.api.openai import converter as cv
 from radixserve.api.openai.protocol import EmbeddingRequest, body_schema
 from radixserve.core.errors import InputError
-from radixserve.core.sampling_params import SamplingParams
+from radixserve.core.request import POOLING_PARAMS
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 
 if TYPE_CHECKING:
     from radixserve.api.openai.server import OpenAIServer
 
 # what the wire carries for a pooling request (the engine makes its own)
-_POOLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 _INPUT_SHAPES = (
     "input must be a string, a list of strings, a list of token ids or a list of lists of token ids"
 )
@@ -98,7 +97,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     async def embeddings(request: HTTPRequest) -> Response:
         kind = pooling_kind(server)
         try:
-            body: EmbeddingRequest = server.parse(request, EmbeddingRequest)
+            body, routing = server.parse_routed(request, EmbeddingRequest)
         except APIError as exc:  # (pydantic names the union member: "input.str")
             if exc.param is None or not exc.param.startswith("input."):
                 raise
@@ -115,16 +114,11 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             prompts = [frontend.inputs.check_prompt(ids, 0) for ids in prompts]
         except InputError as exc:
             raise APIError(400, str(exc), param="input", code=exc.code) from None
-        cv.check_request_size(config, prompts, _POOLING_PARAMS, prompt_param="input")
+        cv.check_request_size(config, prompts, POOLING_PARAMS, prompt_param="input")
         vectors: dict[int, bytes] = {}
         try:
             async for i, d in frontend.run(
-                prompts,
-                _POOLING_PARAMS,
-                body.cache_salt,
-                body.priority,
-                request_id=body.request_id,
-                pooling=kind,
+                prompts, POOLING_PARAMS, routing, request_id=body.request_id, pooling=kind
             ):
                 if not d.finished:
                     continue

@@ -13,10 +13,10 @@ import orjson
 from radixserve.api.asgi import APIError
 from radixserve.api.openai.converter import engine_error
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.serving import tenancy
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.protocol import Delta
+from radixserve.serving.tenancy import Routing
 
 if TYPE_CHECKING:
     from radixserve.api.openai.server import OpenAIServer
@@ -64,14 +64,13 @@ async def collect(
     server: OpenAIServer,
     prompts: list[list[int]],
     params: SamplingParams,
-    cache_salt: str | None,
-    priority: int,
+    routing: Routing,
 ) -> Collected:
     """Run the request to its end; a sample that failed in the engine is a 500."""
     frontend, n = server.frontend, params.n
     started = time.monotonic()
     try:
-        items = [x async for x in frontend.run(prompts, params, cache_salt, priority)]
+        items = [x async for x in frontend.run(prompts, params, routing)]
     except (RequestRejected, EngineDead) as exc:
         raise engine_error(exc) from None
     outs: dict[int, SampleOutput] = {}
@@ -94,7 +93,7 @@ async def collect(
     if errors:
         raise APIError(500, errors[0] or "generation failed", type_="internal_error")
     total = sum(o.tokens for o in outs.values())
-    metrics, label = frontend.metrics, tenancy.current.get().label
+    metrics, label = frontend.metrics, routing.tag.label
     for o in outs.values():
         metrics.request_success.labels(o.reason or "unknown", label).inc()
     metrics.e2e.labels(label).observe(time.monotonic() - started)
@@ -109,6 +108,7 @@ async def stream_events(
     server: OpenAIServer,
     prompts: list[list[int]],
     params: SamplingParams,
+    routing: Routing,
     body: Any,
     on_delta: Callable[[int, Delta], bytes],
     on_finish: Callable[[int, str | None], bytes],
@@ -126,7 +126,7 @@ async def stream_events(
     frame follows at once), as vLLM's completions stream does: the client sees its first
     token when it is made, not one engine step later. Otherwise such deltas are skipped."""
     n = params.n
-    timer = RequestTimer(server.frontend.metrics)
+    timer = RequestTimer(server.frontend.metrics, routing.tag.label)
     cached: dict[int, int] = {}
     options = body.stream_options
     continuous = options is not None and options.continuous_usage_stats
@@ -135,7 +135,7 @@ async def stream_events(
             usage_obj["usage"] = usage(prompts, 0, 0)
         for frame in head():
             yield frame
-        async for i, d in server.frontend.run(prompts, params, body.cache_salt, body.priority):
+        async for i, d in server.frontend.run(prompts, params, routing):
             idx = i * n + d.index
             timer.delta(idx, d)
             if d.finished:

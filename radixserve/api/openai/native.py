@@ -63,7 +63,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("POST", "/generate", watch_disconnect=True, body_schema=body_schema(GenerateRequest))
     async def generate(request: HTTPRequest) -> Response | StreamResponse:
-        body: GenerateRequest = server.parse(request, GenerateRequest)
+        body, routing = server.parse_routed(request, GenerateRequest)
         if body.input_ids is not None:
             ids = body.input_ids
         elif body.text is not None:
@@ -80,7 +80,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
                 )
             except InputError as exc:
                 raise cv.input_error(exc) from None
-        gen = frontend.run([ids], params, body.cache_salt, body.priority)
+        gen = frontend.run([ids], params, routing)
         if body.stream:
 
             async def events() -> AsyncIterator[bytes]:

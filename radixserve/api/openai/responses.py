@@ -45,9 +45,9 @@ from radixserve.api.openai.tool_parser import (
 )
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.serving import tenancy
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
+from radixserve.serving.tenancy import Routing
 
 if TYPE_CHECKING:
     from radixserve.api.openai.server import OpenAIServer
@@ -219,9 +219,11 @@ class _Responder:
         body: ResponsesRequest,
         conversation: list[dict[str, Any]],
         ids: list[int],
+        routing: Routing,
     ) -> None:
         self.server, self.body, self.conversation, self.ids = server, body, conversation, ids
-        self.owner = tenancy.current.get().tenant.name  # the tenant it is stored for
+        self.routing = routing
+        self.owner = routing.tag.tenant.name  # the tenant it is stored for
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -295,13 +297,13 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         "POST", "/v1/responses", watch_disconnect=True, body_schema=body_schema(ResponsesRequest)
     )
     async def create(request: HTTPRequest) -> Response | StreamResponse:
-        body: ResponsesRequest = server.parse(request, ResponsesRequest)
+        body, routing = server.parse_routed(request, ResponsesRequest)
         server.check_model(body.model)
         _refuse_unsupported(body)
         conversation: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             # another tenant's response is not found, exactly like one never stored
-            previous = store.get(body.previous_response_id, tenancy.current.get().tenant.name)
+            previous = store.get(body.previous_response_id, routing.tag.tenant.name)
             if previous is None:
                 raise APIError(
                     404,
@@ -338,10 +340,10 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         spec = await structured_spec(frontend.grammar, fmt, frontend.vocab_size, tools)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
-        responder = _Responder(server, body, conversation, ids)
+        responder = _Responder(server, body, conversation, ids, routing)
         if body.stream:
             return StreamResponse(_stream(responder, params, tools))
-        done = await collect(server, [ids], params, body.cache_salt, body.priority)
+        done = await collect(server, [ids], params, routing)
         out = done.outputs[0]
         text, calls = out.text, []
         if tools.active:
@@ -403,7 +405,7 @@ async def _stream(
     start = responder.response("in_progress", [], None)
     yield event("response.created", response=start)
     yield event("response.in_progress", response=start)
-    timer = RequestTimer(frontend.metrics)
+    timer = RequestTimer(frontend.metrics, responder.routing.tag.label)
     streamer = ToolStreamer(tools) if tools.active else None
     message_id = f"msg_{uuid.uuid4().hex}"
     text = ""
@@ -438,9 +440,7 @@ async def _stream(
         )
 
     try:
-        async for _, d in frontend.run(
-            [responder.ids], params, responder.body.cache_salt, responder.body.priority
-        ):
+        async for _, d in frontend.run([responder.ids], params, responder.routing):
             timer.delta(0, d)
             piece = streamer.feed(d.text) if streamer is not None else d.text
             if piece:

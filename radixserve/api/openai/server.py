@@ -31,9 +31,9 @@ from radixserve.api.openai.converter import parse_body
 from radixserve.api.openai.response_store import ANY_TENANT, DEFAULT_MAX_RESPONSES, ResponseStore
 from radixserve.api.tenants import load_keys_file, tenant_tag
 from radixserve.core.version import __version__
-from radixserve.serving import tenancy
 from radixserve.serving.frontend import EngineConfig, Frontend, ServingConfig
 from radixserve.serving.supervisor import SupervisorConfig
+from radixserve.serving.tenancy import Routing, TenantTag
 
 _PROTECTED_PREFIXES = ("/v1/", "/debug/")  # (/v1/messages takes x-api-key too)
 _PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
@@ -119,9 +119,14 @@ class OpenAIServer:
         return path is not None and auth.reload_keys_file(self.keys, path)
 
     def parse(self, request: HTTPRequest, model: type[BaseModel]) -> Any:
-        """The JSON body of ``request`` validated as ``model`` (400 naming the field); sets
-        the tenant the request runs for (``tenancy.current``: its key's, refined by
-        ``X-Tenant`` or ``user`` when the key allows sub-tenants)."""
+        """The JSON body of ``request`` validated as ``model`` (400 naming the field, or
+        naming ``X-Tenant``/``user`` for a bad sub-tenant)."""
+        return self.parse_routed(request, model)[0]
+
+    def parse_routed(self, request: HTTPRequest, model: type[BaseModel]) -> tuple[Any, Routing]:
+        """``parse``, and the request's ``Routing``: its tenant (its key's, refined by
+        ``X-Tenant`` or ``user`` when the key allows sub-tenants) and the body's
+        ``cache_salt`` and ``priority`` where the model has them."""
         content_type = request.headers.get("content-type", "")
         if "application/json" not in content_type:
             raise APIError(400, "Content-Type must be application/json")
@@ -130,14 +135,16 @@ class OpenAIServer:
         except orjson.JSONDecodeError as exc:
             raise APIError(400, f"could not parse the JSON body: {exc}") from None
         body = parse_body(model, data)
-        self.set_tenant(request.headers, getattr(body, "user", None))
-        return body
+        routing = Routing(
+            self.tenant_tag(request.headers, getattr(body, "user", None)),
+            getattr(body, "cache_salt", None),
+            getattr(body, "priority", None) or 0,
+        )
+        return body, routing
 
-    def set_tenant(self, headers: dict[str, str], user: Any = None) -> None:
-        """Identify the request's tenant from its key (a 400 for a bad sub-tenant)."""
-        tenancy.current.set(self._tenant_tag(headers, user))
-
-    def _tenant_tag(self, headers: dict[str, str], user: Any = None) -> tenancy.TenantTag:
+    def tenant_tag(self, headers: dict[str, str], user: Any = None) -> TenantTag:
+        """The tenant of a request with these headers (or gRPC metadata) and ``user``
+        field; a 400 for a bad sub-tenant."""
         entry = self.keys.identify(headers.get("authorization"), headers.get("x-api-key"))
         tag = tenant_tag(entry, headers, user if isinstance(user, str) else None)
         if isinstance(tag, str):
@@ -150,7 +157,7 @@ class OpenAIServer:
         key's, refined by ``X-Tenant`` where the key allows sub-tenants)."""
         if self.policy.is_admin(headers):
             return ANY_TENANT
-        return self._tenant_tag(headers).tenant.name
+        return self.tenant_tag(headers).tenant.name
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.frontend.model_name:
