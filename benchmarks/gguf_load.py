@@ -21,7 +21,7 @@ from pathlib import Path
 
 _CHILD = """
 import sys, time, torch
-from radixserve.executor.builder import load_model
+from radixserve.executor.weights import load_model
 from radixserve.engine.model_source import default_model_path
 path = sys.argv[1] or str(default_model_path())
 t = time.perf_counter()

@@ -1,5 +1,5 @@
 """Soak-and-chaos test of a live radixserve server: ``radixserve soak`` (the code and what
-it checks: radixserve/api/soak.py).
+it checks: radixserve/tools/soak.py).
 
     # 10 minutes on SmolLM2 with a small KV cache (preemption), a launched server:
     python benchmarks/soak.py --duration 600 -- --kv-cache-memory 0.02 --max-waiting-requests 32
@@ -13,7 +13,7 @@ Prints outcome counts, TTFT/TPOT percentiles by time window and, last, one JSON 
 
 import sys
 
-from radixserve.tools.soak import main
+from radixserve.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["soak", *sys.argv[1:]]))

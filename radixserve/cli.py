@@ -40,7 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dir",
         default=None,
         help="disk tier folder: KV pages leaving the host tier are written here and found "
-        "again after a restart (needs --kv-host-gb and --kv-disk-gb)",
+        "again after a restart (alone, it turns both tiers on, sized from free memory and "
+        "disk: the start-up line says how big)",
     )
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument(
@@ -92,6 +93,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="largest decode batch replayed from a CUDA graph",
     )
     g.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly")
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds a structured-output grammar may take to compile (longer: the server "
+        "answers 400; offline, the request fails)",
+    )
     g.add_argument(
         "--generation-config",
         default="auto",
@@ -375,6 +384,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "master_port": args.master_port,
         "distributed_timeout_s": args.distributed_timeout,
         "generation_config": args.generation_config,
+        "grammar_compile_timeout_s": args.grammar_compile_timeout,
         "speculative_mode": args.speculative_mode,
         "num_spec_tokens": args.num_spec_tokens,
         "spec_max_tokens": args.spec_max_tokens,
@@ -478,12 +488,6 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
         help="how /v1/embeddings pools the prompt's hidden states (default: the model's "
         "own pooling if it is an embedding model, else the last token)",
     )
-    srv.add_argument(
-        "--grammar-compile-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a structured-output grammar may take to compile (longer: a 400)",
-    )
     add_dp_args(srv)
     add_supervision_args(srv)
     add_engine_args(srv)
@@ -496,9 +500,18 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_soak_args(parser: argparse.ArgumentParser) -> None:
+    """``soak``'s flags: the soak's own, ``--tenants``' and ``--router``'s, then the serve
+    flags after ``--``."""
+    from radixserve.tools.router_soak import add_router_soak_args
     from radixserve.tools.soak import add_soak_args as add
+    from radixserve.tools.tenant_soak import add_tenant_soak_args
 
     add(parser)
+    add_tenant_soak_args(parser)
+    add_router_soak_args(parser)
+    parser.add_argument(
+        "serve_args", nargs=argparse.REMAINDER, help="after --: flags for radixserve serve"
+    )
 
 
 def add_simulate_args(sim: argparse.ArgumentParser) -> None:
@@ -532,6 +545,19 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def run_soak(args: argparse.Namespace) -> int:
+    """The soak ``args`` ask for: ``--router`` (tools/router_soak.py), ``--tenants``
+    (tools/tenant_soak.py), else the soak-and-chaos run (tools/soak.py)."""
+    from radixserve.tools.soak import normalize_args
+
+    args = normalize_args(args)
+    if args.router:
+        from radixserve.tools.router_soak import run_router_soak
+
+        return run_router_soak(args)
+    if args.tenants:
+        from radixserve.tools.tenant_soak import run_tenant_soak
+
+        return run_tenant_soak(args)
     from radixserve.tools.soak import run_soak as run
 
     return run(args)
@@ -684,7 +710,7 @@ def is_loopback(host: str) -> bool:
 def run_serve(args: argparse.Namespace) -> int:
     if (code := run_worker_node(args)) is not None:
         return code
-    from radixserve.api.openai.server import ServerConfig
+    from radixserve.api.openai.config import ServerConfig
     from radixserve.api.router.cli import dp_kwargs
     from radixserve.api.serve import serve
     from radixserve.engine.config import EngineConfig
@@ -709,7 +735,6 @@ def run_serve(args: argparse.Namespace) -> int:
             max_logprobs=args.max_logprobs,
             max_body_bytes=int(args.max_body_mb * 2**20),
             tool_call_parser=args.tool_call_parser,
-            grammar_compile_timeout_s=args.grammar_compile_timeout,
             **dp_kwargs(args),
             supervision=supervision_config(args),
             enable_debug_endpoints=args.enable_debug_endpoints,

@@ -95,6 +95,84 @@ def test_imports_point_down_one_floor_at_a_time():
     assert layer_violations() == []
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the radixserve modules it imports (any import, lazy and type-only ones
+    too; ``from package import module`` names the module, not the package)."""
+    modules = {
+        module_name(path): path
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:  # ``from radixserve.api.openai import chat``
+                    if f"{node.module}.{alias.name}" in modules:
+                        targets.add(f"{node.module}.{alias.name}")
+        for _, target in imports_of(path):
+            while target and target not in modules:  # a name inside a module
+                target = target.rpartition(".")[0]
+            if target and target != "radixserve":  # (the package's own __init__: the program)
+                targets.add(target)
+        graph[name] = targets - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or around a circle: each can be read
+    (and loaded) after the ones it uses."""
+    assert import_cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e2"}, "e2": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+
+
 def test_the_check_catches_an_upward_and_a_skipping_import(tmp_path, monkeypatch):
     """The walker itself: an api module reaching into the executor, and an engine module
     reaching up into serving, are both reported."""

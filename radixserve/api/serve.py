@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import uvicorn
 
 from radixserve.api.http_limits import HttpLimits, limited_protocol
-from radixserve.api.openai.server import ServerConfig, create_app
+from radixserve.api.openai.config import ServerConfig
+from radixserve.api.openai.server import create_app
 from radixserve.serving.frontend import EngineConfig
 
 

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from radixserve.core.request import PREFIX_CACHE_SCOPES
+from radixserve.engine.structured import DEFAULT_COMPILE_TIMEOUT_S
 from radixserve.executor.placement import check_gpu_count
 from radixserve.executor.quant import INT4_GROUP_SIZES, PREFILL_COPY_MODES, QUANTIZATIONS
+from radixserve.executor.weights import available_memory_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# kv_cache_dir alone: the host tier is this many times the KV cache, at most this share of
+# the memory available at start; the disk tier this share of the folder's free disk, at
+# most this many GiB (docs/kv-tiers.md)
+KV_HOST_AUTO_KV_MULTIPLE = 4.0
+KV_HOST_AUTO_MEMORY_SHARE = 0.25
+KV_DISK_AUTO_SHARE = 0.5
+KV_DISK_AUTO_MAX_GB = 64.0
+logger = logging.getLogger(__name__)
 SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
 # when a speculative mode speculates: measured (a cost controller per batch size, cold start
 # from spec_auto_max_batch), threshold (while at most spec_auto_max_batch requests decode),
@@ -101,8 +114,9 @@ class EngineConfig:
     # Total memory for weights + KV cache: the KV cache gets what the weights leave (None:
     # the KV cache gets kv_cache_memory_gb).
     memory_budget_gb: float | None = None
-    # structured output: a grammar that takes longer to compile fails its request
-    grammar_compile_timeout_s: float = 30.0
+    # structured output: a grammar that takes longer to compile fails its request (the
+    # server's pre-check in the frontend uses the same: there it is a 400)
+    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
     # Sampling fields a request leaves unset: auto = the model's generation_config.json
     # (offline, HTTP and gRPC alike); neutral = OpenAI-style (temperature 1, top_p 1, ...).
     generation_config: str = "auto"
@@ -147,7 +161,8 @@ class EngineConfig:
     # KV tiers under the radix tree (docs/kv-tiers.md): pages evicted from the pool are
     # demoted into a host tier of kv_host_gb GiB (0: off) and promoted back on a match;
     # host-tier evictions are written to kv_cache_dir (at most kv_disk_gb GiB), which a
-    # restarted engine of the same model reads again.
+    # restarted engine of the same model reads again. kv_cache_dir without the sizes turns
+    # both tiers on at sizes chosen from free memory and disk (_size_tiers).
     kv_host_gb: float = 0.0
     kv_disk_gb: float = 0.0
     kv_cache_dir: str | None = None
@@ -301,10 +316,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_host_gb and kv_disk_gb must be >= 0; got {self.kv_host_gb}, {self.kv_disk_gb}"
             )
-        if (self.kv_disk_gb > 0) != (self.kv_cache_dir is not None):
-            raise ValueError("the disk tier needs both kv_cache_dir and kv_disk_gb > 0")
-        if self.kv_cache_dir is not None and self.kv_host_gb <= 0:
-            raise ValueError("the disk tier sits under the host tier: set kv_host_gb > 0 too")
+        if self.kv_disk_gb > 0 and self.kv_cache_dir is None:
+            raise ValueError("the disk tier needs a folder: set kv_cache_dir")
+        if self.kv_cache_dir is not None:
+            self._size_tiers(self.kv_cache_dir)
         if not self.tiers:
             return
         if self.disable_radix_cache:
@@ -319,6 +334,34 @@ class EngineConfig:
             raise ValueError("KV tiers need the serial loop (enable_overlap off)")
         if self.speculative_mode in ("draft", "auto") and self.spec_draft_model is not None:
             raise ValueError("KV tiers do not move a draft model's KV: no draft speculation")
+
+    def _size_tiers(self, folder: str) -> None:
+        """A folder given without sizes turns the tiers on at sizes chosen from what is
+        free now (logged): the host tier ``KV_HOST_AUTO_KV_MULTIPLE`` times the KV cache,
+        at most ``KV_HOST_AUTO_MEMORY_SHARE`` of the memory available; the disk tier
+        ``KV_DISK_AUTO_SHARE`` of the folder's free disk, at most ``KV_DISK_AUTO_MAX_GB``."""
+        chosen = []
+        if self.kv_host_gb == 0:
+            host = KV_HOST_AUTO_KV_MULTIPLE * self.kv_cache_memory_gb
+            available = available_memory_bytes()
+            if available is not None:
+                host = min(host, KV_HOST_AUTO_MEMORY_SHARE * available / 2**30)
+            self.kv_host_gb = round(host, 3)
+            chosen.append(f"kv_host_gb {self.kv_host_gb}")
+        if self.kv_disk_gb == 0:
+            existing = Path(folder).expanduser().absolute()
+            while not existing.exists() and existing != existing.parent:
+                existing = existing.parent
+            free = shutil.disk_usage(existing).free / 2**30
+            self.kv_disk_gb = round(min(KV_DISK_AUTO_SHARE * free, KV_DISK_AUTO_MAX_GB), 3)
+            chosen.append(f"kv_disk_gb {self.kv_disk_gb} ({free:.1f} GiB free there)")
+        if self.kv_host_gb <= 0 or self.kv_disk_gb <= 0:
+            raise ValueError(
+                f"kv_cache_dir {folder}: no room for the tiers (kv_host_gb {self.kv_host_gb}, "
+                f"kv_disk_gb {self.kv_disk_gb}); give the sizes"
+            )
+        if chosen:
+            logger.info("kv_cache_dir without sizes: %s", ", ".join(chosen))
 
     @property
     def tiers(self) -> bool:

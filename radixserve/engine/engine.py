@@ -50,7 +50,7 @@ from radixserve.engine.tokenizer import (
     load_hf_tokenizer,
     tokenizer_from_gguf,
 )
-from radixserve.executor.builder import build_runner, load_model, size_kv_cache
+from radixserve.executor.builder import build_runner, size_kv_cache
 from radixserve.executor.device import (
     Device,
     InlineDevice,
@@ -74,6 +74,7 @@ from radixserve.executor.quant import (
 from radixserve.executor.sampler import Sampler, TokenLogprobs
 from radixserve.executor.simulated import CostModel, SimulatedRunner
 from radixserve.executor.spec import AdaptiveLength, DraftProposer, NgramProposer, Proposer
+from radixserve.executor.weights import load_model
 from radixserve.scheduler.kv_manager import KVManager
 from radixserve.scheduler.scheduler import EngineOverloaded, Scheduler, SchedulerConfig
 

@@ -12,7 +12,8 @@ from typing import Any
 from radixserve.core.request import Request, RequestState
 from radixserve.executor.grammar import GrammarService, timeout_message
 
-DEFAULT_COMPILE_TIMEOUT_S = 30.0
+# the one grammar timeout's default (``EngineConfig.grammar_compile_timeout_s``)
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
 
 
 @dataclass

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
-from radixserve.executor.builder import load_model, resolve_dtype
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.loader import Checkpoint
 from radixserve.executor.loader.gguf_loader import gguf_hf_config, gguf_tensor_names, read_metadata
@@ -40,6 +39,7 @@ from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.models.base import CausalLM
 from radixserve.executor.placement import rank_device, tensor_backend
 from radixserve.executor.quant import QuantScheme
+from radixserve.executor.weights import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
 

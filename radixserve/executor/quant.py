@@ -36,7 +36,7 @@ from radixserve.executor.loader.gguf_codes import GroupCodes
 from radixserve.executor.native import load_int4_panels, load_int8_panels, load_qlinear
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
-PREFILL_COPY_MODES = ("auto", "on", "off")  # add_prefill_copies; builder.decide_prefill_copy
+PREFILL_COPY_MODES = ("auto", "on", "off")  # add_prefill_copies; weights.decide_prefill_copy
 INT4_GROUP_SIZES = (32, 64, 128)
 # output rows padded to a multiple of 64: PyTorch's CPU int4 packing wants 16, and in blocks
 # of 64 its layout is the one the native dequantizer reads

@@ -25,7 +25,7 @@ from radixserve.engine.tokenizer import load_model_tokenizer
 from radixserve.serving.client import EngineClient
 from radixserve.serving.dp_client import DataParallelClient
 from radixserve.serving.engine_client import EngineProcessClient
-from radixserve.serving.grammar import DEFAULT_COMPILE_TIMEOUT_S, GrammarChecker
+from radixserve.serving.grammar import GrammarChecker
 from radixserve.serving.metrics import Metrics
 from radixserve.serving.protocol import Delta
 from radixserve.serving.supervisor import SupervisionCollector, SupervisorConfig
@@ -42,7 +42,6 @@ class ServingConfig:
     dp_policy: str = "cache-aware"
     dp_balance: Any = None  # balancer.BalanceConfig (None: its defaults)
     supervision: SupervisorConfig = field(default_factory=SupervisorConfig)
-    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
 
 
 def make_engine_client(
@@ -81,7 +80,8 @@ class Frontend:
         if isinstance(self.client, DataParallelClient):  # per-engine series
             self.metrics.registry.register(self.client.collector)
         self.metrics.registry.register(SupervisionCollector(lambda: self.client))
-        self.grammar = GrammarChecker(self.tokenizer, config.grammar_compile_timeout_s)
+        # the engine's own timeout: a grammar the pre-check passes compiles in the engine
+        self.grammar = GrammarChecker(self.tokenizer, engine_config.grammar_compile_timeout_s)
         self.created = int(time.time())
         self._inputs: InputProcessor | None = None
         self._token_texts: dict[int, str] = {}

@@ -12,8 +12,7 @@ from typing import Any
 
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
-
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
+from radixserve.engine.structured import DEFAULT_COMPILE_TIMEOUT_S
 
 
 def _param_of(message: str, spec_source: str) -> str:

@@ -758,30 +758,21 @@ def add_soak_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --url: the server injects faults (their 5xx are expected)",
     )
-    from radixserve.tools.tenant_soak import add_tenant_soak_args
-
-    add_tenant_soak_args(parser)
-    from radixserve.tools.router_soak import add_router_soak_args
-
-    add_router_soak_args(parser)
-    parser.add_argument(
-        "serve_args", nargs=argparse.REMAINDER, help="after --: flags for radixserve serve"
-    )
 
 
-def run_soak(args: argparse.Namespace) -> int:
+def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
+    """What every soak (this one, ``tenant_soak``, ``router_soak``) reads the same way:
+    ``--quick`` is 90 s, the ``--`` before the serve flags is dropped."""
     if args.quick:
         args.duration = 90.0
     if args.serve_args and args.serve_args[0] == "--":
         args.serve_args = args.serve_args[1:]
-    if args.router:
-        from radixserve.tools.router_soak import run_router_soak
+    return args
 
-        return run_router_soak(args)
-    if args.tenants:
-        from radixserve.tools.tenant_soak import run_tenant_soak
 
-        return run_tenant_soak(args)
+def run_soak(args: argparse.Namespace) -> int:
+    """The soak-and-chaos run (``args`` through ``normalize_args``); ``radixserve soak``
+    (``cli.py``) sends ``--tenants`` and ``--router`` to their own modules."""
     if args.warmup is None:
         args.warmup = args.duration / 3
     if args.faults:
@@ -827,13 +818,3 @@ def run_soak(args: argparse.Namespace) -> int:
         or (growth is not None and growth > args.max_rss_growth)
     )
     return 1 if failed else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="soak", description=__doc__.split("\n\n")[0])
-    add_soak_args(parser)
-    return run_soak(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from radixserve.api.auth import AccessPolicy, ApiKeys
-from radixserve.api.openai.server import (
+from radixserve.api.openai.state import (
     _PROTECTED_PATHS,
     _PROTECTED_PREFIXES,
     ADMIN_PATHS,

@@ -19,8 +19,8 @@ from radixserve.api.auth import ApiKeys
 from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
 from radixserve.api.grpc.service import GenerateServicer
 from radixserve.api.openai import converter as cv
+from radixserve.api.openai.config import ServerConfig
 from radixserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.api.openai.server import ServerConfig
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.serving import protocol as p

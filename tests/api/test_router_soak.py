@@ -10,8 +10,8 @@ import sys
 import orjson
 import pytest
 
+from radixserve.cli import add_soak_args
 from radixserve.tools.router_soak import MIN_PHASE_SAMPLES, RouterSoak, labelled_sum
-from radixserve.tools.soak import add_soak_args
 
 
 def _soak(kill_times: list[float]) -> RouterSoak:

@@ -208,11 +208,34 @@ def test_full_disk_tier_stays_within_its_limit(tiny_llama, tmp_path):
         ({"kv_host_gb": 0.1, "enable_overlap": True}, "serial loop"),
         ({"kv_host_gb": 0.1, "tensor_parallel_size": 2}, "tensor parallelism"),
         ({"kv_host_gb": 0.1, "simulated_device": True}, "simulated"),
-        ({"kv_disk_gb": 1.0, "kv_cache_dir": "x"}, "kv_host_gb"),
-        ({"kv_host_gb": 0.1, "kv_cache_dir": "x"}, "kv_disk_gb"),
+        ({"kv_disk_gb": 1.0}, "kv_cache_dir"),
+        ({"kv_cache_dir": "x", "disable_radix_cache": True}, "radix cache"),
         ({"kv_host_gb": -1.0}, ">= 0"),
     ],
 )
 def test_tier_flags_refused_where_unsupported(kw, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kw)
+
+
+def test_a_cache_folder_alone_turns_the_tiers_on_at_sizes_from_free_space(tmp_path, caplog):
+    import shutil
+
+    from radixserve.engine import config as cfg
+
+    folder = tmp_path / "not" / "made" / "yet"
+    with caplog.at_level("INFO", "radixserve.engine.config"):
+        c = EngineConfig(kv_cache_memory_gb=0.5, kv_cache_dir=str(folder))
+    assert c.tiers and c.kv_host_gb > 0 and c.kv_disk_gb > 0
+    assert c.kv_host_gb <= cfg.KV_HOST_AUTO_KV_MULTIPLE * 0.5
+    free_gb = shutil.disk_usage(tmp_path).free / 2**30
+    assert c.kv_disk_gb <= min(cfg.KV_DISK_AUTO_SHARE * free_gb * 1.01, cfg.KV_DISK_AUTO_MAX_GB)
+    assert "kv_cache_dir without sizes" in caplog.text and "kv_disk_gb" in caplog.text
+    # sizes given are kept; one given, the other chosen
+    given = EngineConfig(kv_host_gb=0.25, kv_disk_gb=2.0, kv_cache_dir=str(folder))
+    assert (given.kv_host_gb, given.kv_disk_gb) == (0.25, 2.0)
+    half = EngineConfig(kv_host_gb=0.25, kv_cache_dir=str(folder))
+    assert half.kv_host_gb == 0.25 and half.kv_disk_gb > 0
+    # the engine process gets the chosen sizes (its config is rebuilt from the fields)
+    again = EngineConfig(**{f: getattr(c, f) for f in ("kv_host_gb", "kv_disk_gb", "kv_cache_dir")})
+    assert (again.kv_host_gb, again.kv_disk_gb) == (c.kv_host_gb, c.kv_disk_gb)

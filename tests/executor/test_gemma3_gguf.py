@@ -189,9 +189,9 @@ def test_auto_runs_each_tensor_at_its_own_precision(gemma3_file):
     import numpy as np
     import torch
 
-    from radixserve.executor.builder import load_model
     from radixserve.executor.loader.gguf_file import GGUFFile
     from radixserve.executor.quant import Int4Linear, Int8GroupLinear, dequantize_int4
+    from radixserve.executor.weights import load_model
 
     loaded = load_model("gguf", gemma3_file, device=torch.device("cpu"))
     described = loaded.scheme.describe()

@@ -16,7 +16,6 @@ from radixserve import LLM
 from radixserve.cli import build_parser, engine_kwargs
 from radixserve.engine.config import EngineConfig
 from radixserve.executor import quant
-from radixserve.executor.builder import decide_prefill_copy
 from radixserve.executor.linear import Linear
 from radixserve.executor.quant import (
     Int4Linear,
@@ -30,6 +29,7 @@ from radixserve.executor.quant import (
     quantize_int8,
     resolve_quantization,
 )
+from radixserve.executor.weights import decide_prefill_copy
 from tests.helpers import greedy
 
 # A bfloat16 output rounds to 8 significant bits; a K-long dot product of bfloat16 inputs

@@ -16,7 +16,7 @@ import json
 import types
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -33,6 +33,7 @@ from radixserve.api.asgi import (
 from radixserve.api.openai import converter as cv
 from radixserve.api.openai.generation import collect
 from radixserve.api.openai.protocol import body_schema
+from radixserve.api.openai.state import OpenAIServer
 from radixserve.api.openai.structured import structured_spec
 from radixserve.api.openai.tool_parser import (
     ToolContext,
@@ -45,9 +46,6 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import Routing
-
-if TYPE_CHECKING:
-    from radixserve.api.openai.server import OpenAIServer
 
 # fields Anthropic's API has that this server does not implement: a 400 naming them
 _REFUSED = ("thinking", "container", "mcp_servers", "context_management")

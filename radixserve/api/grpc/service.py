@@ -29,7 +29,7 @@ from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
 from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
 from radixserve.api.openai import converter as cv
 from radixserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.api.openai.server import OpenAIServer
+from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer

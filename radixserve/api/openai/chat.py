@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from radixserve.api.asgi import ASGIApp, HTTPRequest, Response, StreamResponse, json_response
 from radixserve.api.openai import converter as cv
 from radixserve.api.openai.generation import collect, sse, stream_events, usage
 from radixserve.api.openai.logprobs import chat_logprobs
 from radixserve.api.openai.protocol import ChatCompletionRequest, body_schema
+from radixserve.api.openai.state import OpenAIServer
 from radixserve.api.openai.structured import structured_spec
 from radixserve.api.openai.tool_parser import (
     ToolContext,
@@ -22,9 +23,6 @@ from radixserve.api.openai.tool_parser import (
 )
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.tenancy import Routing
-
-if TYPE_CHECKING:
-    from radixserve.api.openai.server import OpenAIServer
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:

@@ -6,19 +6,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from radixserve.api.asgi import ASGIApp, HTTPRequest, Response, StreamResponse, json_response
 from radixserve.api.openai import converter as cv
 from radixserve.api.openai.generation import collect, sse, stream_events, usage
 from radixserve.api.openai.logprobs import completion_logprobs, join_logprobs, prompt_logprobs
 from radixserve.api.openai.protocol import CompletionRequest, body_schema
+from radixserve.api.openai.state import OpenAIServer
 from radixserve.api.openai.structured import structured_spec
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.tenancy import Routing
-
-if TYPE_CHECKING:
-    from radixserve.api.openai.server import OpenAIServer
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:

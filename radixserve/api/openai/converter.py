@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from radixserve.api.asgi import APIError
+from radixserve.api.openai.config import ServerConfig
 from radixserve.api.openai.protocol import ChatCompletionRequest
 from radixserve.api.openai.structured import reject_unknown_fields
 from radixserve.api.openai.tool_parser import ToolContext, template_message
@@ -21,9 +22,6 @@ from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.frontend import Frontend
-
-if TYPE_CHECKING:
-    from radixserve.api.openai.server import ServerConfig
 
 _FIELD_RE = re.compile(r"^([a-z_]+)")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default

@@ -10,19 +10,16 @@ pooled hidden states of a generative model; otherwise a 400 saying so.
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from radixserve.api.asgi import APIError, ASGIApp, HTTPRequest, Response, json_response
 from radixserve.api.openai import converter as cv
 from radixserve.api.openai.protocol import EmbeddingRequest, body_schema
+from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.errors import InputError
 from radixserve.core.request import POOLING_PARAMS
 from radixserve.serving.engine_client import EngineDead, RequestRejected
-
-if TYPE_CHECKING:
-    from radixserve.api.openai.server import OpenAIServer
 
 # what the wire carries for a pooling request (the engine makes its own)
 _INPUT_SHAPES = (

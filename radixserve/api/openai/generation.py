@@ -6,20 +6,18 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from radixserve.api.asgi import APIError
 from radixserve.api.openai.converter import engine_error
+from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.protocol import Delta
 from radixserve.serving.tenancy import Routing
-
-if TYPE_CHECKING:
-    from radixserve.api.openai.server import OpenAIServer
 
 DONE = b"data: [DONE]\n\n"
 

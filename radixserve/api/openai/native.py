@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from radixserve.api.asgi import (
     APIError,
@@ -23,12 +22,10 @@ from radixserve.api.openai.protocol import (
     TokenizeRequest,
     body_schema,
 )
+from radixserve.api.openai.state import OpenAIServer
 from radixserve.api.openai.tool_parser import template_message
 from radixserve.core.errors import InputError
 from radixserve.serving.engine_client import EngineDead, RequestRejected
-
-if TYPE_CHECKING:
-    from radixserve.api.openai.server import OpenAIServer
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:

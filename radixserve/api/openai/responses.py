@@ -20,7 +20,7 @@ import time
 import types
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -36,6 +36,7 @@ from radixserve.api.openai import converter as cv
 from radixserve.api.openai.generation import collect
 from radixserve.api.openai.protocol import ResponsesRequest, body_schema
 from radixserve.api.openai.response_store import ResponseStore, StoredResponse
+from radixserve.api.openai.state import OpenAIServer
 from radixserve.api.openai.structured import structured_spec
 from radixserve.api.openai.tool_parser import (
     ToolContext,
@@ -48,9 +49,6 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.engine_client import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import Routing
-
-if TYPE_CHECKING:
-    from radixserve.api.openai.server import OpenAIServer
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 

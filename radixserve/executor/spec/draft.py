@@ -47,7 +47,7 @@ class DraftProposer:
         vocab_size: int,
         quantization: str = "auto",
     ) -> None:
-        from radixserve.executor.builder import load_model  # (builder imports the runner)
+        from radixserve.executor.weights import load_model
 
         if quantization in ("int8", "int4"):
             dtype = torch.bfloat16  # the quantized kernels' activations, whatever the target's
