@@ -1,4 +1,5 @@
-"""The engine: add_request / abort / step, shared by the offline API and the server."""
+"""The engine loop: submit / add_request / abort / step / stats over the parts ``builder.py``
+builds, shared by the offline API and the server."""
 
 from __future__ import annotations
 
@@ -6,17 +7,12 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from radixserve.core.errors import InputError
-from radixserve.core.kv_tiers import TierSlots
-from radixserve.core.page_pool import PagePool
-from radixserve.core.page_table import PageTable
-from radixserve.core.radix_cache import RadixCache
 from radixserve.core.radix_summary import RadixSummaryData, summarize
 from radixserve.core.request import (
     POOLING_KINDS,
@@ -30,53 +26,23 @@ from radixserve.core.request import (
 )
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
+from radixserve.engine.builder import build_engine, make_device
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
-from radixserve.engine.faults import FaultInjector
-from radixserve.engine.inputs import InputProcessor, sampling_defaults
 from radixserve.engine.model_source import (
     ModelSource,
-    model_matryoshka,
-    model_pooling,
-    resolve_model,
 )
 from radixserve.engine.outputs import CacheFlushResult, EngineStats, SequenceDelta
-from radixserve.engine.parallel import worker_spec
-from radixserve.engine.spec_control import SpecController
 from radixserve.engine.structured import GrammarWaitList
-from radixserve.engine.tokenizer import (
-    MissingTokenizer,
-    has_tokenizer_files,
-    load_hf_tokenizer,
-    tokenizer_from_gguf,
-)
-from radixserve.executor.builder import build_runner, size_kv_cache
 from radixserve.executor.device import (
-    Device,
-    InlineDevice,
-    PreparedStep,
     StepHandle,
     StepResult,
-    ThreadDevice,
-    TimedDevice,
 )
-from radixserve.executor.distributed import DeviceLost, TensorParallelGroup, default_threads
+from radixserve.executor.distributed import DeviceLost, TensorParallelGroup
 from radixserve.executor.grammar import GrammarService
-from radixserve.executor.kv_tiers import DiskKVStore, HostKVStore, TierTransfer, model_identity
-from radixserve.executor.loader import Checkpoint
-from radixserve.executor.loader.gguf_loader import read_metadata
-from radixserve.executor.loader.safetensors_loader import read_json
-from radixserve.executor.model_config import ModelConfig
-from radixserve.executor.model_runner import ModelRunner
-from radixserve.executor.quant import (
-    format_weight_memory,
-)
-from radixserve.executor.sampler import Sampler, TokenLogprobs
-from radixserve.executor.simulated import CostModel, SimulatedRunner
-from radixserve.executor.spec import AdaptiveLength, DraftProposer, NgramProposer, Proposer
-from radixserve.executor.weights import load_model
-from radixserve.scheduler.kv_manager import KVManager
-from radixserve.scheduler.scheduler import EngineOverloaded, Scheduler, SchedulerConfig
+from radixserve.executor.kv_tiers import TierTransfer
+from radixserve.executor.sampler import TokenLogprobs
+from radixserve.scheduler.scheduler import EngineOverloaded
 
 __all__ = ["Engine", "EngineOverloaded"]  # EngineOverloaded: add_request's refusal
 
@@ -126,81 +92,48 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig | None = None, detokenize: bool = True) -> None:
-        """``detokenize=False``: deltas carry token ids only (empty text) and stop strings
-        are not looked for — a frontend that detokenizes does both (the server does)."""
-        self.config = config = config or EngineConfig()
-        self.detokenize = detokenize
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.source: ModelSource = resolve_model(config.model)
-        self.tp: TensorParallelGroup | None = None
-        self._threads_before: int | None = None
+        """Build the engine's parts (``builder.build_engine``: model, tokenizer, KV cache
+        and tiers, scheduler, runner, device, speculation) and start with nothing queued.
+        ``detokenize=False``: deltas carry token ids only (empty text) and stop strings are
+        not looked for — a frontend that detokenizes does both (the server does)."""
+        parts = build_engine(config or EngineConfig(), detokenize)
+        self.config = config = parts.config
+        self.detokenize = parts.detokenize
+        self.source: ModelSource = parts.source
         self.fatal_error: str | None = None  # set when the engine can run no more steps
-        if config.simulated_device:
-            num_pages, generation_config, model_eos = self._init_simulated(config)
-        else:
-            num_pages, generation_config, model_eos = self._load_model(config)
-        self.eos_token_ids = self._eos_ids(model_eos, generation_config)
-        # every prompt and SamplingParams of this engine is made and checked here
-        self.inputs = InputProcessor(
-            self.tokenizer,
-            self.vocab_size,
-            self.max_model_len,
-            sampling_defaults(generation_config, config.generation_config),
-        )
-
-        self.pool = PagePool(num_pages, config.page_size)
-        self.page_table = PageTable(config.max_num_seqs, self.pool.pages_for(self.max_model_len))
-        self.prefix_cache = None if config.disable_radix_cache else RadixCache(self.pool)
-        self.kv_manager = KVManager(self.pool, self.page_table, self.prefix_cache)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                long_prefill_threshold=config.long_prefill_threshold,
-                policy=config.schedule_policy,
-                max_waiting_requests=config.max_waiting_requests,
-                max_queue_time_s=config.max_queue_time_s,
-                batch_wait_s=config.batch_wait_ms / 1000,
-                reserve_ratio_init=0.7 * config.schedule_conservativeness,
-                reserve_ratio_min=0.1 * config.schedule_conservativeness,
-                fair_step_prefill_tokens=config.fair_step_prefill_tokens,
-                fair_active_window_s=config.fair_active_window_s,
-                fair_step_target_s=config.fair_step_target_s,
-            ),
-            self.kv_manager,
-        )
-        self.sampler = Sampler(self.vocab_size, self.eos_token_ids)
-        self.runner: ModelRunner | SimulatedRunner
-        if config.simulated_device_time:
-            self.runner = SimulatedRunner(
-                CostModel(*config.simulated_device_cost),
-                self.vocab_size,
-                page_table=self.page_table,
-                page_size=config.page_size,
-            )
-        elif config.simulated_device:
-            self.runner = SimulatedRunner(CostModel(0.0, 0.0, 0.0), self.vocab_size)
-        else:
-            self.runner, self.sampler = build_runner(
-                self.model,
-                num_pages,
-                config.page_size,
-                self.page_table,
-                self.sampler,
-                runner=config.resolved_runner,
-                device=self.torch_device,
-                vocab_size=self.vocab_size,
-                eos_token_ids=self.eos_token_ids,
-                cuda_graph_max_bs=None if config.disable_cuda_graph else config.cuda_graph_max_bs,
-                tp=self.tp,
-            )
-        self.kv_transfer: TierTransfer | None = None
-        if config.tiers:
-            self._init_tiers(config)
+        # the model (None on a simulated device) and what it says of itself
+        m = parts.loaded
+        self.model, self.model_config, self.dtype = m.model, m.model_config, m.dtype
+        self.torch_device, self.weight_bytes = m.torch_device, m.weight_bytes
+        self.model_pooling, self.matryoshka_dimensions = m.model_pooling, m.matryoshka_dimensions
+        self.tp: TensorParallelGroup | None = m.tp
+        self._threads_before = m.threads_before
+        self.tokenizer, self.inputs = parts.tokenizer, parts.inputs
+        self.vocab_size, self.max_model_len = parts.vocab_size, parts.max_model_len
+        self.eos_token_ids = parts.eos_token_ids
+        # the KV cache's bookkeeping, the scheduler, the runner and what runs its steps
+        self.pool, self.page_table = parts.pool, parts.page_table
+        self.prefix_cache, self.kv_manager = parts.prefix_cache, parts.kv_manager
+        self.scheduler, self.sampler, self.runner = parts.scheduler, parts.sampler, parts.runner
+        self.kv_transfer: TierTransfer | None = parts.kv_transfer
         self.overlap = config.overlap
-        self.device = self._make_device(config)
-        self._init_speculative(config)
+        self.faults = parts.faults
+        self.device = make_device(config, lambda step: self.runner.run(step), parts.faults)
+        self.startup_line = parts.startup_line
+        # speculative decoding: the parts, and the loop's counters (a speculative step runs
+        # serially: with the overlapped loop, the step in flight is finished first, since
+        # proposals need every token known; other steps still overlap)
+        spec = parts.speculation
+        self.proposer, self.draft = spec.proposer, spec.draft
+        self.spec_control, self.spec_length = spec.control, spec.length
+        self.spec_proposed = 0  # proposals verified
+        self.spec_accepted = 0  # of which kept
+        self.spec_rows = 0  # verify rows (a request verifying proposals in one step)
+        self.spec_steps = 0  # steps that verified proposals
+        self.spec_declined = 0  # steps that could have speculated and were told not to
+        self._constrained: set[str] = set()  # samples with a grammar: none speculates then
+        self._spec_limits: dict[str, int] = {}  # the limit each request had this step
+        # the loop's own state
         self._in_flight: tuple[ScheduledBatch, StepHandle] | None = None
         self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None)
         self._sequences: dict[str, _Sequence] = {}
@@ -213,42 +146,6 @@ class Engine:
             config.grammar_compile_timeout_s,
         )
 
-    def _init_tiers(self, config: EngineConfig) -> None:
-        """The host tier (and the disk tier under it) below the radix cache."""
-        assert self.prefix_cache is not None and isinstance(self.runner, ModelRunner)
-        kv = self.runner.kv_cache
-        page_bytes = 2 * kv.k[:, 0].numel() * kv.k.element_size()
-        slots = int(config.kv_host_gb * 2**30) // page_bytes
-        if slots < 1:
-            raise ValueError(f"kv_host_gb {config.kv_host_gb} holds no KV page of {page_bytes} B")
-        host = HostKVStore(kv, slots)
-        disk = None
-        line = f"KV host tier {slots * page_bytes / 2**30:.3f} GiB ({slots} pages)"
-        if config.kv_cache_dir is not None:
-            layers, _, heads, _, head_dim = kv.k.shape
-            identity = model_identity(
-                self.source.path,
-                kv.k.dtype,
-                config.page_size,
-                layers,
-                heads,
-                head_dim,
-                extra=f"{self.source.kind}:{config.quantization}:{config.quantization_group_size}"
-                f":{config.load_format}",
-            )
-            disk = DiskKVStore(
-                Path(config.kv_cache_dir), identity, int(config.kv_disk_gb * 2**30), page_bytes
-            )
-            line += (
-                f"; disk tier {config.kv_disk_gb} GiB in {disk.folder} "
-                f"({disk.num_records} records found)"
-            )
-        self.kv_transfer = TierTransfer(kv, host, disk)
-        self.prefix_cache.host = TierSlots(slots)
-        self.prefix_cache.transfer = self.kv_transfer
-        logger.info("%s", line)
-        self.startup_line += "; " + line
-
     def persist_cache(self) -> int:
         """Write every full page the radix tree holds (pool and host tiers) to the disk
         tier and wait for the writes; returns the pages queued (0 without a disk tier)."""
@@ -258,77 +155,6 @@ class Engine:
         queued = self.prefix_cache.persist()
         self.kv_transfer.disk.drain()
         return queued
-
-    def _init_speculative(self, config: EngineConfig) -> None:
-        """Speculative decoding (``config.speculative_mode``): the proposer and counters. A
-        speculative step runs serially: with the overlapped loop, the step in flight is
-        finished first (proposals need every token known), other steps still overlap."""
-        self.proposer: Proposer | None = None
-        self.draft: DraftProposer | None = None
-        self.spec_proposed = 0  # proposals verified
-        self.spec_accepted = 0  # of which kept
-        self.spec_rows = 0  # verify rows (a request verifying proposals in one step)
-        self.spec_steps = 0  # steps that verified proposals
-        self.spec_declined = 0  # steps that could have speculated and were told not to
-        self._constrained: set[str] = set()  # samples with a grammar: none speculates then
-        self.spec_control: SpecController | None = None  # the measured policy's controller
-        # the n-gram proposer's per-request length (None: fixed at num_spec_tokens), and the
-        # limit each request was given this step (what a verify's outcome is judged by)
-        self.spec_length: AdaptiveLength | None = None
-        self._spec_limits: dict[str, int] = {}
-        if not config.speculative:
-            return
-        if not isinstance(self.runner, ModelRunner) or config.resolved_runner != "cpu":
-            raise ValueError("speculative decoding runs on the CPU runner only (for now)")
-        self.proposer = NgramProposer(config.spec_ngram_max, config.spec_ngram_min)
-        cap = config.spec_length_cap
-        if cap:
-            self.spec_length = AdaptiveLength(config.num_spec_tokens, cap)
-            length = (
-                f"{self.spec_length.start} proposals per step to start, adapted per request "
-                f"between {config.num_spec_tokens} and {cap} (above {config.num_spec_tokens}, "
-                f"{cap} shared by the batch)"
-            )
-        else:
-            length = f"up to {config.num_spec_tokens} proposals per step"
-        line = (
-            f"speculative decoding: {config.speculative_mode}, {length} (n-gram "
-            f"{config.spec_ngram_min}..{config.spec_ngram_max})"
-        )
-        if config.spec_draft_model is not None:
-            source = resolve_model(config.spec_draft_model)
-            self.draft = DraftProposer(
-                source.kind,
-                source.path,
-                self.pool.num_pages,
-                config.page_size,
-                self.page_table,
-                self.dtype,
-                self.vocab_size,
-                config.spec_draft_quantization,
-            )
-            self.runner.shadow = self.draft.shadow
-            scheme = self.draft.scheme
-            precision = scheme.describe() if scheme is not None else str(self.draft.dtype)
-            line = (
-                f"speculative decoding: draft model {source.path.name} ({precision}), up to "
-                f"{config.num_spec_tokens} proposals per step; its KV cache "
-                f"{self.draft.kv_bytes / 2**30:.3f} GiB on the same pages"
-            )
-        policy = config.spec_policy
-        if policy == "measured":
-            self.spec_control = SpecController(config.spec_crossover)
-            line += (
-                f"; on where measured tokens/s say it pays, per batch size (cold start: at "
-                f"most {config.spec_crossover} decoding requests)"
-            )
-        elif policy == "threshold":
-            line += f"; while at most {config.spec_crossover} requests decode"
-        else:
-            line += "; every step"
-        logger.info("%s", line)
-        if hasattr(self, "startup_line"):
-            self.startup_line += "; " + line
 
     def _propose(self, outputs: list[SequenceDelta]) -> dict[str, Any] | None:
         """Proposals for this step's decoding requests, or None when this step does not
@@ -376,27 +202,6 @@ class Engine:
         rows = np.flatnonzero(batch.num_spec)
         self.draft.fill([batch.requests[i] for i in rows.tolist()], batch.num_spec[rows].tolist())
 
-    def _make_device(self, config: EngineConfig) -> Device:
-        faults = FaultInjector.from_env()  # RADIXSERVE_FAULTS; None (no hook) when unset
-
-        def run(step: PreparedStep) -> StepResult:
-            return self.runner.run(step)
-
-        if faults is not None:
-            plain = run
-
-            def run(step: PreparedStep) -> StepResult:
-                faults.on_step()
-                return plain(step)
-
-        self.faults = faults
-
-        if config.simulated_device_time:
-            return TimedDevice(run)
-        if self.overlap:
-            return ThreadDevice(run)  # the CPU model as an asynchronous device
-        return InlineDevice(run)
-
     def close(self) -> None:
         """Finish the step in flight and stop the device's worker (if any)."""
         self.drain()
@@ -411,105 +216,6 @@ class Engine:
             if self._threads_before is not None:  # the process may run other engines
                 torch.set_num_threads(self._threads_before)
                 self._threads_before = None
-
-    def _load_model(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
-        """Weights, tokenizer and KV sizing of a real model; returns (KV pages, the
-        generation config, the model's EOS ids)."""
-        self.torch_device = torch.device(config.resolved_device)
-        start = time.perf_counter()
-        if config.tensor_parallel_size > 1:
-            checkpoint, scheme = self._start_tensor_parallel(config)
-            mc = self.model_config
-        else:
-            loaded = load_model(
-                self.source.kind,
-                self.source.path,
-                device=self.torch_device,
-                dtype=config.dtype,
-                quantization=config.quantization,
-                group_size=config.quantization_group_size,
-                load_format=config.load_format,
-                prefill_copy=config.prefill_weight_copy,
-            )
-            checkpoint, scheme = loaded.checkpoint, loaded.scheme
-            self.model_config = mc = loaded.config
-            self.model, self.dtype = loaded.model, loaded.dtype
-        self.tokenizer, generation_config = self._load_tokenizer(checkpoint.gguf_metadata)
-        # an embedding model's own pooling (None: a generative model)
-        self.model_pooling = model_pooling(self.source, checkpoint.gguf_metadata)
-        self.matryoshka_dimensions = model_matryoshka(self.source)
-        if isinstance(self.tokenizer, MissingTokenizer):
-            self.detokenize = False  # outputs carry token ids only
-        del checkpoint
-        self.vocab_size = mc.vocab_size
-        self.max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
-        sizing = size_kv_cache(
-            self.model, config.page_size, config.kv_cache_memory_gb, config.memory_budget_gb
-        )
-        self.weight_bytes = sizing.weight_bytes
-        num_pages, page_bytes = sizing.num_pages, sizing.page_bytes
-        self.startup_line = (
-            f"weights {format_weight_memory(self.weight_bytes)}; dense layers "
-            f"{scheme.describe() if scheme else str(self.dtype).removeprefix('torch.')}, "
-            f"embeddings{'' if getattr(scheme, 'head', None) else ' and LM head'} "
-            f"{str(self.dtype).removeprefix('torch.')}; KV cache "
-            f"{num_pages * page_bytes / 2**30:.3f} GiB ({num_pages} pages of {config.page_size}); "
-            f"weights and tokenizer loaded in {time.perf_counter() - start:.2f} s"
-        )
-        logger.info("%s", self.startup_line)
-        return num_pages, generation_config, mc.eos_token_ids
-
-    def _start_tensor_parallel(self, config: EngineConfig) -> tuple[Checkpoint, Any]:
-        """Start the other ranks (worker processes on this node; the other nodes start
-        theirs), join the group as rank 0 and load this rank's shard."""
-        if config.node_rank != 0:
-            raise ValueError("node_rank > 0 runs workers only (radixserve.executor.distributed)")
-        spec = worker_spec(config, self.source)
-        if config.num_threads is None:  # the cores split between this node's ranks
-            self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(default_threads(spec))
-        self.tp = TensorParallelGroup(spec)
-        loaded = self.tp.loaded
-        self.model_config = ModelConfig.from_hf_dict(loaded.checkpoint.hf_config)
-        self.model, self.dtype = loaded.model, loaded.dtype
-        self.torch_device = self.tp.group.device  # rank 0's: cuda:0 on GPUs
-        return loaded.checkpoint, loaded.scheme
-
-    def _init_simulated(self, config: EngineConfig) -> tuple[int, dict[str, Any], tuple[int, ...]]:
-        """The model's tokenizer but no weights: a simulated device (instant synthetic
-        tokens) for measuring everything around the model."""
-        meta = read_metadata(self.source.path) if self.source.kind == "gguf" else None
-        self.tokenizer, generation_config = self._load_tokenizer(meta)
-        self.model_pooling = None
-        self.matryoshka_dimensions = None
-        self.model_config = None
-        self.vocab_size = len(self.tokenizer)
-        self.max_model_len = config.max_model_len or _SIMULATED_MAX_MODEL_LEN
-        pages = _SIMULATED_KV_PAGES
-        if config.simulated_kv_tokens is not None:
-            pages = max(1, config.simulated_kv_tokens // config.page_size)
-        return pages, generation_config, ()
-
-    def _load_tokenizer(self, gguf_metadata: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
-        if self.source.kind == "gguf":
-            return tokenizer_from_gguf(gguf_metadata or {}), {}
-        gen_path = self.source.path / "generation_config.json"
-        generation_config = read_json(gen_path) if gen_path.is_file() else {}
-        if not has_tokenizer_files(self.source.path):
-            return MissingTokenizer(self.source.path), generation_config
-        return load_hf_tokenizer(self.source.path), generation_config
-
-    def _eos_ids(
-        self, model_eos: tuple[int, ...], generation_config: dict[str, Any]
-    ) -> tuple[int, ...]:
-        ids = set(model_eos)
-        gen_eos = generation_config.get("eos_token_id")
-        ids.update(
-            gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
-        )
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     # -- requests -------------------------------------------------------------------------
     @property
