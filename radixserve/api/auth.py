@@ -120,7 +120,7 @@ class AccessPolicy:
     def may_read_prompts(self, headers: Mapping[str, str]) -> bool:
         if not self.admin_keys:
             return self.loopback_only and not self.keys
-        return self.admin_keys.allows(headers.get("authorization"), headers.get("x-api-key"))
+        return self.is_admin(headers)
 
     def check(self, path: str, headers: Mapping[str, str]) -> Denied | None:
         """None if the request may go on, else why not."""

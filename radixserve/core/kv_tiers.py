@@ -109,7 +109,8 @@ class KVTransfer(Protocol):
 
 
 def namespace_seed(namespace: Hashable) -> bytes:
-    """The start of a namespace's hash chain (cache salts never share records)."""
+    """The start of a namespace's hash chain: records of different namespaces (tenants,
+    cache salts: ``core.request.cache_namespace``) never match each other's prefixes."""
     return hashlib.blake2b(f"ns:{namespace!r}".encode(), digest_size=_HASH_BYTES).digest()
 
 

@@ -600,13 +600,16 @@ class Scheduler:
         return n, still_needed + math.ceil(self._reserve_tokens(req) / pool.page_size)
 
     # -- in-batch prefix sharing ----------------------------------------------------------
-    def _prefix_key(self, req: Request, computed: int) -> tuple[int, ...] | None:
-        """Identifies the tokens right after ``computed`` (rounded down to a page)."""
+    def _prefix_key(self, req: Request, computed: int) -> tuple | None:
+        """Identifies the tokens right after ``computed`` (rounded down to a page), in the
+        request's cache namespace: a request never waits for KV another namespace (another
+        tenant, another salt) is computing, which it could not reuse, and its time to first
+        token tells nothing of what others are prefilling."""
         start = computed // self.kv.page_size * self.kv.page_size
         end = start + _SHARED_PREFIX_PROBE
         if end > req.num_tokens - 1:
             return None
-        return (start, *req.token_ids[start:end].tolist())
+        return (req.cache_namespace, start, *req.token_ids[start:end].tolist())
 
     def _prefilling_keys(self) -> set:
         """The next uncached tokens of every request prefilling now (radix cache only)."""

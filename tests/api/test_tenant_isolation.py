@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import httpx
 import pytest
 
-from tests.api.server_helpers import ServerProcess
+from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
+from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
+from tests.api.server_helpers import ServerProcess, free_port
 from tests.api.test_router import RouterProcess
 
 pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
@@ -44,8 +47,16 @@ def keys_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_llama, keys_file):
-    procs = [_server(tiny_llama, keys_file) for _ in range(2)]
+def grpc_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama, keys_file, grpc_port):
+    procs = [
+        _server(tiny_llama, keys_file, "--grpc-port", str(grpc_port)),
+        _server(tiny_llama, keys_file),
+    ]
     yield procs
     for p in procs:
         if p.proc.poll() is None:
@@ -143,6 +154,32 @@ def test_cached_tokens_reveal_nothing_across_tenants(workers):
     assert cached >= total - 4
 
 
+def test_grpc_request_ids_are_per_tenant(workers, grpc_port):
+    """Over gRPC a tenant's request_id names its own calls only: another tenant's Abort of
+    it finds nothing, and may use the same id at the same time."""
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        alice = (("authorization", ALICE["authorization"]),)
+        bob = (("authorization", BOB["authorization"]),)
+        long = pb.GenerateRequest(
+            request_id="same",
+            token_ids=pb.TokenIds(ids=[1, 2, 3]),
+            sampling_params=pb.SamplingParams(max_tokens=400, ignore_eos=True),
+        )
+        stream = stub.Generate(long, metadata=alice)
+        next(stream)  # alice's call is running
+        assert not stub.Abort(pb.AbortRequest(request_id="same"), metadata=bob).found
+        short = pb.GenerateRequest(
+            request_id="same",
+            token_ids=pb.TokenIds(ids=[4, 5]),
+            sampling_params=pb.SamplingParams(max_tokens=2, ignore_eos=True),
+        )
+        assert sum(len(a.token_ids) for a in stub.Generate(short, metadata=bob)) == 2
+        assert stub.Abort(pb.AbortRequest(request_id="same"), metadata=alice).found
+        reasons = [a.finish_reason for a in stream if a.finish_reason]
+        assert reasons == ["abort"], reasons
+
+
 def test_global_scope_shares_the_prefix_cache(tiny_llama, keys_file):
     srv = _server(tiny_llama, keys_file, "--prefix-cache-scope", "global")
     try:
@@ -164,6 +201,13 @@ def test_through_the_router_too_and_a_dead_replica_tells_no_one_else(workers):
     )
     try:
         _check_store_isolation(router.url)
+        # a sub-tenant named by X-Tenant, continued by the same one named by user: the
+        # router asks the replicas as that sub-tenant (not as its key's tenant)
+        team = _create(router.url, {**BOB, "x-tenant": "team-9"})["id"]
+        follow = _create(router.url, BOB, input="More", previous_response_id=team, user="team-9")
+        assert follow["previous_response_id"] == team
+        other = {"input": "x", "previous_response_id": team, "user": "team-8"}
+        assert httpx.post(router.url + "/v1/responses", json=other, headers=BOB).status_code == 404
         rid = _create(router.url, ALICE)["id"]
         holder = next(
             w for w in workers if httpx.get(f"{w.url}/v1/responses/{rid}", headers=ADMIN).is_success

@@ -85,6 +85,26 @@ def test_in_batch_prefix_sharing_computes_a_shared_prefix_once():
     run(s)
 
 
+def test_in_batch_prefix_sharing_stays_within_a_namespace():
+    """A request never waits for KV another tenant's (or salt's) request is computing: it
+    could not reuse it, and the wait would tell it what the other is prefilling."""
+    s = make(num_pages=512, page_size=4, budget=512, cache=True)
+    prefix = list(range(1000, 1200))
+    namespaces = [("tenant", "a", None), ("tenant", "b", None), "salt"]
+    reqs = [
+        _req(f"r{i}", [*prefix, i, i + 1], max_tokens=2, cache_namespace=ns)
+        for i, ns in enumerate(namespaces)
+    ]
+    for r in reqs:
+        s.add_request(r)
+    first = s.schedule()
+    assert [r.request_id for r in first.requests] == ["r0", "r1", "r2"]  # none deferred
+    assert s.stats.num_deferred_for_sharing == 0
+    apply(s, first, [])
+    run(s)
+    assert all(r.num_cached_tokens == 0 for r in reqs)
+
+
 def test_long_prompt_delays_decodes_by_at_most_one_chunk_per_step():
     s = make(num_pages=4096, page_size=16, budget=512, threshold=256, max_seqs=8)
     decoders = [_req(f"d{i}", list(range(5 + i, 25 + i)), max_tokens=200) for i in range(4)]

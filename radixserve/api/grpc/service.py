@@ -149,7 +149,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     def __init__(self, server: OpenAIServer) -> None:
         self.server = server
         self.frontend = server.frontend
-        self.running: dict[str, str] = {}
+        # (tenant, the caller's request id) -> engine id: a tenant sees and aborts its own
+        self.running: dict[tuple[str, str], str] = {}
         # engine request ids: unique in this process, and apart from the HTTP API's
         self._prefix = uuid.uuid4().hex[:12]
         self._count = itertools.count()
@@ -239,11 +240,12 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         input_name = request.WhichOneof("input") or "input"
         engine_id = f"grpc-{self._prefix}-{next(self._count)}"
         rid = request.request_id or engine_id
-        if rid in self.running:
+        key = (tag.tenant.name, rid)
+        if key in self.running:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running"
             )
-        self.running[rid] = engine_id  # (taken before any await: no two calls share it)
+        self.running[key] = engine_id  # (taken before any await: no two calls share it)
         error: APIError | None = None
         try:
             try:  # (a dead engine is found by generate_batches: UNAVAILABLE)
@@ -281,15 +283,15 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         except (RequestRejected, EngineDead) as exc:
             error = cv.engine_error(exc)
         finally:
-            self.running.pop(rid, None)
+            self.running.pop(key, None)
             if error is not None:
                 await self._fail(context, error, input_name)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        await self._authorize(context)
-        engine_id = self.running.get(request.request_id)
+        tag = await self._authorize(context)
+        engine_id = self.running.get((tag.tenant.name, request.request_id))
         found = engine_id is not None and self.frontend.client.abort(engine_id)
         return pb.AbortResponse(found=found)
 

@@ -75,7 +75,7 @@ class OpenAIServer:
         body = parse_body(model, data)
         routing = Routing(
             self.tenant_tag(request.headers, getattr(body, "user", None)),
-            getattr(body, "cache_salt", None),
+            getattr(body, "cache_salt", None) or None,  # ("" is no salt, as over gRPC)
             getattr(body, "priority", None) or 0,
         )
         return body, routing

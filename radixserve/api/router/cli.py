@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from radixserve.core.request import PREFIX_CACHE_SCOPES
 from radixserve.serving.balancer import POLICIES
 
 
@@ -70,7 +71,7 @@ def add_router_args(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--prefix-cache-scope",
         default="tenant",
-        choices=["tenant", "global"],
+        choices=list(PREFIX_CACHE_SCOPES),
         help="as the workers' flag: tenant = a prompt is matched against the prompts sent "
         "with the same key (and X-Tenant) only; global = against all",
     )

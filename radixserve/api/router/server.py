@@ -30,6 +30,7 @@ from radixserve.api.asgi import (
     StreamResponse,
     json_response,
 )
+from radixserve.core.request import PREFIX_CACHE_SCOPES
 from radixserve.serving.balancer import (
     BalanceConfig,
     Balancer,
@@ -88,9 +89,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.workers:
             raise ValueError("give at least one --worker URL")
-        if self.prefix_cache_scope not in ("tenant", "global"):
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
             raise ValueError(
-                f"prefix_cache_scope must be tenant or global; got {self.prefix_cache_scope!r}"
+                f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}; "
+                f"got {self.prefix_cache_scope!r}"
             )
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
@@ -148,14 +150,14 @@ def routing_key(path: str, body: Any) -> str:
     return ""
 
 
-def requester(headers: Mapping[str, str], body: Any = None) -> str:
+def requester(headers: Mapping[str, str]) -> str:
     """Who sent a request, as far as the router can tell without the keys (the replicas
-    check them): a digest of its credentials and sub-tenant (``authorization``,
-    ``x-api-key``, ``x-tenant``, and the body's ``user`` when given). Requests of one
-    tenant with one key share it; requests of different tenants never do."""
-    user = body.get("user") if isinstance(body, dict) else None
+    check them): a digest of its credentials and sub-tenant header (``authorization``,
+    ``x-api-key``, ``x-tenant``, as sent). Requests sent alike share it; requests of
+    different tenants never do. Sub-tenants a gateway key names by the body's ``user``
+    share their key's digest: the replicas tell them apart, and the gateway that holds the
+    key may speak for any of them anyway."""
     parts = [headers.get(k, "") for k in ("authorization", "x-api-key", "x-tenant")]
-    parts.append(user if isinstance(user, str) else "")
     digest = hashlib.blake2b(digest_size=16)
     for part in parts:
         digest.update(len(part).to_bytes(4, "little") + part.encode("utf-8", "replace"))
@@ -488,10 +490,11 @@ class Router:
         except orjson.JSONDecodeError:
             body = None
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
-        who = requester(request.headers, body)
+        user = body.get("user") if isinstance(body, dict) else None
+        who = requester(request.headers)
         pinned = None
         if isinstance(previous, str):
-            pinned = await self._owner(previous, request, who)
+            pinned = await self._owner(previous, request, who, user)
             if pinned is None:
                 raise APIError(
                     404,
@@ -535,13 +538,17 @@ class Router:
         while len(self.response_owner) > MAX_RESPONSE_OWNERS:
             self.response_owner.popitem(last=False)
 
-    async def _owner(self, response_id: str, request: HTTPRequest, who: str) -> int | None:
+    async def _owner(
+        self, response_id: str, request: HTTPRequest, who: str, user: Any = None
+    ) -> int | None:
         """The worker holding a stored response for the requester ``who``: the one
-        remembered when ``who`` made it, else the first healthy one that answers this
-        request's credentials with it (the router restarted or forgot it, or another key,
-        such as the admin's, asks); None if none does. Only to its maker is a remembered
-        worker that is out a 503 (its store may come back with it): anyone else learns
-        nothing the replicas would not tell them."""
+        remembered when a request sent alike (``requester``) made it, else the first
+        healthy one that answers this request's credentials with it (the router restarted
+        or forgot it, or another key, such as the admin's, asks; ``user``: the body's, a
+        sub-tenant, asked as ``x-tenant``); None if none does. Only to a requester like its
+        maker is a remembered worker that is out a 503 (its store may come back with it):
+        anyone else learns nothing the replicas would not tell them. An id found by asking
+        is not remembered: who asked is not known to be who made it."""
         remembered = self.response_owner.get(response_id)
         if remembered is not None and remembered[1] == who:
             worker = remembered[0]
@@ -551,6 +558,8 @@ class Router:
             return worker
         assert self.http is not None
         headers = self._headers(request)
+        if isinstance(user, str) and user and "x-tenant" not in headers:
+            headers["x-tenant"] = user  # (the replica reads it as the body's user)
 
         async def has_it(i: int) -> bool:
             url = f"{self.workers[i].url}{RESPONSES_PATH}/{response_id}"
@@ -566,8 +575,6 @@ class Router:
         found = await asyncio.gather(*(has_it(i) for i in healthy))
         for i, yes in zip(healthy, found, strict=True):
             if yes:
-                if remembered is None:
-                    self._remember(response_id, i, who)
                 return i
         return None
 
