@@ -39,7 +39,14 @@ class EngineOverloaded(RuntimeError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Invariant: every limit is positive (``ValueError`` otherwise)."""
+    """The scheduler's settings. Invariant: every limit is positive (``ValueError``
+    otherwise).
+
+    The engine sets the user-facing ones from its ``EngineConfig`` in one place
+    (``engine.builder.scheduler_config``). These are internal, tuned constants that only
+    the simulator, the benchmarks and the tests change: ``priority_preemption``,
+    ``reserve_clip_tokens``, ``reserve_ratio_decay_steps``, ``fair_prompt_weight``,
+    ``fair_output_weight``, ``fair_prefill_yield_tokens``."""
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256

@@ -39,3 +39,19 @@ def test_bounded_least_recently_used_first_out():
     assert store.get("r1", "t") is None and store.get("r3", "t") is not None
     with pytest.raises(ValueError):
         ResponseStore(0)
+
+
+def test_a_tenant_storing_many_evicts_its_own_not_the_others():
+    store = ResponseStore(6)
+    for i in range(2):
+        store.put(f"a{i}", _item("alice"))
+    for i in range(50):  # bob floods the store
+        store.put(f"b{i}", _item("bob"))
+    assert store.get("a0", "alice") and store.get("a1", "alice")  # alice keeps hers
+    assert len(store) == 6 and sum(store.get(f"b{i}", "bob") is not None for i in range(50)) == 4
+    assert store.get("b49", "bob") and store.get("b45", "bob") is None  # bob's newest stay
+    # once alice holds the most, hers go first
+    for i in range(2, 8):
+        store.put(f"a{i}", _item("alice"))
+    assert len(store) == 6 and store.get("a0", "alice") is None
+    assert store.delete("a7", "alice") and store.delete("b49", ANY_TENANT) and len(store) == 4

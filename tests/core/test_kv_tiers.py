@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixserve.core.kv_tiers import TIER_HOST, TIER_POOL, TierSlots, page_prefix_hashes
-from radixserve.core.page_pool import PagePool
+from radixserve.core.page_pool import OutOfPages, PagePool
 from radixserve.core.radix_cache import RadixCache
 
 token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=24)
@@ -98,7 +98,7 @@ def insert(pool, cache, transfer, tokens, namespace=None) -> bool:
     need = -(-len(tokens) // ps)
     try:
         pages = alloc_for(pool, cache)(need)
-    except Exception:
+    except OutOfPages:  # the pool is full of locked pages (any other error is a failure)
         return False
     for k in range(need):
         transfer.pool[pages[k]] = tag(tokens[: (k + 1) * ps])
