@@ -106,17 +106,14 @@ class ModelParts:
 
 @dataclass
 class EngineParts:
-    """Everything an ``Engine`` runs over. Invariants: ``inputs`` checks prompts against
-    ``vocab_size`` and ``max_model_len``; the ``runner``'s KV cache has ``pool``'s pages
-    (the engine runs its steps on ``make_device``'s device); ``startup_line`` states what
-    was built."""
+    """Everything an ``Engine`` runs over (the model's own parts in ``loaded``).
+    Invariants: ``inputs`` checks prompts against ``loaded``'s vocabulary and context; the
+    ``runner``'s KV cache has ``pool``'s pages (the engine runs its steps on
+    ``make_device``'s device); ``startup_line`` states what was built."""
 
     config: EngineConfig
     source: ModelSource
-    detokenize: bool
-    tokenizer: Any
-    vocab_size: int
-    max_model_len: int
+    detokenize: bool  # asked for, and the model has a tokenizer
     eos_token_ids: tuple[int, ...]
     inputs: InputProcessor
     pool: PagePool
@@ -192,9 +189,6 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
         config=config,
         source=source,
         detokenize=detokenize and m.detokenize,
-        tokenizer=m.tokenizer,
-        vocab_size=m.vocab_size,
-        max_model_len=m.max_model_len,
         eos_token_ids=eos_ids,
         inputs=inputs,
         pool=pool,

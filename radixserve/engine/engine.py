@@ -29,15 +29,10 @@ from radixserve.core.step import ScheduledBatch
 from radixserve.engine.builder import build_engine, make_device
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.detokenizer import IncrementalDetokenizer
-from radixserve.engine.model_source import (
-    ModelSource,
-)
+from radixserve.engine.model_source import ModelSource
 from radixserve.engine.outputs import CacheFlushResult, EngineStats, SequenceDelta
 from radixserve.engine.structured import GrammarWaitList
-from radixserve.executor.device import (
-    StepHandle,
-    StepResult,
-)
+from radixserve.executor.device import StepHandle, StepResult
 from radixserve.executor.distributed import DeviceLost, TensorParallelGroup
 from radixserve.executor.grammar import GrammarService
 from radixserve.executor.kv_tiers import TierTransfer
@@ -108,8 +103,8 @@ class Engine:
         self.model_pooling, self.matryoshka_dimensions = m.model_pooling, m.matryoshka_dimensions
         self.tp: TensorParallelGroup | None = m.tp
         self._threads_before = m.threads_before
-        self.tokenizer, self.inputs = parts.tokenizer, parts.inputs
-        self.vocab_size, self.max_model_len = parts.vocab_size, parts.max_model_len
+        self.tokenizer, self.inputs = m.tokenizer, parts.inputs
+        self.vocab_size, self.max_model_len = m.vocab_size, m.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         # the KV cache's bookkeeping, the scheduler, the runner and what runs its steps
         self.pool, self.page_table = parts.pool, parts.page_table

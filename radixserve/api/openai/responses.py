@@ -220,8 +220,7 @@ class _Responder:
         routing: Routing,
     ) -> None:
         self.server, self.body, self.conversation, self.ids = server, body, conversation, ids
-        self.routing = routing
-        self.owner = routing.tag.tenant.name  # the tenant it is stored for
+        self.routing = routing  # (its tenant owns the stored response)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -282,7 +281,8 @@ class _Responder:
             if calls:  # as the template takes them: arguments as objects
                 said["tool_calls"] = [_template_call(c) for c in calls]
             self.server.responses.put(
-                self.id, StoredResponse(response, [*self.conversation, said], self.owner)
+                self.id,
+                StoredResponse(response, [*self.conversation, said], self.routing.tag.tenant.name),
             )
         return response, output
 
