@@ -115,7 +115,7 @@ class EngineConfig:
     # the KV cache gets kv_cache_memory_gb).
     memory_budget_gb: float | None = None
     # structured output: a grammar that takes longer to compile fails its request (the
-    # server's pre-check in the frontend uses the same: there it is a 400)
+    # server's frontend bounds its parse of the grammar by the same)
     grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
     # Sampling fields a request leaves unset: auto = the model's generation_config.json
     # (offline, HTTP and gRPC alike); neutral = OpenAI-style (temperature 1, top_p 1, ...).

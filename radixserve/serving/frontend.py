@@ -4,7 +4,7 @@ One ``Frontend`` per server process. It owns the engine client (one engine proce
 behind the data-parallel client), the model's tokenizer for this process (batched
 encoding, incremental detokenization), the request normalisation (``engine.inputs``, set
 up from what the engine reports when it is ready, so prompts and sampling defaults are the
-engine's own), the grammar pre-check and the metrics. Transports turn their wire format
+engine's own), the grammar check (parsed here, compiled in the engine) and the metrics. Transports turn their wire format
 into prompt ids + ``SamplingParams`` through it and stream the deltas back.
 """
 
@@ -80,8 +80,8 @@ class Frontend:
         if isinstance(self.client, DataParallelClient):  # per-engine series
             self.metrics.registry.register(self.client.collector)
         self.metrics.registry.register(SupervisionCollector(lambda: self.client))
-        # the engine's own timeout: a grammar the pre-check passes compiles in the engine
-        self.grammar = GrammarChecker(self.tokenizer, engine_config.grammar_compile_timeout_s)
+        # parses each grammar (the engine compiles it), bounded by the engine's timeout
+        self.grammar = GrammarChecker(engine_config.grammar_compile_timeout_s)
         self.created = int(time.time())
         self._inputs: InputProcessor | None = None
         self._token_texts: dict[int, str] = {}
@@ -91,7 +91,6 @@ class Frontend:
 
     async def shutdown(self) -> None:
         await self.client.shutdown()
-        self.grammar.close()
 
     # -- requests in --------------------------------------------------------------------
     @property

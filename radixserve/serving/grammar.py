@@ -1,13 +1,12 @@
-"""Structured-output grammars checked in the frontend: a request's grammar is compiled
-(in a worker thread) before the request reaches the engine, and its errors name the field
-of the API the spec came from (``source``: response_format, structured_outputs, tools,
-sampling_params)."""
+"""Structured-output grammars checked in the frontend: a request's grammar is parsed (in a
+worker thread) before the request reaches the engine, which compiles it; errors name the
+field of the API the spec came from (``source``: response_format, structured_outputs,
+tools, sampling_params)."""
 
 from __future__ import annotations
 
 import asyncio
 import re
-import threading
 from typing import Any
 
 from radixserve.core.errors import InputError
@@ -35,33 +34,21 @@ def _public_message(message: str, spec_source: str) -> str:
 
 
 class GrammarChecker:
-    """Compiles a request's grammar in a worker thread before the request goes to the
-    engine, so that a bad schema, regex or grammar is an ``InputError`` naming its field (a
-    400 at the API) and a grammar that compiles too slowly is one too, never a hang.
-    Invariant: the event loop never waits on a compile (``asyncio.wait`` on the worker's future, bounded by the timeout);
-    compiled grammars stay cached by spec text (the engine compiles its own copy)."""
+    """Checks a request's grammar in the frontend, so that a bad schema, regex or grammar
+    is an ``InputError`` naming its field (a 400 at the API) before anything is sent.
 
-    def __init__(self, tokenizer: Any, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
-        self.tokenizer = tokenizer
+    It parses the spec (``executor.grammar.parse_grammar``: no tokenizer, no token masks)
+    and compiles nothing: the engine compiles each grammar once, for its vocabulary (a
+    request is checked once and compiled once). Invariant: the event loop never waits on a
+    parse (a worker thread, bounded by ``timeout_s``: a spec that takes longer is refused).
+    """
+
+    def __init__(self, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
-        self._service = None
-        self._lock = threading.Lock()
 
-    def _get_service(self, vocab_size: int):
-        with self._lock:
-            return self._make_service(vocab_size)
+    async def check(self, spec: dict[str, Any], source: str) -> None:
+        from radixserve.executor.grammar import parse_grammar, timeout_message
 
-    def _make_service(self, vocab_size: int):
-        if self._service is None:
-            from radixserve.engine.structured import GrammarService
-
-            eos = self.tokenizer.eos_token_id
-            self._service = GrammarService(
-                self.tokenizer, vocab_size, [eos] if eos is not None else None
-            )
-        return self._service
-
-    async def check(self, spec: dict[str, Any], vocab_size: int, source: str) -> None:
         try:
             key = SamplingParams(structured_output=spec).grammar_key()
         except ValueError as exc:
@@ -69,20 +56,12 @@ class GrammarChecker:
                 _public_message(str(exc), source), _param_of(str(exc), source)
             ) from None
         assert key is not None
-        if self._service is None:  # the tokenizer's vocabulary scan (~0.1 s) off the loop
-            await asyncio.to_thread(self._get_service, vocab_size)
-        service = self._get_service(vocab_size)
-        future = asyncio.wrap_future(service.submit(key))
+        future = asyncio.ensure_future(asyncio.to_thread(parse_grammar, key))
         done, _ = await asyncio.wait([future], timeout=self.timeout_s)
         if not done:
-            from radixserve.engine.structured import timeout_message
-
+            future.cancel()
             message = timeout_message(key[0], self.timeout_s)
             raise InputError(_public_message(message, source), _param_of(message, source))
         exc = future.exception()
         if exc is not None:
             raise InputError(_public_message(str(exc), source), _param_of(str(exc), source))
-
-    def close(self) -> None:
-        if self._service is not None:
-            self._service.close()

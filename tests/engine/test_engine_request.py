@@ -88,3 +88,42 @@ def test_what_only_the_engine_knows_is_still_refused(llm):
     with pytest.raises(ValueError, match="pooling must be"):
         llm.embed([[1, 2]], pooling="max")
     engine.check_idle()
+
+
+def test_a_grammar_is_checked_once_in_the_frontend_and_compiled_once_in_the_engine(
+    llm, monkeypatch
+):
+    """The serving path: the frontend's check parses the spec (no compile: it has no
+    grammar compiler at all), the engine compiles it once for all the request's samples,
+    and a later request with the same spec reuses it."""
+    import asyncio
+
+    from radixserve.core.sampling_params import SamplingParams
+    from radixserve.executor import grammar as xg
+    from radixserve.serving.grammar import GrammarChecker
+
+    counts = {"parse": 0, "compile": 0}
+    real_parse, real_compile = xg.parse_grammar, xg.GrammarService._compile
+
+    def parse(key):
+        counts["parse"] += 1
+        return real_parse(key)
+
+    def compile_(self, key):
+        counts["compile"] += 1
+        return real_compile(self, key)
+
+    monkeypatch.setattr(xg, "parse_grammar", parse)
+    monkeypatch.setattr(xg.GrammarService, "_compile", compile_)
+    spec = {"regex": "(yes|no) [0-9]{2}"}
+    asyncio.run(GrammarChecker().check(spec, "structured_outputs"))
+    assert counts == {"parse": 1, "compile": 0}
+    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=8, structured_output=spec)
+    engine = llm.engine
+    calls = _counting(monkeypatch, engine.inputs)
+    for rid in ("g-1", "g-2"):
+        out = _run(engine, EngineRequest(rid, [5, 9, 17], params))
+        assert out["error"] is None
+    assert counts == {"parse": 2, "compile": 1}  # the engine's one compile parses too
+    assert calls == {"check_prompt": 0, "encode": 0}
+    engine.check_idle()

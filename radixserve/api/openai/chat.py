@@ -42,7 +42,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         params = cv.sampling_params(frontend, body, max_tokens, server.config)
         cv.check_prompt(frontend, ids, max_tokens)
         cv.check_request_size(server.config, [ids], params)
-        spec = await structured_spec(frontend.grammar, body, frontend.vocab_size, tools)
+        spec = await structured_spec(frontend.grammar, body, tools)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
         rid = cv.response_id("chatcmpl", body)

@@ -46,7 +46,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             texts = [None] * len(prompts)
         prompts = [cv.check_prompt(frontend, ids, max_tokens) for ids in prompts]
         cv.check_request_size(server.config, prompts, params)
-        spec = await structured_spec(frontend.grammar, body, frontend.vocab_size)
+        spec = await structured_spec(frontend.grammar, body)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
         if body.echo:  # echo token-id prompts as their text; logprobs cover the prompt too

@@ -58,6 +58,15 @@ class Collected:
     completion_tokens: int
 
 
+def sample_error(message: str | None) -> APIError:
+    """A sample the engine ended with an error: the request's fault (400) when its grammar
+    would not compile there (it parsed in the frontend, but xgrammar refused it or it took
+    longer than ``--grammar-compile-timeout``), the server's (500) otherwise."""
+    if message is not None and message.startswith("structured_output"):
+        return APIError(400, message, param="structured_output")
+    return APIError(500, message or "generation failed", type_="internal_error")
+
+
 async def collect(
     server: OpenAIServer,
     prompts: list[list[int]],
@@ -89,7 +98,7 @@ async def collect(
             cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
     errors = [o.error for o in outs.values() if o.reason == "error"]
     if errors:
-        raise APIError(500, errors[0] or "generation failed", type_="internal_error")
+        raise sample_error(errors[0])
     total = sum(o.tokens for o in outs.values())
     metrics, label = frontend.metrics, routing.tag.label
     for o in outs.values():
@@ -146,9 +155,7 @@ async def stream_events(
                     yield frame
             if d.finished:
                 if d.finish_reason == "error":
-                    yield sse(
-                        APIError(500, d.error or "generation failed", "internal_error").body()
-                    )
+                    yield sse(sample_error(d.error).body())
                 yield on_finish(idx, d.finish_reason)
         timer.finish(sum(len(p) for p in prompts))
         if body.stream_options is not None and body.stream_options.include_usage:

@@ -72,9 +72,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         cv.check_prompt(frontend, ids, params.max_tokens)
         if params.structured_output is not None:
             try:
-                await frontend.grammar.check(
-                    params.structured_output, frontend.vocab_size, "sampling_params"
-                )
+                await frontend.grammar.check(params.structured_output, "sampling_params")
             except InputError as exc:
                 raise cv.input_error(exc) from None
         gen = frontend.run([ids], params, routing)

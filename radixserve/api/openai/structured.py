@@ -1,6 +1,7 @@
 """Structured output at the OpenAI API: request fields (response_format, vLLM's
-structured_outputs, a tool choice that must call) → one grammar spec, compiled before the
-engine sees the request; and the check that no unknown field is silently ignored."""
+structured_outputs, a tool choice that must call) → one grammar spec, parsed before the
+engine sees the request (the engine compiles it); and the check that no unknown field is
+silently ignored."""
 
 from __future__ import annotations
 
@@ -106,10 +107,11 @@ def legacy_specs(body: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def structured_spec(
-    checker: GrammarChecker, body: Any, vocab_size: int, tools: ToolContext | None = None
+    checker: GrammarChecker, body: Any, tools: ToolContext | None = None
 ) -> dict[str, Any] | None:
     """The request's grammar spec (response_format, structured_outputs, or a tool choice
-    that must call), once it compiled; None for free text. 400 naming the field otherwise."""
+    that must call), once it parsed (the engine compiles it); None for free text. 400
+    naming the field otherwise."""
     specs = [
         (source, spec)
         for source, spec in (
@@ -127,7 +129,7 @@ async def structured_spec(
         return None
     source, spec = specs[0]
     try:
-        await checker.check(spec, vocab_size, source)
+        await checker.check(spec, source)
     except InputError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     return spec
