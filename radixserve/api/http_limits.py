@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from radixserve.core.settings import setting
+
 _REASONS = {
     408: b"Request Timeout",
     431: b"Request Header Fields Too Large",
@@ -27,11 +29,23 @@ _REASONS = {
 class HttpLimits:
     """Invariant: every field is positive."""
 
-    max_header_bytes: int = 64 * 1024  # request line + all header names and values
-    max_headers: int = 100
-    header_timeout_s: float = 10.0  # from the first byte of a request to its last header
-    max_connections: int = 1024  # open HTTP connections; one more is answered 503
-    keep_alive_timeout_s: float = 5.0  # idle keep-alive connections are closed after this
+    # request line + all header names and values
+    max_header_bytes: int = setting(64 * 1024, help="431 beyond")
+    max_headers: int = setting(100, help="431 beyond")
+    # from the first byte of a request to its last header
+    header_timeout_s: float = setting(
+        10.0,
+        name="--header-timeout",
+        metavar="SECONDS",
+        help="a request's headers must arrive within this (slow clients get 408)",
+    )
+    max_connections: int = setting(1024, help="open connections; 503 beyond")
+    keep_alive_timeout_s: float = setting(
+        5.0,
+        name="--keep-alive-timeout",
+        metavar="SECONDS",
+        help="idle keep-alive connections are closed after this",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_header_bytes", "max_headers", "max_connections"):

@@ -1,4 +1,4 @@
-"""Engine settings, validated once."""
+"""Engine settings, defined once (each with its flag) and validated once."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from pathlib import Path
 import torch
 
 from radixserve.core.request import PREFIX_CACHE_SCOPES
+from radixserve.core.settings import floats, scaled, setting, zero_is_none
 from radixserve.engine.structured import DEFAULT_COMPILE_TIMEOUT_S
 from radixserve.executor.placement import check_gpu_count
 from radixserve.executor.quant import INT4_GROUP_SIZES, PREFILL_COPY_MODES, QUANTIZATIONS
 from radixserve.executor.weights import available_memory_bytes
+from radixserve.scheduler.policy import POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # kv_cache_dir alone: the host tier is this many times the KV cache, at most this share of
@@ -38,134 +40,253 @@ DEFAULT_SPEC_MAX_TOKENS = 16
 
 @dataclass
 class EngineConfig:
-    """Invariant: every field is within range after ``__post_init__`` (else ``ValueError``)."""
+    """Every engine setting, defined once: each ``setting(...)`` field is also a flag of
+    ``radixserve serve`` and ``generate`` (``core.settings``: the flag is ``--field-name``
+    unless named, its help is written here) and a keyword of ``LLM(...)``; the fields made
+    without ``setting`` are keywords only.
 
-    model: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16
-    kv_cache_memory_gb: float = 1.0
-    page_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    long_prefill_threshold: int | None = None
-    num_threads: int | None = None
-    disable_radix_cache: bool = False
-    # who shares cached KV (core.request.PREFIX_CACHE_SCOPES): tenant = each tenant only
-    # its own requests' pages (one tenant learns nothing of another's prompts from
-    # cached_tokens or time to first token); global = every tenant's
-    prefix_cache_scope: str = "tenant"
-    schedule_policy: str = "fcfs"  # fcfs | lpm | dfs-weight | priority
-    max_waiting_requests: int | None = None
-    max_queue_time_s: float | None = None
-    batch_wait_ms: float = 0.0
-    # Scales the decode reserve kept at admission: 0 admits as much as fits now (more
-    # preemptions later), 1 is the default, smaller values trade safety for batch size.
-    schedule_conservativeness: float = 1.0
-    # policy fair: while a tenant served less has been active (a request waiting or running)
-    # within fair_active_window_s, the tenants served more add at most this many prefill
-    # tokens per step between them (None: no cap); 64: every chunk of a long prompt runs on
-    # the quantized layers' bfloat16 prefill copy (prefill_weight_copy), and a light
-    # tenant's next request waits for a step of at most 64 prompt tokens (docs/many-users.md)
-    fair_step_prefill_tokens: int | None = 64
-    fair_active_window_s: float = 10.0
-    # policy fair: that cap is steered (between 16 tokens and fair_step_prefill_tokens) so
-    # such a step takes about this long on the device (or 1.5 decode-only steps, where
-    # longer), measured step by step (None: the token cap alone). 35 ms: a 64-token chunk's
-    # step takes 30 ms on two threads, 48 ms on one, where the cap then settles at 16-30
-    # tokens (SmolLM2, docs/many-users.md)
-    fair_step_target_s: float | None = 0.035
-    # No weights: instant synthetic tokens from a simulated device (for measuring the
-    # scheduler, the API and the server around the model).
-    simulated_device: bool = False
-    # The simulated device takes real time: a step's results are ready after the cost
-    # model's seconds (launching returns at once, the CPU is free meanwhile), like a GPU
-    # queue. Implies ``simulated_device``.
-    simulated_device_time: bool = False
-    # Cost model of the timed simulated device: seconds per step, per batched token, per
-    # KV token attended (~10 ms for 256 decodes of ~600-token sequences).
-    simulated_device_cost: tuple[float, float, float] = (0.006, 1e-5, 1e-8)
-    # KV cache size of the simulated device in tokens (None: large enough never to fill)
-    simulated_kv_tokens: int | None = None
-    # Overlapped loop: launch step N, then finish step N-1 and prepare N+1 while N runs.
-    # None: on where the device is asynchronous (the timed simulated device), off on CPU
-    # (where the model itself uses the cores; on, the CPU model runs on a worker thread).
-    enable_overlap: bool | None = None
-    # Where the model runs: auto = cuda when torch sees a GPU, else cpu.
-    device: str = "auto"  # auto | cpu | cuda
-    # auto: the checkpoint's weights; dummy: random weights for the config alone (a folder
-    # holding only config.json is enough; token-id prompts only without a tokenizer).
-    load_format: str = "auto"  # auto | dummy
-    # The model runner: auto = the CUDA runner (Triton kernels) on cuda, the CPU runner on
-    # cpu; "cuda" on a cpu device runs the CUDA runner's code on CPU tensors under Triton's
-    # interpreter (TRITON_INTERPRET=1): how the tests cover the CUDA path without a GPU.
+    Invariant: every field is within range after ``__post_init__`` (else ``ValueError``)."""
+
+    model: str | None = setting(
+        None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    dtype: str = setting("auto", choices=("auto", *DTYPES))
+    kv_cache_memory_gb: float = setting(1.0, name="--kv-cache-memory", help="KV cache size in GiB")
+    page_size: int = setting(16, help="tokens per KV page")
+    max_num_batched_tokens: int = setting(2048, help="prompt + decode tokens in one step")
+    max_num_seqs: int = setting(
+        256, aliases=("--max-running-requests",), help="requests running at once"
+    )
+    max_model_len: int | None = setting(
+        None, help="longest prompt + output in tokens (default: the model's context)"
+    )
+    long_prefill_threshold: int | None = setting(
+        None, help="a prompt longer than this is prefilled in chunks alongside decodes"
+    )
+    num_threads: int | None = setting(None, help="CPU threads of the model (default: all)")
+    # who shares cached KV (core.request.PREFIX_CACHE_SCOPES)
+    disable_radix_cache: bool = setting(False, group="scheduler", help="no prefix caching")
+    prefix_cache_scope: str = setting(
+        "tenant",
+        group="scheduler",
+        choices=PREFIX_CACHE_SCOPES,
+        help="tenant: a tenant's requests reuse only its own cached prefixes, so none learns "
+        "another's prompts from cached_tokens or time to first token (no-op without "
+        "--api-keys-file); global: all tenants share (docs/many-users.md)",
+    )
+    schedule_policy: str = setting("fcfs", group="scheduler", choices=POLICIES)
+    max_waiting_requests: int | None = setting(None, group="scheduler", help="refuse beyond this")
+    max_queue_time_s: float | None = setting(
+        None, name="--max-queue-time", group="scheduler", help="seconds a request may wait"
+    )
+    batch_wait_ms: float = setting(0.0, group="scheduler", help="wait for more arrivals")
+    # 0 admits as much as fits now (more preemptions later), 1 is the default, smaller
+    # values trade safety for batch size
+    schedule_conservativeness: float = setting(
+        1.0, group="scheduler", help="decode reserve kept at admission, 0..1"
+    )
+    # 64: every chunk of a long prompt runs on the quantized layers' bfloat16 prefill copy
+    # (prefill_weight_copy), and a light tenant's next request waits for a step of at most
+    # 64 prompt tokens (docs/many-users.md)
+    fair_step_prefill_tokens: int | None = setting(
+        64,
+        group="scheduler",
+        parse=zero_is_none(int),
+        metavar="N",
+        help="policy fair: while a tenant served less is active, the tenants served more add "
+        "at most N prefill tokens per step between them (0: no cap)",
+    )
+    fair_active_window_s: float = setting(
+        10.0,
+        name="--fair-active-window",
+        group="scheduler",
+        metavar="SECONDS",
+        help="policy fair: a tenant counts as active this long after its last request",
+    )
+    # 35 ms: a 64-token chunk's step takes 30 ms on two threads, 48 ms on one, where the cap
+    # then settles at 16-30 tokens (SmolLM2, docs/many-users.md)
+    fair_step_target_s: float | None = setting(
+        0.035,
+        name="--fair-step-target-ms",
+        group="scheduler",
+        parse=scaled(float, 1e-3, zero_none=True),
+        metavar="MS",
+        help="policy fair: steer that cap (16 tokens up to N) so such a step takes about MS "
+        "milliseconds on the device, or 1.5 decode-only steps where longer, measured step by "
+        "step (0: the token cap alone; default 35)",
+    )
+    # No weights: instant synthetic tokens (for measuring the scheduler, the API and the
+    # server around the model).
+    simulated_device: bool = setting(
+        False, help="no weights: instant synthetic tokens (benchmarks of everything but the model)"
+    )
+    # launching returns at once, the CPU is free meanwhile, like a GPU queue
+    simulated_device_time: bool = setting(
+        False,
+        help="the simulated device takes the cost model's time for real, asynchronously "
+        "like a GPU queue (implies --simulated-device)",
+    )
+    # ~10 ms for 256 decodes of ~600-token sequences
+    simulated_device_cost: tuple[float, float, float] = setting(
+        (0.006, 1e-5, 1e-8),
+        parse=floats(3),
+        metavar="A,B,C",
+        help="timed simulated device: seconds per step, per batched token, per KV token read",
+    )
+    simulated_kv_tokens: int | None = setting(
+        None, help="simulated device: KV cache size in tokens (default: never full)"
+    )
+    # Overlapped loop: launch step N, then finish step N-1 and prepare N+1 while N runs (on
+    # CPU the model then runs on a worker thread).
+    enable_overlap: bool | None = setting(
+        None,
+        off="--disable-overlap",
+        help="prepare step N+1 while the device runs step N (default: on for the timed "
+        "simulated device and on CUDA, off on CPU)",
+    )
+    device: str = setting(
+        "auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the model runs (auto: cuda when torch sees a GPU, else cpu)",
+    )
+    # a folder holding only config.json is enough; token-id prompts only without a tokenizer
+    load_format: str = setting(
+        "auto",
+        choices=("auto", "dummy"),
+        help="dummy: random weights for the model folder's config.json (no checkpoint needed)",
+    )
+    # The model runner (a keyword, no flag): auto = the CUDA runner (Triton kernels) on
+    # cuda, the CPU runner on cpu; "cuda" on a cpu device runs the CUDA runner's code on CPU
+    # tensors under Triton's interpreter (TRITON_INTERPRET=1): how the tests cover the CUDA
+    # path without a GPU.
     runner: str = "auto"  # auto | cpu | cuda
-    cuda_graph_max_bs: int = 256  # largest decode batch replayed from a CUDA graph
-    disable_cuda_graph: bool = False
-    # Dense-layer weights held and multiplied quantized (CPU): auto = a GGUF file in the
-    # closest precision to its own (with bfloat16 activations; float32 runs it dequantized),
-    # an HF checkpoint in its dtype; none = the model dtype;
-    # int8 = per output channel; int4 = groups of quantization_group_size with zero points.
-    quantization: str = "auto"  # auto | none | int8 | int4
-    quantization_group_size: int = 32  # int4: 32 | 64 | 128
-    # CPU, quantized dense layers: also keep a bfloat16 copy of each (2 bytes a weight) for
-    # the steps with enough rows to dequantize (prefill chunks): on | off | auto (on when the
-    # copy takes at most a quarter of the memory available at load)
-    prefill_weight_copy: str = "auto"
-    # Total memory for weights + KV cache: the KV cache gets what the weights leave (None:
-    # the KV cache gets kv_cache_memory_gb).
-    memory_budget_gb: float | None = None
-    # structured output: a grammar that takes longer to compile fails its request (the
-    # server's frontend bounds its parse of the grammar by the same)
-    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
-    # Sampling fields a request leaves unset: auto = the model's generation_config.json
-    # (offline, HTTP and gRPC alike); neutral = OpenAI-style (temperature 1, top_p 1, ...).
-    generation_config: str = "auto"
-    # Tensor parallelism (gloo on CPU, NCCL on cuda): the model split over this many ranks,
-    # rank 0 in this process and one worker process per other rank, rank r of a node on
-    # cuda:LOCAL_RANK; across nnodes machines, torchrun style.
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: any free port (one node only)
-    distributed_timeout_s: float = 300.0  # a collective that waits longer fails the group
-    # Speculative decoding (docs/speculative.md): off | ngram (prompt lookup) | draft (a
-    # smaller model with the same tokenizer, spec_draft_model) | auto (ngram; the name of
-    # "on where it pays": the default spec_policy, measured, decides per step for every
-    # mode). Each speculating request verifies its last token + up to num_spec_tokens
-    # proposals in one extend chunk.
-    speculative_mode: str = "off"
-    spec_draft_model: str | None = None  # HF folder or .gguf of the draft (mode draft)
-    # how the draft's dense layers run (as --quantization: auto | none | int8 | int4); int8
-    # or int4 runs the draft in bfloat16 whatever the target's dtype, so a bfloat16 (or
-    # float32) target can take an int4 copy of itself as its draft
-    spec_draft_quantization: str = "auto"
-    # the proposals a request verifies per step: a draft model proposes num_spec_tokens
-    # every time; the n-gram proposer's length adapts per request (executor/spec/length.py),
-    # from half the cap, doubling when all are kept and halving on a rejection, between
-    # num_spec_tokens and spec_max_tokens (None: 16, or num_spec_tokens if larger; 0: fixed
-    # at num_spec_tokens), the length above num_spec_tokens shared by the batch
-    # (spec_max_tokens // batch each)
-    num_spec_tokens: int = 4
-    spec_max_tokens: int | None = None
-    spec_ngram_max: int = 4  # the longest suffix looked up in the request's own tokens
-    spec_ngram_min: int = 2  # the shortest
-    # which steps speculate (SPEC_POLICIES): measured (default) speculates per batch-size
-    # bucket where measured tokens/s say it pays, starting from "at most
-    # spec_auto_max_batch decodes" until both sides are measured; threshold keeps that
-    # rule fixed; always speculates every step it can
-    spec_policy: str = "measured"
-    # the crossover: cold start of measured, rule of threshold; None: per proposer, as
-    # measured on the development machine (docs/speculative.md): a draft model 1, n-gram 16
-    spec_auto_max_batch: int | None = None
-    # KV tiers under the radix tree (docs/kv-tiers.md): pages evicted from the pool are
-    # demoted into a host tier of kv_host_gb GiB (0: off) and promoted back on a match;
-    # host-tier evictions are written to kv_cache_dir (at most kv_disk_gb GiB), which a
-    # restarted engine of the same model reads again. kv_cache_dir without the sizes turns
-    # both tiers on at sizes chosen from free memory and disk (_size_tiers).
-    kv_host_gb: float = 0.0
-    kv_disk_gb: float = 0.0
-    kv_cache_dir: str | None = None
+    cuda_graph_max_bs: int = setting(256, help="largest decode batch replayed from a CUDA graph")
+    disable_cuda_graph: bool = setting(False, help="run decode steps eagerly")
+    # (with bfloat16 activations; float32 runs a GGUF file dequantized)
+    quantization: str = setting(
+        "auto",
+        choices=QUANTIZATIONS,
+        help="dense-layer weights: auto (a GGUF file in the closest precision to its own, an HF "
+        "checkpoint in its dtype), none, int8 (per channel), int4 (groups, zero points)",
+    )
+    quantization_group_size: int = setting(
+        32, choices=INT4_GROUP_SIZES, help="int4: weights per group"
+    )
+    prefill_weight_copy: str = setting(
+        "auto",
+        choices=PREFILL_COPY_MODES,
+        help="CPU, quantized dense layers: also keep a bfloat16 copy of each for prefill "
+        "chunks, which otherwise dequantize the weights every step (2 bytes a weight; auto: "
+        "when it takes at most a quarter of the memory available at load)",
+    )
+    memory_budget_gb: float | None = setting(
+        None,
+        name="--memory-budget",
+        help="GiB for weights + KV cache: the KV cache gets what the weights leave "
+        "(instead of --kv-cache-memory)",
+    )
+    # the server's frontend bounds its parse of the grammar by the same
+    grammar_compile_timeout_s: float = setting(
+        DEFAULT_COMPILE_TIMEOUT_S,
+        name="--grammar-compile-timeout",
+        metavar="SECONDS",
+        help="seconds a structured-output grammar may take to compile (longer: the server "
+        "answers 400; offline, the request fails)",
+    )
+    generation_config: str = setting(
+        "auto",
+        choices=("auto", "neutral"),
+        help="sampling fields a request leaves unset: auto = the model's generation_config.json "
+        "(offline, HTTP and gRPC alike); neutral = OpenAI-style (temperature 1, top_p 1)",
+    )
+    # Tensor parallelism: rank 0 in this process and one worker process per other rank,
+    # rank r of a node on cuda:LOCAL_RANK; across nnodes machines, torchrun style.
+    tensor_parallel_size: int = setting(1, aliases=("-tp",), group="parallel", help="ranks in all")
+    nnodes: int = setting(1, group="parallel", help="machines the ranks span")
+    node_rank: int = setting(0, group="parallel", help="this machine (0 runs the engine)")
+    master_addr: str = setting("127.0.0.1", group="parallel", help="node 0's address")
+    master_port: int | None = setting(
+        None, group="parallel", help="rendezvous port on node 0 (default: any free port, one node)"
+    )
+    distributed_timeout_s: float = setting(
+        300.0,
+        name="--distributed-timeout",
+        group="parallel",
+        help="seconds a collective may wait before the group is declared lost",
+    )
+    # Each speculating request verifies its last token + up to num_spec_tokens proposals in
+    # one extend chunk; "auto" is the name of "on where it pays".
+    speculative_mode: str = setting(
+        "off",
+        group="speculative",
+        choices=SPECULATIVE_MODES,
+        help="ngram: propose from the request's own prompt and output (prompt lookup), "
+        "verify in one step; draft: a smaller model with the same tokenizer proposes "
+        "(--spec-draft-model); auto: ngram (with the default --spec-policy measured, every "
+        "mode speculates only at batch sizes where it measured a gain)",
+    )
+    spec_draft_model: str | None = setting(
+        None,
+        group="speculative",
+        help="HF folder or .gguf of the draft model (--speculative-mode draft)",
+    )
+    # int8 or int4 runs the draft in bfloat16 whatever the target's dtype
+    spec_draft_quantization: str = setting(
+        "auto",
+        group="speculative",
+        choices=QUANTIZATIONS,
+        help="how the draft's layers run (as --quantization); int8/int4 run it in bfloat16, "
+        "so a model can take an int4 copy of itself as its draft",
+    )
+    # the n-gram proposer's length adapts per request (executor/spec/length.py), from half
+    # the cap, doubling when all are kept and halving on a rejection, between
+    # num_spec_tokens and spec_max_tokens, the length above num_spec_tokens shared by the
+    # batch (spec_max_tokens // batch each)
+    num_spec_tokens: int = setting(
+        4,
+        group="speculative",
+        help="proposals per request per step: a draft model's always; the n-gram "
+        "proposer's adaptive length is allowed this many at any batch size",
+    )
+    spec_max_tokens: int | None = setting(
+        None,
+        group="speculative",
+        help="the n-gram proposer's adaptive length cap, shared by the batch above "
+        "--num-spec-tokens (default 16, or --num-spec-tokens if larger; 0: fixed at "
+        "--num-spec-tokens)",
+    )
+    spec_ngram_max: int = setting(4, group="speculative", help="longest suffix looked up")
+    spec_ngram_min: int = setting(2, group="speculative", help="shortest suffix looked up")
+    spec_policy: str = setting(
+        "measured",
+        group="speculative",
+        choices=SPEC_POLICIES,
+        help="which steps speculate: measured (per batch size, where measured tokens/s say "
+        "it pays; starts from --spec-auto-max-batch), threshold (while at most "
+        "--spec-auto-max-batch requests decode), always (every step it can)",
+    )
+    # None: per proposer, as measured on the development machine (docs/speculative.md)
+    spec_auto_max_batch: int | None = setting(
+        None,
+        group="speculative",
+        help="the crossover: measured starts by speculating at this many decoding requests "
+        "or fewer; threshold keeps that rule (default: 1 with a draft model, 16 for n-gram)",
+    )
+    # KV tiers under the radix tree (docs/kv-tiers.md): a restarted engine of the same model
+    # reads the disk tier again; kv_cache_dir without the sizes turns both tiers on at sizes
+    # chosen from free memory and disk (_size_tiers)
+    kv_host_gb: float = setting(
+        0.0,
+        help="host tier under the radix cache, GiB: evicted KV is kept here and promoted "
+        "back on a hit (0: off; docs/kv-tiers.md)",
+    )
+    kv_disk_gb: float = setting(0.0, help="disk tier size, GiB (with --kv-cache-dir)")
+    kv_cache_dir: str | None = setting(
+        None,
+        help="disk tier folder: KV pages leaving the host tier are written here and found "
+        "again after a restart (alone, it turns both tiers on, sized from free memory and "
+        "disk: the start-up line says how big)",
+    )
 
     def __post_init__(self) -> None:
         if self.simulated_device_time:

@@ -10,10 +10,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.core.request import Request, RequestState
+from radixserve.executor import grammar as _grammar
 from radixserve.executor.grammar import GrammarService, timeout_message
 
 # the one grammar timeout's default (``EngineConfig.grammar_compile_timeout_s``)
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+
+def parse_grammar(key: tuple[str, str]) -> Any:
+    """The spec parsed, not compiled (``executor.grammar.parse_grammar``): what the serving
+    frontend checks a request's grammar with."""
+    return _grammar.parse_grammar(key)
 
 
 @dataclass

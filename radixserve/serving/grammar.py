@@ -47,7 +47,7 @@ class GrammarChecker:
         self.timeout_s = timeout_s
 
     async def check(self, spec: dict[str, Any], source: str) -> None:
-        from radixserve.executor.grammar import parse_grammar, timeout_message
+        from radixserve.engine.structured import parse_grammar, timeout_message
 
         try:
             key = SamplingParams(structured_output=spec).grammar_key()

@@ -17,6 +17,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from radixserve.core.settings import setting, zero_is_none
+
 # An idle engine process sends a heartbeat every 0.25 s: silence this long while it has
 # nothing to do means its loop is stuck (a busy one may be silent up to the hang timeout).
 IDLE_SILENCE_S = 5.0
@@ -33,9 +35,24 @@ class SupervisorConfig:
     restart doubles from ``backoff_s`` (to ``max_backoff_s``) while engines keep dying
     within ``stable_s`` of their start."""
 
-    hang_timeout_s: float | None = 120.0
-    restart: bool = True
-    max_restart_attempts: int = 3
+    hang_timeout_s: float | None = setting(
+        120.0,
+        name="--engine-hang-timeout",
+        parse=zero_is_none(float),
+        metavar="SECONDS",
+        help="with requests in flight and no engine step finished for this long, the engine "
+        "counts as hung: /health is 503 and its requests fail (then it is restarted); 0: off",
+    )
+    restart: bool = setting(
+        True,
+        name="--engine-restart",
+        help="start a new engine process when it dies or hangs (in-flight requests fail)",
+    )
+    max_restart_attempts: int = setting(
+        3,
+        name="--engine-restart-attempts",
+        help="failed engine starts in a row before giving up",
+    )
     backoff_s: float = 0.5
     max_backoff_s: float = 10.0
     stable_s: float = 30.0

@@ -7,42 +7,92 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.api.openai.response_store import DEFAULT_MAX_RESPONSES
+from radixserve.core.settings import setting, zero_is_none
 from radixserve.serving.frontend import ServingConfig
 from radixserve.serving.supervisor import SupervisorConfig
 
 
+def _mib(text: str) -> int:
+    return int(float(text) * 2**20)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    served_model_name: str | None = None
-    api_keys: tuple[str, ...] = ()
-    max_body_bytes: int = 8 * 2**20
-    max_n: int = 16
-    max_logprobs: int = 20
-    max_stop: int = 16
-    tool_call_parser: str = "hermes"  # hermes | llama3_json
+    """The transport's settings: each ``setting(...)`` field is also a flag of
+    ``radixserve serve`` (``core.settings``); the others are set from what the command
+    line says otherwise (``loopback_only`` from ``--host``, the data-parallel fields from
+    the data-parallel flags, ``supervision`` from its own flags) or keywords only."""
+
+    served_model_name: str | None = setting(
+        None, help="the model's name in /v1/models and answers (default: from its file)"
+    )
+    api_keys: tuple[str, ...] = setting((), name="--api-key", repeat=True, help="repeatable")
+    max_body_bytes: int = setting(
+        8 * 2**20, name="--max-body-mb", parse=_mib, help="request body size limit (MiB; 8)"
+    )
+    max_n: int = setting(16, help="most samples (n) a request may ask for")
+    max_logprobs: int = setting(
+        20, choices=range(21), metavar="{0..20}", help="most top logprobs a request may ask for"
+    )
+    max_stop: int = 16  # stop strings a request may give
+    tool_call_parser: str = setting(
+        "hermes",
+        choices=("hermes", "llama3_json"),
+        help="how tool calls are read from chat output: <tool_call> tags or Llama 3 JSON",
+    )
     data_parallel_size: int = 1  # engine processes behind this frontend (serving/dp_client)
     dp_policy: str = "cache-aware"
     dp_balance: Any = None  # serving.balancer.BalanceConfig (None: its defaults)
     supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
-    enable_debug_endpoints: bool = False  # /debug/* (see console/debug.py)
-    # /v1/embeddings on a generative model (an embedding model is always served); pooling:
-    # "last" | "mean" (None: the model's own, else last-token)
-    enable_embeddings: bool = False
-    embedding_pooling: str | None = None
+    enable_debug_endpoints: bool = setting(
+        False,
+        group="reliability",
+        help="serve /debug/flush_cache and /debug/engine (for soak tests; behind --api-key)",
+    )
+    enable_embeddings: bool = setting(
+        False,
+        help="serve /v1/embeddings on a generative model: its final-norm hidden states, "
+        "pooled (an embedding model's are always served; otherwise it is a 400)",
+    )
+    embedding_pooling: str | None = setting(
+        None,
+        choices=("last", "mean"),
+        help="how /v1/embeddings pools the prompt's hidden states (default: the model's "
+        "own pooling if it is an embedding model, else the last token)",
+    )
     max_stored_responses: int = DEFAULT_MAX_RESPONSES  # the Responses API's store
-    # per-request limits (a 400 naming the limit): prompts, prompts x n, prompt tokens in
-    # all, completion tokens asked for in all (max_tokens x n x prompts)
-    max_prompts_per_request: int = 64
-    max_sequences_per_request: int = 256
-    max_prompt_tokens_per_request: int = 1 << 18
-    max_completion_tokens_per_request: int = 1 << 20
-    body_timeout_s: float | None = 30.0  # a body must arrive this long after its headers
-    # admin routes (console data, /v1/engine/*, /debug/*, /metrics): their own keys; without
-    # any they are served only when the server listens on loopback
-    admin_api_keys: tuple[str, ...] = ()
+    max_prompts_per_request: int = setting(64, group="limits", help="prompts in one request")
+    max_sequences_per_request: int = setting(256, group="limits", help="prompts x n")
+    max_prompt_tokens_per_request: int = setting(
+        1 << 18, group="limits", help="prompt tokens in all"
+    )
+    max_completion_tokens_per_request: int = setting(
+        1 << 20, group="limits", help="max_tokens x n x prompts"
+    )
+    body_timeout_s: float | None = setting(
+        30.0,
+        name="--body-timeout",
+        parse=zero_is_none(float),
+        metavar="SECONDS",
+        help="a request body must arrive this long after its headers (408 otherwise); 0: none",
+    )
+    # without admin keys the admin routes are served only when the server listens on
+    # loopback (loopback_only, from --host)
+    admin_api_keys: tuple[str, ...] = setting(
+        (),
+        name="--admin-api-key",
+        repeat=True,
+        help="guards /metrics, /v1/engine/*, /debug/* and the radix view's prompt text "
+        "(repeatable); without one those routes are served only on a loopback --host",
+    )
     loopback_only: bool = True
-    # inference keys naming their tenants (api/tenants.py), re-read on SIGHUP
-    api_keys_file: str | None = None
+    api_keys_file: str | None = setting(
+        None,
+        metavar="PATH",
+        help="inference keys, one 'NAME:KEY [weight=W] [max_concurrency=N] "
+        "[subtenants=true]' a line, each naming its tenant (docs/many-users.md); "
+        "re-read on SIGHUP",
+    )
 
     def serving(self) -> ServingConfig:
         """The transport-independent part, for the serving frontend."""
