@@ -69,7 +69,15 @@ from radixserve.executor.quant import (
 ) = range(1, 13)
 _OP_WIDTH = 20
 
-ENABLED = os.environ.get("RADIXSERVE_DECODE_PROGRAM", "1") != "0"
+# None: RADIXSERVE_DECODE_PROGRAM decides, read when a model's program is built (at engine
+# start, not at import); a benchmark sets True or False to compare both paths
+ENABLED: bool | None = None
+
+
+def enabled() -> bool:
+    if ENABLED is not None:
+        return ENABLED
+    return os.environ.get("RADIXSERVE_DECODE_PROGRAM", "1") != "0"
 # the most rows a program is built for (its buffers are this many rows of every activation)
 MAX_ROWS = 64
 
@@ -429,7 +437,7 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
     c = model.config
     gemma = _is_gemma3(model)
     if (
-        not ENABLED
+        not enabled()
         or load_decode_program() is None
         or not isinstance(attention, TorchNativeAttention)
         or attention.native is None
