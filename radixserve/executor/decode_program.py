@@ -78,6 +78,8 @@ def enabled() -> bool:
     if ENABLED is not None:
         return ENABLED
     return os.environ.get("RADIXSERVE_DECODE_PROGRAM", "1") != "0"
+
+
 # the most rows a program is built for (its buffers are this many rows of every activation)
 MAX_ROWS = 64
 

@@ -18,7 +18,8 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.parallel import replica_environments
 from radixserve.serving import protocol as p
 from radixserve.serving.balancer import BalanceConfig, Balancer, NoWorkerAvailable, token_key
-from radixserve.serving.engine_client import EngineDead, EngineProcessClient
+from radixserve.serving.engine_client import EngineProcessClient
+from radixserve.serving.engine_streams import EngineDead
 from radixserve.serving.request_tracker import RequestTracker
 from radixserve.serving.supervisor import SupervisorConfig
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -81,12 +82,27 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when to stop
+    return serve_engine(config, inbox, outbox, lambda: stopping)
+
+
+def serve_engine(
+    config: EngineConfig, inbox: str, outbox: str, stopping: Callable[[], bool]
+) -> int:
+    """Connect to the frontend's sockets, load the model, say ``Ready``, then receive,
+    step and send until ``stopping()`` (or the engine's device is lost: exit code 1). The
+    engine process runs this; so does an in-process engine's thread (``engine_host``)."""
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(inbox)
     push = ctx.socket(zmq.PUSH)
     push.connect(outbox)
-    engine = Engine(config, detokenize=False)  # the frontend detokenizes
+    try:
+        engine = Engine(config, detokenize=False)  # the frontend detokenizes
+    except BaseException:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+        raise
     push.send(
         p.encoder.encode(
             p.Ready(
@@ -104,7 +120,7 @@ def run_engine_process(config: EngineConfig, inbox: str, outbox: str) -> int:
     poller.register(pull, zmq.POLLIN)
     last_beat = 0.0
     exit_code = 0
-    while not stopping:
+    while not stopping():
         timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
         if poller.poll(timeout):
             while True:

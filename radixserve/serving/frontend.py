@@ -42,6 +42,13 @@ class ServingConfig:
     dp_policy: str = "cache-aware"
     dp_balance: Any = None  # balancer.BalanceConfig (None: its defaults)
     supervision: SupervisorConfig = field(default_factory=SupervisorConfig)
+    # the engine on a thread of this process instead of its own process (one engine only:
+    # tests and embedding; engine_host.EngineThread)
+    engine_in_process: bool = False
+
+    def __post_init__(self) -> None:
+        if self.engine_in_process and self.data_parallel_size != 1:
+            raise ValueError("an in-process engine serves alone (data_parallel_size 1)")
 
 
 def make_engine_client(
@@ -49,7 +56,12 @@ def make_engine_client(
 ) -> EngineClient:
     """One engine process, or ``data_parallel_size`` of them behind one client."""
     if config.data_parallel_size == 1:
-        return EngineProcessClient(engine_config, tokenizer, supervision=config.supervision)
+        return EngineProcessClient(
+            engine_config,
+            tokenizer,
+            supervision=config.supervision,
+            in_process=config.engine_in_process,
+        )
     return DataParallelClient(
         engine_config,
         tokenizer,

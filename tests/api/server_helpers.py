@@ -60,3 +60,58 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log_file.close()
+
+
+class InProcessServer:
+    """``radixserve serve`` with the same flags, run inside the test process: uvicorn on a
+    thread, the engine on another (``ServingConfig.engine_in_process``). It answers on
+    ``url`` as ``ServerProcess`` does, over real HTTP on 127.0.0.1, without starting two
+    interpreters that each import torch. For tests that need no process of their own (a
+    test that kills, signals or reads the log of its server keeps ``ServerProcess``)."""
+
+    def __init__(self, *args: str, startup_timeout: float = 120.0) -> None:
+        import dataclasses
+        import threading
+
+        import uvicorn
+
+        from radixserve.api.http_limits import limited_protocol
+        from radixserve.api.openai.server import create_app
+        from radixserve.cli import build_parser, engine_kwargs, http_limits, server_config
+        from radixserve.engine.config import EngineConfig
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        parsed = build_parser().parse_args(["serve", "--port", str(self.port), *args])
+        config = dataclasses.replace(server_config(parsed), engine_in_process=True)
+        app = create_app(EngineConfig(**engine_kwargs(parsed)), config)
+        limits = http_limits(parsed)
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=5,
+                http=limited_protocol(limits),
+                timeout_keep_alive=limits.keep_alive_timeout_s,
+            )
+        )
+        self.app = app
+        self._thread = threading.Thread(target=self._server.run, name="test-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if not self._thread.is_alive():
+                raise RuntimeError("the in-process server stopped during startup")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("the in-process server did not start")
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)

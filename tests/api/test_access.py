@@ -17,7 +17,7 @@ from radixserve.api.openai.state import (
     ADMIN_PREFIXES,
     STORED_PREFIX,
 )
-from tests.api.server_helpers import ServerProcess
+from tests.api.server_helpers import InProcessServer
 
 
 def _policy(keys=(), admin=(), loopback=True) -> AccessPolicy:
@@ -81,7 +81,7 @@ def test_without_an_admin_key_admin_routes_are_loopback_only():
 
 @pytest.mark.slow  # starts a server
 def test_per_request_limits_body_deadline_and_the_radix_view(tiny_llama):
-    srv = ServerProcess(
+    srv = InProcessServer(
         "--model", str(tiny_llama), "--dtype", "float32",
         "--api-key", "user", "--admin-api-key", "root",
         "--max-prompts-per-request", "4", "--max-sequences-per-request", "6",

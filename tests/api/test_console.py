@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.api.console_helpers import PAYLOAD, TRIGGER, build_chain_model
-from tests.api.server_helpers import ServerProcess
+from tests.api.server_helpers import InProcessServer
 
 pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
 
@@ -37,7 +37,7 @@ ARTIFACTS = (
 def server(tmp_path_factory):
     model = build_chain_model(tmp_path_factory.mktemp("console") / "chain")
     # one key for both: the console's views of other users' prompts need the admin key
-    srv = ServerProcess(
+    srv = InProcessServer(
         "--model",
         str(model),
         "--dtype",

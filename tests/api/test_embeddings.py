@@ -15,14 +15,14 @@ import openai
 import pytest
 
 from radixserve import LLM
-from tests.api.server_helpers import ServerProcess
+from tests.api.server_helpers import InProcessServer
 
 pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves them out)
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France."]
 
 
-def _stop_checked(srv: ServerProcess) -> None:
+def _stop_checked(srv: InProcessServer) -> None:
     """Stop ``srv`` after checking its page accounting at idle (the debug flush)."""
     flushed = httpx.post(srv.url + "/debug/flush_cache").json()
     srv.stop()
@@ -31,7 +31,7 @@ def _stop_checked(srv: ServerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = ServerProcess(
+    srv = InProcessServer(
         "--model",
         str(tiny_llama),
         "--dtype",
@@ -146,7 +146,7 @@ def test_unknown_model_is_a_404_and_user_is_accepted(server):
 
 
 def test_generative_model_without_the_flag_is_refused(tiny_llama):
-    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32")
+    srv = InProcessServer("--model", str(tiny_llama), "--dtype", "float32")
     try:
         r = _post(srv, {"input": "hello"})
         assert r.status_code == 400
@@ -195,7 +195,7 @@ def test_embedding_model_pools_as_configured_with_matryoshka_sizes(tiny_llama, t
     (want,) = LLM(str(tiny_llama), dtype="float32", kv_cache_memory_gb=0.02).embed(
         TEXTS[:1], pooling="mean", normalize=False
     )
-    srv = ServerProcess("--model", str(folder), "--dtype", "float32", "--enable-debug-endpoints")
+    srv = InProcessServer("--model", str(folder), "--dtype", "float32", "--enable-debug-endpoints")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
         full = client.embeddings.create(model="st", input=TEXTS[0], encoding_format="float")

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from tests.api.server_helpers import ServerProcess
+from tests.api.server_helpers import InProcessServer
 
 pytestmark = pytest.mark.slow  # starts a server and fuzzes it (pytest -m "not slow" leaves it out)
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # starts a server and fuzzes it (pytest -m "not s
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_llama):
     # a short context and small n keep each fuzzed generation quick
-    srv = ServerProcess(
+    srv = InProcessServer(
         "--model",
         str(tiny_llama),
         "--dtype",

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.api.server_helpers import ServerProcess
+from tests.api.server_helpers import InProcessServer
 
 pytestmark = pytest.mark.slow  # starts a server (pytest -m "not slow" leaves it out)
 
@@ -33,7 +33,7 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = ServerProcess(
+    srv = InProcessServer(
         "--model",
         str(tiny_llama),
         "--dtype",

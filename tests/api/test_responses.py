@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.api.server_helpers import ServerProcess
+from tests.api.server_helpers import InProcessServer
 
 pytestmark = pytest.mark.slow  # starts a server (pytest -m "not slow" leaves it out)
 
@@ -36,7 +36,7 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = ServerProcess(
+    srv = InProcessServer(
         "--model", str(tiny_llama), "--dtype", "float32", "--enable-debug-endpoints"
     )
     yield srv

@@ -12,14 +12,14 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.server_helpers import ServerProcess
+from tests.api.server_helpers import InProcessServer, ServerProcess
 
 pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4")
+    srv = InProcessServer("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4")
     yield srv
     srv.stop()
 
@@ -368,7 +368,7 @@ def test_clients_that_time_out_are_aborted(tiny_llama):
     """200 streaming clients give up after 1 s (their streams could not finish by then);
     every one of them did time out, the engine aborted their requests and, once idle,
     every KV page is back in the pool (checked by the engine's own accounting)."""
-    srv = ServerProcess(
+    srv = InProcessServer(
         "--model",
         str(tiny_llama),
         "--dtype",

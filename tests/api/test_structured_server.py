@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.api.server_helpers import ServerProcess
+from tests.api.server_helpers import InProcessServer
 
 pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
 
@@ -62,7 +62,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = ServerProcess("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4")
+    srv = InProcessServer("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4")
     yield srv
     srv.stop()
 

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from radixserve.api.asgi import APIError, ASGIApp, HTTPRequest, Response, json_response
-from radixserve.serving.engine_client import EngineDead
+from radixserve.serving.engine_streams import EngineDead
 
 
 def add_debug_routes(app: ASGIApp, server: Any) -> None:

@@ -16,7 +16,7 @@ from urllib.parse import parse_qs
 import numpy as np
 
 from radixserve.api.asgi import APIError, ASGIApp, HTTPRequest, Response, json_response
-from radixserve.serving.engine_client import EngineDead
+from radixserve.serving.engine_streams import EngineDead
 
 if TYPE_CHECKING:
     from radixserve.serving.frontend import Frontend

@@ -31,7 +31,7 @@ from radixserve.api.openai import converter as cv
 from radixserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.serving.engine_client import EngineDead, RequestRejected
+from radixserve.serving.engine_streams import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import DEFAULT_TAG, Routing, TenantTag
 

@@ -44,6 +44,7 @@ class ServerConfig:
     dp_policy: str = "cache-aware"
     dp_balance: Any = None  # serving.balancer.BalanceConfig (None: its defaults)
     supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
+    engine_in_process: bool = False  # the engine on a thread of the server (tests)
     enable_debug_endpoints: bool = setting(
         False,
         group="reliability",
@@ -102,4 +103,5 @@ class ServerConfig:
             dp_policy=self.dp_policy,
             dp_balance=self.dp_balance,
             supervision=self.supervision,
+            engine_in_process=self.engine_in_process,
         )

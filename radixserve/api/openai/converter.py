@@ -20,7 +20,7 @@ from radixserve.api.openai.structured import reject_unknown_fields
 from radixserve.api.openai.tool_parser import ToolContext, template_message
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.serving.engine_client import EngineDead, RequestRejected
+from radixserve.serving.engine_streams import EngineDead, RequestRejected
 from radixserve.serving.frontend import Frontend
 
 _FIELD_RE = re.compile(r"^([a-z_]+)")

@@ -19,7 +19,7 @@ from radixserve.api.openai.protocol import EmbeddingRequest, body_schema
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.errors import InputError
 from radixserve.core.request import POOLING_PARAMS
-from radixserve.serving.engine_client import EngineDead, RequestRejected
+from radixserve.serving.engine_streams import EngineDead, RequestRejected
 
 # what the wire carries for a pooling request (the engine makes its own)
 _INPUT_SHAPES = (

@@ -14,7 +14,7 @@ from radixserve.api.asgi import APIError
 from radixserve.api.openai.converter import engine_error
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.serving.engine_client import EngineDead, RequestRejected
+from radixserve.serving.engine_streams import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.protocol import Delta
 from radixserve.serving.tenancy import Routing

@@ -25,7 +25,7 @@ from radixserve.api.openai.protocol import (
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.api.openai.tool_parser import template_message
 from radixserve.core.errors import InputError
-from radixserve.serving.engine_client import EngineDead, RequestRejected
+from radixserve.serving.engine_streams import EngineDead, RequestRejected
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:

@@ -46,7 +46,7 @@ from radixserve.api.openai.tool_parser import (
 )
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.serving.engine_client import EngineDead, RequestRejected
+from radixserve.serving.engine_streams import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import Routing
 
