@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixserve.executor.kv_cache import KVCache
+from radixserve.executor.kv_cache import KVCache, zeroed
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,12 @@ class HostKVStore:
 
     def __init__(self, kv: KVCache, num_slots: int, pin: bool = False) -> None:
         shape = (kv.k.shape[0], num_slots, *kv.k.shape[2:])
-        self.k = torch.zeros(shape, dtype=kv.k.dtype, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=kv.k.dtype, pin_memory=pin)
+        if pin:
+            self.k = torch.zeros(shape, dtype=kv.k.dtype, pin_memory=True)
+            self.v = torch.zeros(shape, dtype=kv.k.dtype, pin_memory=True)
+        else:  # untouched pages cost nothing until a page is demoted into them
+            self.k = zeroed(shape, kv.k.dtype, "cpu")
+            self.v = zeroed(shape, kv.k.dtype, "cpu")
         self.num_slots = num_slots
         self.page_bytes = 2 * self.k[:, 0].numel() * self.k.element_size()
 
