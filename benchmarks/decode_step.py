@@ -83,7 +83,7 @@ def main() -> None:
         first = last = None
         for delta in llm.stream_deltas([rng.randrange(vocab)], params):
             now = time.perf_counter()
-            if first is None and delta.new_token_ids:
+            if first is None and delta.token_ids:
                 first = now
                 split.clear()  # from the first token on
                 timing[0] = True

@@ -83,8 +83,8 @@ class Batch:
     def step(self) -> int:
         tokens = 0
         for d in self.engine.step():
-            self.produced[d.request_id] += len(d.new_token_ids)
-            tokens += len(d.new_token_ids)
+            self.produced[d.request_id] += len(d.token_ids)
+            tokens += len(d.token_ids)
         return tokens
 
     def run_until_decoding(self) -> None:

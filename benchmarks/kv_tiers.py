@@ -117,11 +117,11 @@ class Runner:
         out: list[int] = []
         while engine.has_unfinished():
             for delta in engine.step():
-                if delta.new_token_ids and first is None:
+                if delta.token_ids and first is None:
                     first = time.perf_counter() - t0
                     if BREAKDOWN is not None:
                         BREAKDOWN.rows.append({**BREAKDOWN.acc, "ttft": first})
-                out.extend(delta.new_token_ids)
+                out.extend(delta.token_ids)
         assert first is not None
         return first, out
 

@@ -59,7 +59,7 @@ def step_and_send(engine: Engine, deltas: list | None = None) -> int:
         deltas = engine.step()
     if deltas:
         p.encoder.encode(p.Outputs([wire_delta(d) for d in deltas], None))
-    return sum(len(d.new_token_ids) for d in deltas)
+    return sum(len(d.token_ids) for d in deltas)
 
 
 def timed_steps(engine: Engine, num_steps: int) -> dict[str, float]:

@@ -166,7 +166,7 @@ def bench_engine(args) -> dict[str, float]:
         first_token: dict[str, float] = {}
         while engine.has_unfinished():
             for d in engine.step():
-                if d.new_token_ids and d.request_id not in first_token:
+                if d.token_ids and d.request_id not in first_token:
                     first_token[d.request_id] = time.perf_counter() - start
         wall = time.perf_counter() - start
         results[label] = (float(np.mean(list(first_token.values()))), wall)

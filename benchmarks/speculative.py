@@ -200,10 +200,10 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int, bs: int, tag: 
         now = time.perf_counter()
         for d in deltas:
             i = int(d.request_id.rsplit("-", 1)[1])
-            if d.new_token_ids:
+            if d.token_ids:
                 first.setdefault(i, now)
                 last[i] = now
-                outputs[i].extend(d.new_token_ids)
+                outputs[i].extend(d.token_ids)
             if d.finished:
                 active.discard(i)
     wall = time.perf_counter() - t0

@@ -37,7 +37,7 @@ def run_once(engine, prompts: list[list[int]], params: list, tenants: list) -> d
     cached = out = 0
     while engine.has_unfinished():
         for d in engine.step():
-            out += len(d.new_token_ids)
+            out += len(d.token_ids)
             if d.finished:
                 assert d.error is None, d.error
                 cached += d.num_cached_tokens

@@ -313,8 +313,8 @@ def worker(model: Path, threads: int) -> None:
         count = 0
         for delta in llm.stream_deltas(ids, params):
             now = time.perf_counter()
-            count += len(delta.new_token_ids)
-            if first is None and delta.new_token_ids:
+            count += len(delta.token_ids)
+            if first is None and delta.token_ids:
                 first = now
             last = now
         eng.check_idle()  # every page back (raises otherwise)

@@ -235,9 +235,9 @@ def run_generate(args: argparse.Namespace) -> int:
     first_token_s = None
     num_prompt = num_tokens = 0
     for delta in llm.stream_deltas(prompt, params, chat=not args.no_chat):
-        if first_token_s is None and delta.new_token_ids:
+        if first_token_s is None and delta.token_ids:
             first_token_s = time.perf_counter() - t0
-        num_tokens += len(delta.new_token_ids)
+        num_tokens += len(delta.token_ids)
         num_prompt = delta.num_prompt_tokens or num_prompt
         sys.stdout.write(delta.text)
         sys.stdout.flush()

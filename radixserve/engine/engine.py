@@ -28,8 +28,8 @@ from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
 from radixserve.engine.builder import build_engine, make_device
 from radixserve.engine.config import EngineConfig
-from radixserve.engine.detokenizer import IncrementalDetokenizer
 from radixserve.engine.model_source import ModelSource
+from radixserve.engine.output_processor import RequestOutputProcessor
 from radixserve.engine.outputs import CacheFlushResult, EngineStats, SequenceDelta
 from radixserve.engine.structured import GrammarWaitList
 from radixserve.executor.device import StepHandle, StepResult
@@ -54,7 +54,6 @@ class _Sequence:
 
     request_id: str
     index: int
-    detokenizer: IncrementalDetokenizer | None  # None: the caller detokenizes
     stop_token_ids: frozenset[int]
     # prompt logprobs by position (entry p: prompt token p + 1), filled as chunks run and
     # sent once with the first output token; None when not asked for (or already sent)
@@ -90,7 +89,8 @@ class Engine:
         """Build the engine's parts (``builder.build_engine``: model, tokenizer, KV cache
         and tiers, scheduler, runner, device, speculation) and start with nothing queued.
         ``detokenize=False``: deltas carry token ids only (empty text) and stop strings are
-        not looked for — a frontend that detokenizes does both (the server does)."""
+        not looked for — a frontend that detokenizes does both (the server does), with the
+        same ``RequestOutputProcessor`` the engine uses otherwise."""
         parts = build_engine(config or EngineConfig(), detokenize)
         self.config = config = parts.config
         self.detokenize = parts.detokenize
@@ -134,6 +134,8 @@ class Engine:
         self._sequences: dict[str, _Sequence] = {}
         self._children: dict[str, list[str]] = {}
         self._pending: list[SequenceDelta] = []
+        # detokenize: each generation request's text and stop strings (by request id)
+        self._texts: dict[str, RequestOutputProcessor] = {}
         self.num_steps = 0
         # constrained requests wait here (WAITING_FOR_GRAMMAR) while their grammar compiles
         self.grammars = GrammarWaitList(
@@ -337,7 +339,7 @@ class Engine:
                 self._constrained.update(seq_ids)  # no speculation while a grammar runs
             self.grammars.add(requests, grammar_key)  # scheduled once compiled
         if pooling is not None:
-            self._sequences[rid] = _Sequence(rid, 0, None, frozenset(), pooling=pooling)
+            self._sequences[rid] = _Sequence(rid, 0, frozenset(), pooling=pooling)
             self._children[rid] = seq_ids
             return
         token_ids = request.prompt_token_ids
@@ -348,19 +350,14 @@ class Engine:
             self._sequences[sid] = _Sequence(
                 rid,
                 i,
-                IncrementalDetokenizer(
-                    self._backend_tokenizer,
-                    token_ids,
-                    params.skip_special_tokens,
-                    params.stop,
-                    params.include_stop_str_in_output,
-                )
-                if self.detokenize
-                else None,
                 stop_ids,
                 [None] * (len(token_ids) - 1) if params.prompt_logprobs is not None else None,
             )
         self._children[rid] = seq_ids
+        if self.detokenize:
+            self._texts[rid] = RequestOutputProcessor(
+                self._backend_tokenizer, token_ids, params, params.n
+            )
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort every sample of ``request_id`` (any state), or only sample ``index``; pages
@@ -394,7 +391,7 @@ class Engine:
         meanwhile (aborts, failures)."""
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
-        outputs.extend(self.check_device())
+        outputs.extend(self._check_device())
         self.grammars.poll(self._admit_compiled, lambda r, m: outputs.append(self._fail(r, m)))
         proposals = self._propose(outputs) if self.proposer is not None else None
         batch = self.scheduler.schedule(proposals)
@@ -418,7 +415,7 @@ class Engine:
                 time.sleep(min(max(0.0, wake - time.monotonic()), _IDLE_POLL_S))
             elif not outputs and not self.scheduler.has_unfinished():
                 self.grammars.wait(_IDLE_POLL_S)  # only compiles pending: doze on them
-        return outputs
+        return self._with_text(outputs)
 
     def _record_step(self, batch: ScheduledBatch, start: float, accepted: int) -> None:
         """Tell the cost controller what a pure decode step (every row its last token, plus
@@ -439,6 +436,32 @@ class Engine:
             int(batch.num_new_tokens.sum()),
         )
 
+    def _with_text(self, deltas: list[SequenceDelta]) -> list[SequenceDelta]:
+        """With ``detokenize``: each delta with its text, through its request's output
+        processor, the one place stop strings are found; a sample a stop string ended is
+        finished here (its later deltas are dropped: exactly one finished delta each)."""
+        if not self._texts:
+            return deltas
+        out: list[SequenceDelta] = []
+        for delta in deltas:
+            rid = delta.request_id
+            texts = self._texts.get(rid)
+            if texts is None:  # pooling, or the caller detokenizes
+                out.append(delta)
+                continue
+            done, stopped_here = texts.process(delta)
+            if stopped_here:
+                sid = self._children[rid][delta.index]
+                req = self.scheduler.get(sid)
+                if req is not None:  # still running: it ends here, as a stop
+                    self.scheduler.finish(req, FinishReason.STOP)
+                    self._final(req)  # the bookkeeping; ``done`` is its finished delta
+            if done is not None:
+                out.append(done)
+            if all(texts.done):
+                del self._texts[rid]
+        return out
+
     def _admit_compiled(self, requests: list[Request]) -> None:
         """Samples whose grammar compiled go to the scheduler (or fail if it is full)."""
         try:
@@ -450,6 +473,9 @@ class Engine:
     def check_device(self) -> list[SequenceDelta]:
         """Whether the tensor-parallel group is still whole (cheap: polls the local worker
         processes); if not, the engine stops and its requests' final deltas come back."""
+        return self._with_text(self._check_device())
+
+    def _check_device(self) -> list[SequenceDelta]:
         if self.tp is None or self.fatal_error is not None:
             return []
         try:
@@ -482,7 +508,7 @@ class Engine:
         if self._in_flight is None:
             return []
         previous, self._in_flight = self._in_flight, None
-        return self._process(*previous)
+        return self._with_text(self._process(*previous))
 
     def _launch(
         self, batch: ScheduledBatch, outputs: list[SequenceDelta]
@@ -614,7 +640,6 @@ class Engine:
     ) -> SequenceDelta:
         """``token`` is output number ``num_output`` of ``req`` (later ones may be in flight)."""
         seq = self._sequences[req.request_id]
-        detok = seq.detokenizer
         params = req.sampling_params
         reason: FinishReason | None = None
         grammar = req.grammar
@@ -628,13 +653,8 @@ class Engine:
             pass
         elif token in seq.stop_token_ids and num_output > params.min_tokens - 1:
             reason = FinishReason.STOP
-        else:
-            if detok is not None:
-                detok.add_token(token)
-            if detok is not None and detok.stopped_by is not None:
-                reason = FinishReason.STOP
-            elif num_output >= params.max_tokens:
-                reason = FinishReason.LENGTH
+        elif num_output >= params.max_tokens:
+            reason = FinishReason.LENGTH
         lps = [logprobs] if logprobs is not None else []
         prompt_lps = None
         if seq.prompt_logprobs is not None:
@@ -647,7 +667,7 @@ class Engine:
                 seq.request_id,
                 seq.index,
                 [token],
-                detok.take_delta(finished=False) if detok is not None else "",
+                "",
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
                 queue_time_s=_queue_time(req),
@@ -656,7 +676,7 @@ class Engine:
             )
         self.scheduler.finish(req, reason)
         delta = self._final(req)
-        delta.new_token_ids = [token]
+        delta.token_ids = [token]
         delta.logprobs = lps
         delta.prompt_logprobs = prompt_lps
         return delta
@@ -670,14 +690,11 @@ class Engine:
         children = self._children.get(seq.request_id)
         if children is not None and all(c not in self._sequences for c in children):
             del self._children[seq.request_id]
-        detok = seq.detokenizer
-        if detok is not None and req.finish_reason is not FinishReason.ABORT:
-            detok.flush()
         return SequenceDelta(
             seq.request_id,
             seq.index,
             [],
-            detok.take_delta(finished=True) if detok is not None else "",
+            "",
             finished=True,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             error=req.error,
@@ -714,6 +731,7 @@ class Engine:
         what it caches, every page is back in the free list."""
         assert not self.drain(), "outputs left in the step in flight"
         assert not self.scheduler.has_unfinished(), "requests left in the scheduler"
+        assert not self._texts, f"output processors left for {sorted(self._texts)}"
         self.check_page_accounting()
         if self.prefix_cache is not None:
             assert self.prefix_cache.protected_pages == 0, "radix nodes still locked at idle"

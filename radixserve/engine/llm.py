@@ -72,7 +72,7 @@ class LLM:
                     out = results[delta.request_id]
                     completion = out.outputs[delta.index]
                     completion.text += delta.text
-                    completion.token_ids.extend(delta.new_token_ids)
+                    completion.token_ids.extend(delta.token_ids)
                     completion.logprobs.extend(delta.logprobs)
                     if delta.prompt_logprobs is not None and out.prompt_logprobs is None:
                         out.prompt_logprobs = [None, *delta.prompt_logprobs]

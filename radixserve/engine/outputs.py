@@ -19,7 +19,7 @@ class SequenceDelta:
 
     request_id: str
     index: int
-    new_token_ids: list[int]
+    token_ids: list[int]
     text: str
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
@@ -35,6 +35,7 @@ class SequenceDelta:
     # a pooling request's finished delta: the pooled final hidden state (float32 numpy
     # array, not normalised); None for generation
     embedding: Any = None
+    stop_str: str | None = None  # the stop string that ended the sample, if one did
 
 
 @dataclass

@@ -173,7 +173,7 @@ def wire_delta(d) -> p.Delta:
     return p.Delta(
         d.request_id,
         d.index,
-        d.new_token_ids,
+        d.token_ids,
         d.text,
         d.finished,
         d.finish_reason,

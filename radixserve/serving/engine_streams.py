@@ -16,8 +16,8 @@ import zmq
 import zmq.asyncio
 
 from radixserve.core.request import EngineRequest
+from radixserve.engine.output_processor import RequestOutputProcessor
 from radixserve.serving import protocol as p
-from radixserve.serving.output_processor import RequestOutputProcessor
 from radixserve.serving.request_tracker import RequestTracker
 from radixserve.serving.supervisor import ProgressWatch
 

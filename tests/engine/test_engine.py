@@ -279,7 +279,7 @@ def test_fair_policy_with_tenants_gives_the_same_tokens(tiny_llama, llm):
     outputs: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for delta in engine.step():
-            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == alone
     counters = engine.scheduler.waiting.vtc.counters
     assert counters["heavy"] > 0 and counters["light"] > 0

@@ -22,7 +22,7 @@ def _run(engine, request: EngineRequest) -> dict:
     out: dict = {"tokens": []}
     while engine.has_unfinished():
         for d in engine.step():
-            out["tokens"] += d.new_token_ids
+            out["tokens"] += d.token_ids
             if d.finished:
                 out["embedding"], out["error"] = d.embedding, d.error
     return out

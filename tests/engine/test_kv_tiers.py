@@ -91,7 +91,7 @@ def test_batched_with_preemption_and_aborts_around_promotions(tiny_llama):
     steps = 0
     while engine.has_unfinished():
         for d in engine.step():
-            outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+            outs.setdefault(d.request_id, []).extend(d.token_ids)
         steps += 1
         if steps == 1:
             engine.abort("victim")  # admitted (with a promotion) in this very step

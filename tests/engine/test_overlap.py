@@ -163,7 +163,7 @@ def test_aborts_end_once_and_emit_nothing_after(pair):
         steps += 1
         for d in engine.step():
             assert d.request_id not in finals, "a request ended twice or emitted after its end"
-            tokens[d.request_id].extend(d.new_token_ids)
+            tokens[d.request_id].extend(d.token_ids)
             if d.finished:
                 finals[d.request_id] = d.finish_reason
         if steps == 4:  # abort two mid-decode, one of them with a step in flight

@@ -99,11 +99,11 @@ def test_batched_and_mixed_with_generation_equal_single(tiny_llama, pooling):
         kinds = {r.pooling is None for r in engine.scheduler.running}
         mixed_steps += kinds == {True, False}
         for d in engine.step():
-            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
             if d.finished:
                 assert d.finish_reason == "stop" if d.request_id[0] == "e" else True
                 if d.request_id[0] == "e":
-                    assert d.new_token_ids == [] and d.num_prompt_tokens > 0
+                    assert d.token_ids == [] and d.num_prompt_tokens > 0
                     embeddings[d.request_id] = d.embedding
         engine.check_page_accounting()
     assert mixed_steps > 0

@@ -104,7 +104,7 @@ def test_chunked_prefill_shares_inserted_chunks_with_a_concurrent_request(tiny_l
     results = {}
     while engine.has_unfinished():
         for d in engine.step():
-            results.setdefault(d.request_id, []).extend(d.new_token_ids)
+            results.setdefault(d.request_id, []).extend(d.token_ids)
     assert results["first"] == results["second"]
     engine.check_idle()
 
@@ -117,15 +117,15 @@ def test_preempted_request_resumes_with_a_cache_hit(tiny_llama):
     engine.add_request("r", prompt, greedy(20))
     tokens = []
     for _ in range(6):  # prefill + 5 decodes
-        tokens += [t for d in engine.step() for t in d.new_token_ids]
+        tokens += [t for d in engine.step() for t in d.token_ids]
     req = engine.scheduler.get("r")
     computed = req.num_computed_tokens
     engine.scheduler._preempt(req)  # what the scheduler does when pages run out
     engine.check_page_accounting()
-    tokens += [t for d in engine.step() for t in d.new_token_ids]
+    tokens += [t for d in engine.step() for t in d.token_ids]
     assert req.num_cached_tokens == computed  # all of its KV came back from the tree
     while engine.has_unfinished():
-        tokens += [t for d in engine.step() for t in d.new_token_ids]
+        tokens += [t for d in engine.step() for t in d.token_ids]
     assert tokens == expected[0]
     engine.check_idle()
 

@@ -341,7 +341,7 @@ def test_abort_mid_run_and_overlap(loopy):
     counts = {f"a{i}": 0 for i in range(4)}
     for _ in range(8):
         for d in engine.step():
-            counts[d.request_id] += len(d.new_token_ids)
+            counts[d.request_id] += len(d.token_ids)
             if d.finished:
                 finals[d.request_id] = d.finish_reason
         engine.check_page_accounting()
@@ -350,7 +350,7 @@ def test_abort_mid_run_and_overlap(loopy):
     engine.abort("a1")
     while engine.has_unfinished():
         for d in engine.step():
-            counts[d.request_id] += len(d.new_token_ids)
+            counts[d.request_id] += len(d.token_ids)
             if d.finished:
                 finals[d.request_id] = d.finish_reason
     assert finals == {"a0": "length", "a1": "abort", "a2": "length", "a3": "length"}
@@ -424,6 +424,7 @@ def test_constrained_requests_turn_speculation_off(loopy_pair):
     assert _accepted(on) >= before
 
 
+@pytest.mark.slow  # two SmolLM2 engines
 def test_smollm2_grounded_prompt(smollm2_path):
     off = LLM(str(smollm2_path), dtype="float32")
     on = LLM(str(smollm2_path), dtype="float32", speculative_mode="ngram")
@@ -705,12 +706,12 @@ def test_priority_preemption_takes_a_speculating_request_out(loopy):
             engine.add_request(f"low{i}", p, greedy(40), priority=5)
         for _ in range(6):
             for d in engine.step():
-                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+                out.setdefault(d.request_id, []).extend(d.token_ids)
         for i, p in enumerate(prompts[4:]):
             engine.add_request(f"high{i}", p, greedy(40), priority=0)
         while engine.has_unfinished():
             for d in engine.step():
-                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+                out.setdefault(d.request_id, []).extend(d.token_ids)
             engine.check_page_accounting()
         engine.check_idle()
         results.append((out, engine.scheduler.stats.num_preemptions, engine.stats()))
@@ -735,7 +736,7 @@ def test_pooling_requests_in_speculative_steps(loopy_pair):
     tokens: dict[str, list[int]] = {}
     for _ in range(3):  # the generations decode (and speculate) before the pooling arrives
         for d in eng.step():
-            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
     for i, p in enumerate(pool):
         eng.add_pooling_request(f"e{i}", p, "mean")
     vecs = {}
@@ -745,7 +746,7 @@ def test_pooling_requests_in_speculative_steps(loopy_pair):
         pooling = any(r.pooling is not None for r in queued)
         steps = eng.spec_steps
         for d in eng.step():
-            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
             if d.finished and d.request_id[0] == "e":
                 vecs[d.request_id] = d.embedding
         spec_steps_with_pooling += pooling and eng.spec_steps > steps

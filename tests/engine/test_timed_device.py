@@ -42,7 +42,7 @@ def _run(
         for d in engine.step():
             tokens, _ = out.get(d.request_id, ([], None))
             assert out.get(d.request_id, ([], None))[1] is None, "output after the end"
-            out[d.request_id] = (tokens + d.new_token_ids, d.finish_reason)
+            out[d.request_id] = (tokens + d.token_ids, d.finish_reason)
     engine.check_idle()
     return out
 

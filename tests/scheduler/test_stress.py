@@ -22,8 +22,23 @@ from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 NUM_REQUESTS = 5000
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-@pytest.mark.parametrize("policy", ["fcfs", "lpm", "priority"])
+# the fast loop runs two of the six (each policy's code is shared by both loops; the
+# full run, CI's, all six)
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "policy, overlap",
+    [
+        ("fcfs", True),
+        ("priority", False),
+        pytest.param("fcfs", False, marks=_SLOW),
+        pytest.param("lpm", False, marks=_SLOW),
+        pytest.param("lpm", True, marks=_SLOW),
+        pytest.param("priority", True, marks=_SLOW),
+    ],
+    ids=lambda v: {True: "overlap", False: "serial"}.get(v, v) if isinstance(v, bool) else v,
+)
 def test_five_thousand_requests_end_exactly_once(policy, overlap):
     run_stress(policy, overlap)
 

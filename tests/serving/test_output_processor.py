@@ -7,8 +7,8 @@ import pytest
 
 from radixserve import SamplingParams
 from radixserve.engine.engine import Engine
+from radixserve.engine.output_processor import RequestOutputProcessor
 from radixserve.serving.engine_process import wire_delta
-from radixserve.serving.output_processor import RequestOutputProcessor
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, frontend: bool):

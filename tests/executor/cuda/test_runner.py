@@ -101,7 +101,7 @@ def test_pooling_equals_cpu_path(tiny_models):
         tokens = []
         while eng.has_unfinished():
             for d in eng.step():
-                tokens.extend(d.new_token_ids)
+                tokens.extend(d.token_ids)
                 if d.request_id == "e" and d.finished:
                     vecs.append(d.embedding)
         eng.check_idle()

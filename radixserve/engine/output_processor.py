@@ -1,16 +1,31 @@
-"""The frontend's half of a request's outputs: detokenization and stop strings.
+"""A request's text: incremental detokenization and stop strings, in one place.
 
-The engine process sends token ids only, so its loop never spends time on text; each
-frontend request turns them into text here, incrementally, as vLLM's output processor does.
+The engine's loop handles token ids only. Whoever wants text runs the deltas through a
+``RequestOutputProcessor``: the serving frontend (the engine process sends ids only, so
+its loop never spends time on text, as vLLM's output processor does), and the engine
+itself when it detokenizes for an in-process caller (``LLM``, ``Engine(detokenize=True)``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.detokenizer import IncrementalDetokenizer
-from radixserve.serving.protocol import Delta
+
+
+class Delta(Protocol):
+    """What the processor reads and sets of a delta: the engine's ``SequenceDelta`` and the
+    wire's ``serving.protocol.Delta`` both are one."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    logprobs: Any
+    stop_str: str | None
 
 
 class RequestOutputProcessor:
