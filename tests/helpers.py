@@ -6,30 +6,44 @@ import torch
 
 from radixserve import LLM, SamplingParams
 
+_HF_OUTPUTS: dict[tuple, list[int]] = {}  # (model, gguf file, max new tokens, prompt)
+_HF_MODEL: dict[tuple, object] = {}  # the last model loaded (tests ask for one many times)
+
 
 def hf_greedy(
     model_path, prompts: list[list[int]], max_new_tokens: int, gguf_file=None
 ) -> list[list[int]]:
-    """Greedy continuations from Hugging Face transformers (float32), one prompt at a time."""
+    """Greedy continuations from Hugging Face transformers (float32), one prompt at a time.
+    Memoised for the session: the tiny models are built once, so a reference output asked
+    for again (the same model, prompt and length) is the one computed before."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, **kwargs)
-    model.eval()
-    # No early stop and no EOS masking: radixserve runs these with ignore_eos.
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
+    where = (str(model_path), str(gguf_file) if gguf_file else None)
+    keys = [(*where, max_new_tokens, tuple(ids)) for ids in prompts]
+    missing = [ids for ids, key in zip(prompts, keys, strict=True) if key not in _HF_OUTPUTS]
+    if missing:
+        model = _HF_MODEL.get(where)
+        if model is None:
+            kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_path), dtype=torch.float32, **kwargs
             )
-            outs.append(out[0, len(ids) :].tolist())
-    return outs
+            model.eval()
+            # No early stop and no EOS masking: radixserve runs these with ignore_eos.
+            model.generation_config.eos_token_id = None
+            _HF_MODEL.clear()
+            _HF_MODEL[where] = model
+        with torch.inference_mode():
+            for ids in missing:
+                out = model.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                _HF_OUTPUTS[(*where, max_new_tokens, tuple(ids))] = out[0, len(ids) :].tolist()
+    return [list(_HF_OUTPUTS[key]) for key in keys]
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -17,7 +17,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.server_helpers import ServerProcess, free_port
+from tests.api.server_helpers import InProcessServer, ServerProcess, free_port
 
 pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it out)
 
@@ -114,7 +114,11 @@ def _complete(url: str, prompt: str, max_tokens: int = 8) -> str:
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama):
-    procs = [ServerProcess("--model", str(tiny_llama), *_WORKER_ARGS) for _ in range(2)]
+    # the second is a process of its own: the module's last test stops and kills it
+    procs = [
+        InProcessServer("--model", str(tiny_llama), *_WORKER_ARGS),
+        ServerProcess("--model", str(tiny_llama), *_WORKER_ARGS),
+    ]
     yield procs
     for p in procs:
         p.stop()
@@ -284,7 +288,20 @@ def test_data_parallel_serve_equals_one_engine_and_uses_both(workers, tiny_llama
         ]
         assert len(engines) == 2
         os.kill(engines[0], signal.SIGKILL)
-        time.sleep(0.5)  # the client notices within 0.1 s
+
+        def engines_alive() -> list[float]:
+            text = httpx.get(dp.url + "/metrics").text
+            return [
+                s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "radixserve_dp_engine_alive"
+            ]
+
+        deadline = time.monotonic() + 5  # the client notices within 0.1 s
+        while sorted(engines_alive()) != [0.0, 1.0]:
+            assert time.monotonic() < deadline, engines_alive()
+            time.sleep(0.05)
         for prompt in prompts:
             assert _complete(dp.url, prompt, 6) == _complete(workers[0].url, prompt, 6)
         assert httpx.get(dp.url + "/health").status_code == 200

@@ -17,11 +17,22 @@ if not HAS_CUDA:
 pytest.importorskip("triton", reason="the CUDA path's kernels need triton")
 
 
+_HERE = os.path.dirname(__file__)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks added here
 def pytest_collection_modifyitems(config, items):
+    """Without a GPU: tests marked ``cuda`` skip, and the rest of this folder (Triton's
+    interpreter on CPU tensors, ~20 s in all) belongs to the full run, not the fast loop
+    (``-m "not slow"``), which stays on the CPU path."""
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if item.get_closest_marker("cuda") is not None and not HAS_CUDA:
+        if HAS_CUDA or not str(item.path).startswith(_HERE):
+            continue
+        if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+        else:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
