@@ -1,5 +1,6 @@
-"""``POST /v1/chat/completions``: messages through the model's chat template, tool calls
-(parsed whole, or held back while streamed), logprobs, streamed or whole."""
+"""``POST /v1/chat/completions``: messages through the model's chat template, the thinking
+split off as ``reasoning_content`` (``--reasoning-parser``), tool calls (parsed whole, or
+held back while streamed), logprobs, streamed or whole."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from radixserve.api.openai.tool_parser import (
     tool_context,
 )
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving import reasoning as rp
 from radixserve.serving.tenancy import Routing
 
 
@@ -61,14 +63,26 @@ async def _whole(
     tools: ToolContext,
 ) -> Response:
     done = await collect(server, [ids], params, routing)
+    parser = server.config.reasoning_parser
+    thinking = 0
     choices = []
     for idx, o in done.outputs.items():
         message: dict[str, Any] = {"role": "assistant", "content": o.text}
+        text = o.text
+        if parser is not None:
+            reply = rp.split(o.text, parser)
+            thinking += _reasoning_tokens(server, o.token_ids, reply)
+            text = reply.content or ""
+            message = {
+                "role": "assistant",
+                "content": reply.content,
+                "reasoning_content": reply.reasoning,
+            }
         reason = o.reason
         if tools.active:
-            content, calls = parse_tool_calls(o.text, tools, truncated=reason == "length")
+            content, calls = parse_tool_calls(text, tools, truncated=reason == "length")
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                message = {**message, "content": content, "tool_calls": calls}
                 reason = "length" if reason == "length" else "tool_calls"
         logprobs = None
         if params.logprobs is not None:
@@ -83,8 +97,23 @@ async def _whole(
             "created": int(time.time()),
             "model": server.frontend.model_name,
             "choices": choices,
-            "usage": usage([ids], done.completion_tokens, done.cached_tokens),
+            "usage": usage(
+                [ids],
+                done.completion_tokens,
+                done.cached_tokens,
+                thinking if parser is not None else None,
+            ),
         }
+    )
+
+
+def _reasoning_tokens(server: OpenAIServer, token_ids: list[int], reply: rp.ReasoningSplit) -> int:
+    frontend = server.frontend
+    return rp.reasoning_tokens(
+        token_ids,
+        reply,
+        rp.end_token_id(frontend.tokenizer.backend_tokenizer),
+        lambda text: frontend.tokenizer.encode(text, add_special_tokens=False),
     )
 
 
@@ -114,19 +143,44 @@ def _stream(
             yield frame(j, {"role": "assistant", "content": ""})
 
     streamers: dict[int, ToolStreamer] = {}
+    parser = server.config.reasoning_parser
+    thinkers: dict[int, rp.ReasoningStreamer] = {}
+    reply_ids: dict[int, list[int]] = {}
+    thoughts: dict[int, str] = {}  # by choice: its reasoning text so far
+    thinking: dict[int, int] = {}  # by choice: its reasoning tokens, once it finished
 
     def on_delta(idx, d) -> bytes:
         logprobs = chat_logprobs(token_text, d.logprobs) if d.logprobs else None
-        text = d.text
-        if tools.active:  # tool calls are held back until complete
+        text, delta = d.text, {}
+        if parser is not None:  # the thinking first, as reasoning_content
+            reasoning, text = thinkers.setdefault(idx, rp.ReasoningStreamer(parser)).feed(text)
+            reply_ids.setdefault(idx, []).extend(d.token_ids)
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+                thoughts[idx] = thoughts.get(idx, "") + reasoning
+        if tools.active and text:  # tool calls are held back until complete
             text = streamers.setdefault(idx, ToolStreamer(tools)).feed(text)
-            if not text and not logprobs:
-                return b""
-        choice = {"index": idx, "delta": {"content": text}, "logprobs": logprobs}
+        if text or (parser is None and not tools.active):
+            delta["content"] = text
+        if not delta and not logprobs:
+            return b""
+        choice = {"index": idx, "delta": delta or {"content": ""}, "logprobs": logprobs}
         return sse({**base, "choices": [{**choice, "finish_reason": None}]})
 
     def on_finish(idx, reason) -> bytes:
         frames = b""
+        thinker = thinkers.pop(idx, None)
+        if thinker is not None:
+            reasoning, text = thinker.finish()
+            if reasoning:
+                frames += frame(idx, {"reasoning_content": reasoning})
+            if text and tools.active:
+                text = streamers.setdefault(idx, ToolStreamer(tools)).feed(text)
+            if text:
+                frames += frame(idx, {"content": text})
+            thought = thoughts.pop(idx, "") + reasoning
+            reply = rp.ReasoningSplit(thought if thinker.thought else None, None, thinker.closed)
+            thinking[idx] = _reasoning_tokens(server, reply_ids.pop(idx, []), reply)
         streamer = streamers.pop(idx, None)
         if streamer is not None:
             rest, calls = streamer.finish(truncated=reason == "length")
@@ -139,4 +193,15 @@ def _stream(
                 )
         return frames + frame(idx, {}, reason)
 
-    return stream_events(server, [ids], params, routing, body, on_delta, on_finish, head, base)
+    return stream_events(
+        server,
+        [ids],
+        params,
+        routing,
+        body,
+        on_delta,
+        on_finish,
+        head,
+        base,
+        reasoning_tokens=(lambda: sum(thinking.values())) if parser is not None else None,
+    )

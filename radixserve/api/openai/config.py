@@ -9,6 +9,7 @@ from typing import Any
 from radixserve.api.openai.response_store import DEFAULT_MAX_RESPONSES
 from radixserve.core.settings import setting, zero_is_none
 from radixserve.serving.frontend import ServingConfig
+from radixserve.serving.reasoning import REASONING_PARSERS
 from radixserve.serving.supervisor import SupervisorConfig
 
 
@@ -39,6 +40,13 @@ class ServerConfig:
         "hermes",
         choices=("hermes", "llama3_json"),
         help="how tool calls are read from chat output: <tool_call> tags or Llama 3 JSON",
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        choices=REASONING_PARSERS,
+        help="split the thinking (<think> ... </think>) from the answer as this model family "
+        "writes it: Chat Completions' reasoning_content and reasoning_tokens (default: "
+        "off, the whole text is the answer)",
     )
     data_parallel_size: int = 1  # engine processes behind this frontend (serving/dp_client)
     dp_policy: str = "cache-aware"

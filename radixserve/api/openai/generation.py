@@ -26,14 +26,24 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def usage(prompts: list[list[int]], completion_tokens: int, cached: int) -> dict:
+def usage(
+    prompts: list[list[int]],
+    completion_tokens: int,
+    cached: int,
+    reasoning_tokens: int | None = None,
+) -> dict:
+    """OpenAI's usage object; ``reasoning_tokens`` (with a reasoning parser) adds
+    ``completion_tokens_details``."""
     prompt_tokens = sum(len(p) for p in prompts)
-    return {
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 @dataclass
@@ -42,6 +52,7 @@ class SampleOutput:
 
     text: str = ""
     tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     reason: str | None = None
     error: str | None = None
     logprobs: list = field(default_factory=list)
@@ -90,6 +101,7 @@ async def collect(
         o = outs.setdefault(i * n + d.index, SampleOutput())
         o.text += d.text
         o.tokens += len(d.token_ids)
+        o.token_ids.extend(d.token_ids)
         o.logprobs.extend(d.logprobs or ())
         if d.token_ids and first is None:
             first = time.monotonic()
@@ -122,6 +134,7 @@ async def stream_events(
     head: Callable[[], Iterable[bytes]],
     usage_obj: dict,
     every_token_step: bool = False,
+    reasoning_tokens: Callable[[], int] | None = None,
 ) -> AsyncIterator[bytes]:
     """Shared SSE loop: head frames, per-delta frames, then usage and [DONE]. ``usage_obj``
     is the dict every frame is made from: with ``stream_options.continuous_usage_stats``
@@ -148,7 +161,12 @@ async def stream_events(
             if d.finished:
                 cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
             if continuous:
-                usage_obj["usage"] = usage(prompts, timer.tokens, sum(cached.values()))
+                usage_obj["usage"] = usage(
+                    prompts,
+                    timer.tokens,
+                    sum(cached.values()),
+                    reasoning_tokens() if reasoning_tokens is not None else None,
+                )
             if d.text or d.logprobs or (every_token_step and d.token_ids and not d.finished):
                 frame = on_delta(idx, d)
                 if frame:  # empty: held back (a tool call being generated)
@@ -163,7 +181,12 @@ async def stream_events(
                 {
                     **usage_obj,
                     "choices": [],
-                    "usage": usage(prompts, timer.tokens, sum(cached.values())),
+                    "usage": usage(
+                        prompts,
+                        timer.tokens,
+                        sum(cached.values()),
+                        reasoning_tokens() if reasoning_tokens is not None else None,
+                    ),
                 }
             )
     except (RequestRejected, EngineDead) as exc:

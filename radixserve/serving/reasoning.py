@@ -1,0 +1,171 @@
+"""Reasoning output split from the answer: the ``<think> … </think>`` block that reasoning
+models write before their reply, as each family writes it (``--reasoning-parser``).
+
+``deepseek_r1``: DeepSeek-R1 and its distills. Their chat template ends the generation
+prompt inside the thinking (``<think>\\n``), so the output usually starts with the thinking
+itself and shows only the end marker; a leading ``<think>`` is dropped when the model
+writes it anyway. Everything before ``</think>`` is reasoning; with no end marker (a
+reply cut off by ``max_tokens`` or a stop string) all of it is.
+
+``qwen3``: Qwen3's hybrid models write ``<think> … </think>`` themselves when they think;
+with ``enable_thinking: false`` the template puts an empty block in the prompt and the
+output has no marker at all: all of it is the answer. So reasoning is only what follows
+a leading ``<think>``; a start marker with no end (cut off) makes all of it reasoning.
+
+The split is the same whole (``split``) and streamed (``ReasoningStreamer``): a marker cut
+across stream chunks is held back until it is known, and the streamed parts join to the
+whole split's. Transport-independent: Chat Completions, Responses and Messages read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    """A reply split: ``reasoning`` (None: the model did not think) and ``content`` (None:
+    nothing after the thinking, as OpenAI's message content)."""
+
+    reasoning: str | None
+    content: str | None
+    closed: bool = False  # the thinking ended (its end marker came)
+
+
+def _starts_open(parser: str) -> bool:
+    """Whether the output begins inside the thinking without a start marker."""
+    if parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"unknown reasoning parser {parser!r} (one of {', '.join(REASONING_PARSERS)})"
+        )
+    return parser == "deepseek_r1"
+
+
+def split(text: str, parser: str) -> ReasoningSplit:
+    """``text`` (a whole reply) as reasoning and content, as ``parser``'s family writes."""
+    streamer = ReasoningStreamer(parser)
+    reasoning, content = streamer.feed(text)
+    more_reasoning, more_content = streamer.finish()
+    reasoning += more_reasoning
+    content += more_content
+    return ReasoningSplit(
+        reasoning if streamer.thought else None,
+        content if content or not streamer.thought else None,
+        streamer.closed,
+    )
+
+
+class ReasoningStreamer:
+    """Splits a reply's text as it streams.
+
+    Invariants: ``feed`` returns (reasoning, content) text that is final (never taken
+    back); what it holds back is at most a possible marker's prefix (fewer characters than
+    the longest marker), returned by the next ``feed`` or by ``finish``; the reasoning and
+    content of all calls joined equal ``split``'s of the whole text (markers and the
+    whitespace right after ``</think>`` dropped)."""
+
+    def __init__(self, parser: str) -> None:
+        # "start": before anything is known; "think": inside the thinking; "answer": after
+        self._state = "think" if _starts_open(parser) else "start"
+        self._open_start = self._state == "think"  # deepseek: a leading <think> is dropped
+        self._held = ""
+        self._strip_lead = False  # the whitespace after </think> (templates write "\n\n")
+        self.thought = self._state == "think"  # whether any reasoning was opened
+        self.closed = False  # whether the thinking ended (its end marker came)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        held = self._held + text
+        self._held = ""
+        reasoning, content = "", ""
+        while held:
+            if self._state == "start":
+                lead = held.lstrip()
+                if not lead:  # only whitespace so far: not known yet
+                    self._held = held
+                    break
+                if lead.startswith(START):
+                    self._state, self.thought = "think", True
+                    held = lead[len(START) :]
+                    continue
+                if START.startswith(lead):  # a cut marker: wait
+                    self._held = held
+                    break
+                self._state = "answer"  # no marker: all of it is the answer
+                continue
+            if self._state == "think":
+                if self._open_start:  # deepseek: a leading <think> written anyway
+                    lead = held.lstrip()
+                    if lead.startswith(START):
+                        held = lead[len(START) :]
+                        self._open_start = False
+                        continue
+                    if lead and START.startswith(lead):  # maybe that marker, cut: wait
+                        self._held = held
+                        break
+                    if lead:
+                        self._open_start = False
+                at = held.find(END)
+                if at >= 0:
+                    reasoning += held[:at]
+                    held = held[at + len(END) :]
+                    self._state, self._strip_lead = "answer", True
+                    self.closed = True
+                    continue
+                keep = _partial_suffix(held, END)
+                reasoning += held[: len(held) - keep]
+                self._held = held[len(held) - keep :]
+                break
+            # answer
+            if self._strip_lead:
+                held = held.lstrip()
+                if not held:
+                    break
+                self._strip_lead = False
+            content += held
+            held = ""
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What is still held back, at the end of the reply."""
+        held, self._held = self._held, ""
+        if self._state == "think":
+            return held, ""
+        if self._state == "start":  # only whitespace, or a cut start marker: the answer
+            return "", held
+        return "", held.lstrip() if self._strip_lead else held
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (0: none)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def end_token_id(tokenizer: Any) -> int | None:
+    """The id of ``</think>`` when the vocabulary has it as one token (the families here
+    do: an added token), else None."""
+    ids = tokenizer.encode(END, add_special_tokens=False)
+    ids = getattr(ids, "ids", ids)  # a Rust tokenizer's Encoding, or a list
+    return ids[0] if len(ids) == 1 else None
+
+
+def reasoning_tokens(
+    token_ids: list[int], reply: ReasoningSplit, end_id: int | None, encode: Any
+) -> int:
+    """How many of a reply's tokens were thinking (usage's ``reasoning_tokens``): up to and
+    including the end marker's token; all of them when the reply was cut inside the
+    thinking; 0 when it did not think. ``encode`` (text -> ids) estimates it when the
+    vocabulary has no one-token end marker."""
+    if reply.reasoning is None:
+        return 0
+    if not reply.closed:
+        return len(token_ids)
+    if end_id is not None and end_id in token_ids:
+        return token_ids.index(end_id) + 1
+    return min(len(token_ids), len(encode(reply.reasoning + END)))

@@ -1,0 +1,73 @@
+"""``--reasoning-parser`` through a live server and the official openai client: the
+thinking comes back as ``reasoning_content`` (whole and streamed, the same), never as
+content, and counts in ``usage.completion_tokens_details.reasoning_tokens``. A tiny
+random model cannot think, so a regex grammar makes it write the family's markers."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.api.server_helpers import InProcessServer
+
+pytestmark = pytest.mark.slow  # starts a server
+
+THINK_THEN_ANSWER = (
+    r"<think>\n[a-z]{4,12}( [a-z]{2,8}){1,3}\n</think>\n\n[a-z]{3,9}( [a-z]{2,6}){0,2}"
+)
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama):
+    srv = InProcessServer(
+        "--model", str(tiny_llama), "--dtype", "float32", "--reasoning-parser", "qwen3"
+    )  # fmt: skip
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    srv.stop()
+
+
+def _ask(client, regex: str, max_tokens: int = 80, **kw):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "Think, then answer."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": regex}},
+        **kw,
+    )
+
+
+def test_thinking_is_reasoning_content_whole_and_streamed(client):
+    whole = _ask(client, THINK_THEN_ANSWER)
+    message = whole.choices[0].message
+    reasoning, content = message.reasoning_content, message.content
+    assert reasoning and content and "<think>" not in content and "</think>" not in content
+    assert "think" not in reasoning.replace("\n", " ").split()  # no marker left in it
+    details = whole.usage.completion_tokens_details
+    assert 0 < details.reasoning_tokens < whole.usage.completion_tokens
+
+    chunks = list(
+        _ask(client, THINK_THEN_ANSWER, stream=True, stream_options={"include_usage": True})
+    )
+    streamed_reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
+    streamed_content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (streamed_reasoning, streamed_content) == (reasoning, content)
+    last = chunks[-1].usage
+    assert last.completion_tokens_details.reasoning_tokens == details.reasoning_tokens
+
+
+def test_a_reply_cut_inside_the_thinking_has_no_content(client):
+    out = _ask(client, THINK_THEN_ANSWER, max_tokens=10)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "length"
+    assert message.content is None and message.reasoning_content
+    assert out.usage.completion_tokens_details.reasoning_tokens == out.usage.completion_tokens
+
+
+def test_a_reply_without_thinking_is_all_content(client):
+    out = _ask(client, r"[a-z]{3,9} [a-z]{3,9}")
+    message = out.choices[0].message
+    assert message.content and message.reasoning_content is None
+    assert out.usage.completion_tokens_details.reasoning_tokens == 0
