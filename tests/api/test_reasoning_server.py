@@ -71,3 +71,62 @@ def test_a_reply_without_thinking_is_all_content(client):
     message = out.choices[0].message
     assert message.content and message.reasoning_content is None
     assert out.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def r1_client(tiny_llama):
+    srv = InProcessServer(
+        "--model", str(tiny_llama), "--dtype", "float32", "--reasoning-parser", "deepseek_r1"
+    )  # fmt: skip
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    srv.stop()
+
+
+def test_responses_return_the_thinking_as_a_reasoning_item_whole_and_streamed(r1_client):
+    """DeepSeek-R1's form (no start marker: the reply begins inside the thinking), forced
+    by a JSON-string grammar, the one the Responses API takes: whole, the reasoning item
+    comes first and its tokens count; streamed, its events carry the same texts."""
+    fmt = {
+        "type": "json_schema",
+        "name": "forced",
+        "schema": {"type": "string", "pattern": "^[a-z]{4,10}</think>[a-z]{3,8}$"},
+    }
+    ask = {
+        "model": r1_client.models.list().data[0].id,
+        "input": "Think, then answer.",
+        "max_output_tokens": 60,
+        "temperature": 0,
+        "text": {"format": fmt},
+    }
+    whole = r1_client.responses.create(**ask)
+    kinds = [item.type for item in whole.output]
+    assert kinds == ["reasoning", "message"]
+    thought = whole.output[0].content[0].text
+    answer = whole.output_text
+    assert thought.startswith('"') and answer.endswith('"') and "</think>" not in answer
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+
+    reasoning = content = ""
+    done = None
+    with r1_client.responses.stream(**ask) as stream:
+        for event in stream:
+            if event.type == "response.reasoning_text.delta":
+                reasoning += event.delta
+            elif event.type == "response.output_text.delta":
+                content += event.delta
+            elif event.type == "response.completed":
+                done = event.response
+    assert (reasoning, content) == (thought, answer)
+    assert done is not None and [item.type for item in done.output] == kinds
+    assert done.usage.output_tokens_details.reasoning_tokens == (
+        whole.usage.output_tokens_details.reasoning_tokens
+    )
+
+
+def test_encrypted_reasoning_is_refused_clearly(r1_client):
+    with pytest.raises(openai.BadRequestError, match="encrypted_content"):
+        r1_client.responses.create(
+            model=r1_client.models.list().data[0].id,
+            input="hi",
+            include=["reasoning.encrypted_content"],
+        )

@@ -46,6 +46,7 @@ from radixserve.api.openai.tool_parser import (
 )
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving import reasoning as rp
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import Routing
@@ -162,6 +163,13 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
     if body.reasoning is not None:
         raise APIError(400, "reasoning is not supported by this model", param="reasoning")
     if body.include:
+        if "reasoning.encrypted_content" in body.include:
+            raise APIError(
+                400,
+                "include 'reasoning.encrypted_content' is not supported: reasoning is "
+                "returned as text in reasoning items (--reasoning-parser), never encrypted",
+                param="include",
+            )
         raise APIError(400, "include is not supported", param="include")
     if body.top_logprobs:
         raise APIError(400, "top_logprobs is not supported here", param="top_logprobs")
@@ -170,12 +178,12 @@ def _refuse_unsupported(body: ResponsesRequest) -> None:
 
 
 # -- answers ------------------------------------------------------------------------------
-def _usage(prompt_len: int, cached: int, output: int) -> dict[str, Any]:
+def _usage(prompt_len: int, cached: int, output: int, reasoning: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": prompt_len,
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt_len + output,
     }
 
@@ -188,6 +196,18 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
         "status": status,
         "role": "assistant",
         "content": [part],
+    }
+
+
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The thinking (``--reasoning-parser``) as an open model's reasoning item: its text in
+    ``content``, no summary, nothing encrypted."""
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
     }
 
 
@@ -263,9 +283,13 @@ class _Responder:
         cached: int,
         tokens: int,
         message_id: str | None = None,
+        thinking: tuple[str, str, int] | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The final response object (and its output items); stored if asked."""
+        """The final response object (and its output items: the reasoning item first when
+        ``thinking`` (item id, text, tokens) is given); stored if asked."""
         output = []
+        if thinking is not None:
+            output.append(_reasoning_item(thinking[0], thinking[1]))
         if text or not calls:
             output.append(_message_item(message_id or f"msg_{uuid.uuid4().hex}", text))
         output.extend(_call_item(c) for c in calls)
@@ -273,7 +297,7 @@ class _Responder:
         response = self.response(
             "incomplete" if incomplete else "completed",
             output,
-            _usage(len(self.ids), cached, tokens),
+            _usage(len(self.ids), cached, tokens, thinking[2] if thinking is not None else 0),
             incomplete,
         )
         if self.body.store:
@@ -343,12 +367,24 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             return StreamResponse(_stream(responder, params, tools))
         done = await collect(server, [ids], params, routing)
         out = done.outputs[0]
-        text, calls = out.text, []
+        text, calls, thinking = out.text, [], None
+        parser = server.config.reasoning_parser
+        if parser is not None:
+            reply = rp.split(out.text, parser)
+            text = reply.content or ""
+            if reply.reasoning is not None:
+                count = rp.reasoning_tokens(out.token_ids, reply, *_token_counter(server))
+                thinking = (f"rs_{uuid.uuid4().hex}", reply.reasoning, count)
         if tools.active:
-            parsed, calls = parse_tool_calls(out.text, tools, truncated=out.reason == "length")
+            parsed, calls = parse_tool_calls(text, tools, truncated=out.reason == "length")
             text = parsed or ""
         response, _ = responder.finish(
-            text, calls, out.reason, done.cached_tokens, done.completion_tokens
+            text,
+            calls,
+            out.reason,
+            done.cached_tokens,
+            done.completion_tokens,
+            thinking=thinking,
         )
         return json_response(response)
 
@@ -365,6 +401,14 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         if not store.delete(response_id, server.reader(request.headers)):
             raise _not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+def _token_counter(server: OpenAIServer) -> tuple[int | None, Any]:
+    """What ``reasoning.reasoning_tokens`` needs of the tokenizer."""
+    tokenizer = server.frontend.tokenizer
+    return rp.end_token_id(tokenizer.backend_tokenizer), lambda text: tokenizer.encode(
+        text, add_special_tokens=False
+    )
 
 
 def _response_id(request: HTTPRequest) -> str:
@@ -385,7 +429,9 @@ async def _stream(
     responder: _Responder, params: SamplingParams, tools: ToolContext
 ) -> AsyncIterator[bytes]:
     """The documented event sequence, each with its ``sequence_number``:
-    response.created, response.in_progress, then for the text an output_item.added,
+    response.created, response.in_progress, then (with ``--reasoning-parser``, when the
+    model thinks) the reasoning item: output_item.added, reasoning_text.delta...,
+    reasoning_text.done, output_item.done; for the text an output_item.added,
     content_part.added, output_text.delta..., output_text.done, content_part.done,
     output_item.done; for each function call output_item.added,
     function_call_arguments.delta, .done, output_item.done; then response.completed (or
@@ -405,21 +451,64 @@ async def _stream(
     yield event("response.in_progress", response=start)
     timer = RequestTimer(frontend.metrics, responder.routing.tag.label)
     streamer = ToolStreamer(tools) if tools.active else None
+    parser = server.config.reasoning_parser
+    thinker = rp.ReasoningStreamer(parser) if parser is not None else None
+    reasoning_id = f"rs_{uuid.uuid4().hex}"
+    thought = ""  # the reasoning item's text so far
+    thinking_state = "none"  # none | open | done: the reasoning item's events
+    reply_ids: list[int] = []
     message_id = f"msg_{uuid.uuid4().hex}"
     text = ""
     opened = False
     reason: str | None = None
     cached = 0
 
+    def message_index() -> int:  # the reasoning item, if any, comes first
+        return 0 if thinking_state == "none" else 1
+
+    def think(piece: str) -> bytes:
+        nonlocal thought, thinking_state
+        frames = b""
+        if thinking_state == "none":
+            thinking_state = "open"
+            item = {**_reasoning_item(reasoning_id, "", "in_progress"), "content": []}
+            frames += event("response.output_item.added", output_index=0, item=item)
+        thought += piece
+        return frames + event(
+            "response.reasoning_text.delta",
+            item_id=reasoning_id,
+            output_index=0,
+            content_index=0,
+            delta=piece,
+        )
+
+    def thinking_done() -> bytes:
+        nonlocal thinking_state
+        if thinking_state != "open":
+            return b""
+        thinking_state = "done"
+        return event(
+            "response.reasoning_text.done",
+            item_id=reasoning_id,
+            output_index=0,
+            content_index=0,
+            text=thought,
+        ) + event(
+            "response.output_item.done",
+            output_index=0,
+            item=_reasoning_item(reasoning_id, thought),
+        )
+
     def open_message() -> bytes:
         nonlocal opened
         opened = True
         item = {**_message_item(message_id, "", "in_progress"), "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return event("response.output_item.added", output_index=0, item=item) + event(
+        at = message_index()
+        return event("response.output_item.added", output_index=at, item=item) + event(
             "response.content_part.added",
             item_id=message_id,
-            output_index=0,
+            output_index=at,
             content_index=0,
             part=part,
         )
@@ -427,22 +516,33 @@ async def _stream(
     def delta(piece: str) -> bytes:
         nonlocal text
         text += piece
-        frames = b"" if opened else open_message()
+        frames = thinking_done() + (b"" if opened else open_message())
         return frames + event(
             "response.output_text.delta",
             item_id=message_id,
-            output_index=0,
+            output_index=message_index(),
             content_index=0,
             delta=piece,
             logprobs=[],
         )
 
+    def answer(piece: str) -> bytes:
+        if streamer is not None:
+            piece = streamer.feed(piece)
+        return delta(piece) if piece else b""
+
     try:
         async for _, d in frontend.run([responder.ids], params, responder.routing):
             timer.delta(0, d)
-            piece = streamer.feed(d.text) if streamer is not None else d.text
-            if piece:
-                yield delta(piece)
+            if thinker is not None:
+                reply_ids.extend(d.token_ids)
+                reasoning, piece = thinker.feed(d.text)
+                if reasoning:
+                    yield think(reasoning)
+            else:
+                piece = d.text
+            if piece and (frames := answer(piece)):
+                yield frames
             if d.finished:
                 reason, cached = d.finish_reason, d.num_cached_tokens
                 if reason == "error":
@@ -453,21 +553,35 @@ async def _stream(
         failed["error"] = {"code": "server_error", "message": cv.engine_error(exc).message}
         yield event("response.failed", response=failed)
         return
+    thinking = None
+    if thinker is not None:
+        reasoning, piece = thinker.finish()
+        if reasoning:
+            yield think(reasoning)
+        if piece and (frames := answer(piece)):
+            yield frames
+        yield thinking_done()
+        if thinker.thought:
+            reply = rp.ReasoningSplit(thought, None, thinker.closed)
+            count = rp.reasoning_tokens(reply_ids, reply, *_token_counter(server))
+            thinking = (reasoning_id, thought, count)
     calls: list[dict[str, Any]] = []
     if streamer is not None:
         rest, calls = streamer.finish(truncated=reason == "length")
         if rest:
             yield delta(rest)
-    final, output = responder.finish(text, calls, reason, cached, timer.tokens, message_id)
-    index = 0
+    final, output = responder.finish(
+        text, calls, reason, cached, timer.tokens, message_id, thinking=thinking
+    )
+    index = 0 if thinking is None else 1
     if text or not calls:
         if not opened:
             yield open_message()
-        part = output[0]["content"][0]
+        part = output[index]["content"][0]
         yield event(
             "response.output_text.done",
             item_id=message_id,
-            output_index=0,
+            output_index=index,
             content_index=0,
             text=text,
             logprobs=[],
@@ -475,12 +589,12 @@ async def _stream(
         yield event(
             "response.content_part.done",
             item_id=message_id,
-            output_index=0,
+            output_index=index,
             content_index=0,
             part=part,
         )
-        yield event("response.output_item.done", output_index=0, item=output[0])
-        index = 1
+        yield event("response.output_item.done", output_index=index, item=output[index])
+        index += 1
     for k, call in enumerate(output[index:]):
         at = index + k
         yield event(
