@@ -33,7 +33,12 @@ _EOS = 2
 _RESERVED_DIMS = 8  # embedding dims used by the chain only
 
 
-def build_chain_model(folder: Path) -> Path:
+def build_chain_model(
+    folder: Path, trigger: str = TRIGGER, payload: list[str] | None = None
+) -> Path:
+    """The chain model: ``trigger`` (an added token) is answered with ``payload`` (added
+    tokens, at most four) and then EOS."""
+    payload = PAYLOAD_TOKENS if payload is None else payload
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from tests.conftest import TINY_VOCAB, build_tokenizer
@@ -41,10 +46,10 @@ def build_chain_model(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     build_tokenizer(folder)
     tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
-    tok.add_tokens([TRIGGER, *PAYLOAD_TOKENS])
+    tok.add_tokens([trigger, *payload])
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(folder))
-    chain = [tok.convert_tokens_to_ids(t) for t in [TRIGGER, *PAYLOAD_TOKENS]] + [_EOS]
+    chain = [tok.convert_tokens_to_ids(t) for t in [trigger, *payload]] + [_EOS]
     assert len(set(chain)) == len(chain) and all(t < TINY_VOCAB + 8 for t in chain)
 
     hidden = 64

@@ -5,6 +5,7 @@ random model cannot think, so a regex grammar makes it write the family's marker
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -130,3 +131,55 @@ def test_encrypted_reasoning_is_refused_clearly(r1_client):
             input="hi",
             include=["reasoning.encrypted_content"],
         )
+
+
+# a model whose greedy answer to a message ending in "!think" is exactly these tokens
+THINKER = ["<think>", "Weighing it.", "</think>", "Yes."]
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    from tests.api.console_helpers import build_chain_model
+
+    model = build_chain_model(tmp_path_factory.mktemp("thinker") / "m", "!think", THINKER)
+    srv = InProcessServer(
+        "--model", str(model), "--dtype", "float32", "--reasoning-parser", "qwen3"
+    )
+    yield srv
+    srv.stop()
+
+
+def test_messages_return_thinking_blocks_whole_and_streamed(thinker):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=thinker.url, api_key="unused", max_retries=0)
+    model = httpx.get(thinker.url + "/v1/models").json()["data"][0]["id"]
+    ask = {
+        "model": model,
+        "max_tokens": 20,
+        "messages": [{"role": "user", "content": "Is it so? !think"}],
+    }
+    whole = client.messages.create(**ask)
+    assert [
+        (b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in whole.content
+    ] == [
+        ("thinking", "Weighing it."),
+        ("text", "Yes."),
+    ]
+    assert whole.stop_reason == "end_turn"
+    with client.messages.stream(**ask) as stream:
+        final = stream.get_final_message()
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+
+
+def test_chat_counts_reasoning_tokens_exactly_with_a_one_token_end_marker(thinker):
+    client = openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        max_tokens=20,
+        messages=[{"role": "user", "content": "So? !think"}],
+    )
+    message = out.choices[0].message
+    assert (message.reasoning_content, message.content) == ("Weighing it.", "Yes.")
+    # <think>, the thought, </think>: three of the four answer tokens (then EOS)
+    assert out.usage.completion_tokens_details.reasoning_tokens == 3

@@ -43,6 +43,7 @@ from radixserve.api.openai.tool_parser import (
 )
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving import reasoning as rp
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import Routing
@@ -248,8 +249,14 @@ async def _whole(
     calls: list[dict[str, Any]] = []
     content: list[dict[str, Any]] = []
     text: str | None = out.text
+    parser = server.config.reasoning_parser
+    if parser is not None:  # the thinking first, as a thinking block
+        reply = rp.split(out.text, parser)
+        if reply.reasoning is not None:
+            content.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+        text = reply.content or ""
     if tools.active:
-        text, calls = parse_tool_calls(out.text, tools, truncated=out.reason == "length")
+        text, calls = parse_tool_calls(text or "", tools, truncated=out.reason == "length")
     if text or not calls:
         content.append({"type": "text", "text": text or ""})
     content.extend(_tool_use(c) for c in calls)
@@ -277,7 +284,8 @@ async def _stream(
     tools: Any,
 ) -> AsyncIterator[bytes]:
     """Anthropic's event sequence: message_start, ping, then per content block
-    content_block_start / deltas / content_block_stop (text first, then each tool_use
+    content_block_start / deltas / content_block_stop (the thinking first, with
+    ``--reasoning-parser``, as thinking_delta and an empty signature_delta; text next, then each tool_use
     with its input as one input_json_delta), message_delta (stop_reason, usage),
     message_stop. A failure after the start is an ``error`` event."""
     frontend = server.frontend
@@ -295,15 +303,51 @@ async def _stream(
     yield _event("message_start", {"type": "message_start", "message": start})
     yield _event("ping", {"type": "ping"})
     streamer = ToolStreamer(tools) if tools.active else None
+    parser = server.config.reasoning_parser
+    thinker = rp.ReasoningStreamer(parser) if parser is not None else None
+    thinking_open = False
     index = 0  # of the content block being written
     text_open = False
     reason: str | None = None
     stop_str: str | None = None
     cached = 0
 
+    def think(piece: str) -> bytes:
+        nonlocal thinking_open
+        frames = b""
+        if not thinking_open:
+            thinking_open = True
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+            frames += _event(
+                "content_block_start",
+                {"type": "content_block_start", "index": index, "content_block": block},
+            )
+        delta = {"type": "thinking_delta", "thinking": piece}
+        return frames + _event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+        )
+
+    def thinking_done() -> bytes:
+        """Close the thinking block (an empty signature: nothing is signed here)."""
+        nonlocal thinking_open, index
+        if not thinking_open:
+            return b""
+        thinking_open = False
+        signed = {"type": "signature_delta", "signature": ""}
+        frames = _event(
+            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": signed}
+        ) + _event("content_block_stop", {"type": "content_block_stop", "index": index})
+        index += 1
+        return frames
+
+    def answer(piece: str) -> bytes:
+        if streamer is not None:
+            piece = streamer.feed(piece)
+        return text_delta(piece) if piece else b""
+
     def text_delta(text: str) -> bytes:
         nonlocal text_open
-        frames = b""
+        frames = thinking_done()
         if not text_open:
             text_open = True
             block = {"type": "text", "text": ""}
@@ -320,10 +364,12 @@ async def _stream(
         async for _, d in frontend.run([ids], params, routing):
             timer.delta(0, d)
             text = d.text
-            if streamer is not None:
-                text = streamer.feed(text)
-            if text:
-                yield text_delta(text)
+            if thinker is not None:
+                reasoning, text = thinker.feed(text)
+                if reasoning:
+                    yield think(reasoning)
+            if text and (frames := answer(text)):
+                yield frames
             if d.finished:
                 reason, stop_str, cached = d.finish_reason, d.stop_str, d.num_cached_tokens
                 if reason == "error":
@@ -332,6 +378,13 @@ async def _stream(
     except (RequestRejected, EngineDead, RuntimeError) as exc:
         yield _event("error", orjson.loads(anthropic_error(cv.engine_error(exc)).body))
         return
+    if thinker is not None:
+        reasoning, text = thinker.finish()
+        if reasoning:
+            yield think(reasoning)
+        if text and (frames := answer(text)):
+            yield frames
+        yield thinking_done()
     calls: list[dict[str, Any]] = []
     if streamer is not None:
         rest, calls = streamer.finish(truncated=reason == "length")
