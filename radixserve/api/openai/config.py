@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.api.openai.response_store import DEFAULT_MAX_RESPONSES
+from radixserve.api.openai.tool_parser import TOOL_CALL_PARSERS
 from radixserve.core.settings import setting, zero_is_none
 from radixserve.serving.frontend import ServingConfig
 from radixserve.serving.reasoning import REASONING_PARSERS
@@ -38,8 +39,10 @@ class ServerConfig:
     max_stop: int = 16  # stop strings a request may give
     tool_call_parser: str = setting(
         "hermes",
-        choices=("hermes", "llama3_json"),
-        help="how tool calls are read from chat output: <tool_call> tags or Llama 3 JSON",
+        choices=TOOL_CALL_PARSERS,
+        help="how tool calls are read from chat output, in the model family's own format: "
+        "hermes (<tool_call> JSON), llama3_json, mistral ([TOOL_CALLS]), qwen3_coder "
+        "(<function=...> XML), pythonic ([f(a=1)]), deepseek_v3",
     )
     reasoning_parser: str | None = setting(
         None,

@@ -1,6 +1,17 @@
 """Tool calling at the OpenAI chat API: the request's tools and tool_choice checked, tool
-calls parsed out of the generated text (whole or streamed: hermes ``<tool_call>`` tags or
-Llama 3 JSON), and chat messages with tool calls made ready for the template."""
+calls parsed out of the generated text (whole or streamed) in each model family's own
+format (``--tool-call-parser``), and chat messages with tool calls made ready for the
+template.
+
+The formats: ``hermes`` (Qwen2.5, Hermes: ``<tool_call>{"name", "arguments"}</tool_call>``),
+``llama3_json`` (the whole output one JSON call, or several separated by ``;``),
+``mistral`` (``[TOOL_CALLS]`` then a JSON list of calls, or the v11 form
+``[TOOL_CALLS]name[ARGS]{...}``), ``qwen3_coder`` (``<tool_call><function=NAME>
+<parameter=P>value</parameter></function></tool_call>``, values as text, typed by the
+function's schema), ``pythonic`` (Llama 3.2/4: the output a Python list of calls,
+``[f(a=1), g()]``), ``deepseek_v3`` (``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function
+<｜tool▁sep｜>NAME`` and its JSON arguments in a fenced block). Text that does not parse as
+calls is content, never an error."""
 
 from __future__ import annotations
 
@@ -12,7 +23,7 @@ from typing import Any
 
 from radixserve.api.asgi import APIError
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "deepseek_v3")
 
 
 @dataclass
@@ -129,6 +140,25 @@ def tool_call(name: str, arguments: Any) -> dict[str, Any]:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _HERMES_START = "<tool_call>"
 _LLAMA_START = "<|python_tag|>"
+_MISTRAL_START = "[TOOL_CALLS]"
+_DEEPSEEK_START = "<｜tool▁calls▁begin｜>"
+_DEEPSEEK_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>\s*function\s*<｜tool▁sep｜>\s*([^\n<]+?)\s*\n"
+    r"\s*```(?:json)?\s*(.*?)\s*```\s*(?:<｜tool▁call▁end｜>|$)",
+    re.DOTALL,
+)
+_QWEN3_CODER_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_QWEN3_CODER_PARAMETER = re.compile(
+    r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|$)", re.DOTALL
+)
+_PYTHONIC_START = "<|python_start|>"
+# where each marker family's calls begin (the content is what comes before)
+_MARKERS = {
+    "hermes": _HERMES_START,
+    "qwen3_coder": _HERMES_START,
+    "mistral": _MISTRAL_START,
+    "deepseek_v3": _DEEPSEEK_START,
+}
 
 
 def _call_from_object(obj: Any, functions: dict[str, Any]) -> dict[str, Any] | None:
@@ -177,6 +207,19 @@ def _parse_calls(
         if not calls or any(c is None for c in calls):
             return text, []
         return None, calls  # type: ignore[return-value]
+    if ctx.parser in ("mistral", "qwen3_coder", "deepseek_v3"):
+        start = text.find(_MARKERS[ctx.parser])
+        if start < 0:
+            return text, []
+        parse = {"mistral": _mistral, "qwen3_coder": _qwen3_coder, "deepseek_v3": _deepseek}
+        found = parse[ctx.parser](text[start + len(_MARKERS[ctx.parser]) :], ctx, truncated)
+        if not found:
+            return text, []
+        content = text[:start]
+        return (content if content.strip() else None), found
+    if ctx.parser == "pythonic":
+        found = _pythonic(text, ctx, truncated)
+        return (None, found) if found else (text, [])
     if ctx.parser == "hermes":
         start = text.find(_HERMES_START)
         if start < 0:
@@ -231,6 +274,117 @@ def _json_sequence(body: str, pos: int, separators: str) -> tuple[list[Any], boo
         values.append(value)
 
 
+def _all_or_complete(calls: list[dict[str, Any] | None], truncated: bool) -> list[dict[str, Any]]:
+    """Every call parsed, or (cut off by max_tokens) those before the last, which may be
+    the cut one; any other failure: no calls (the text stays content)."""
+    if calls and calls[-1] is None and truncated:
+        calls = calls[:-1]
+    if not calls or any(c is None for c in calls):
+        return []
+    return calls  # type: ignore[return-value]
+
+
+def _mistral(rest: str, ctx: ToolContext, truncated: bool) -> list[dict[str, Any]]:
+    body = rest.strip()
+    if body.startswith("["):  # [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+        objects, complete = _json_sequence(body, 1, ",]")
+        calls = [_call_from_object(obj, ctx.functions) for obj in objects]
+        if not complete:
+            if not truncated:
+                return []
+            calls.append(None)
+        return _all_or_complete(calls, truncated)
+    # v11: name[ARGS]{...} (repeated, each after its own [TOOL_CALLS])
+    calls = []
+    for part in body.split(_MISTRAL_START):
+        name, sep, args = part.partition("[ARGS]")
+        try:
+            value = json.loads(args) if sep else None
+        except ValueError:
+            value = None
+        calls.append(
+            _call_from_object({"name": name.strip(), "arguments": value}, ctx.functions)
+            if isinstance(value, dict)
+            else None
+        )
+    return _all_or_complete(calls, truncated)
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A qwen3_coder parameter's text as its schema's type (a string stays text)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _qwen3_coder(rest: str, ctx: ToolContext, truncated: bool) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any] | None] = []
+    for m in _QWEN3_CODER_FUNCTION.finditer(rest):
+        name = m.group(1).strip()
+        closed = m.group(0).endswith("</function>")
+        if name not in ctx.functions or not closed:
+            calls.append(None)
+            continue
+        props = ctx.functions[name].get("properties", {})
+        args = {
+            p.group(1).strip(): _typed(p.group(2), props.get(p.group(1).strip()))
+            for p in _QWEN3_CODER_PARAMETER.finditer(m.group(2))
+        }
+        calls.append(tool_call(name, args))
+    return _all_or_complete(calls, truncated)
+
+
+def _deepseek(rest: str, ctx: ToolContext, truncated: bool) -> list[dict[str, Any]]:
+    calls: list[dict[str, Any] | None] = []
+    for m in _DEEPSEEK_CALL.finditer(rest):
+        try:
+            args = json.loads(m.group(2))
+        except ValueError:
+            args = None
+        calls.append(
+            _call_from_object({"name": m.group(1), "arguments": args}, ctx.functions)
+            if isinstance(args, dict)
+            else None
+        )
+    begun = rest.count("<｜tool▁call▁begin｜>")
+    calls += [None] * (begun - len(calls))  # begun, never matched: cut off or malformed
+    return _all_or_complete(calls, truncated)
+
+
+def _pythonic(text: str, ctx: ToolContext, truncated: bool) -> list[dict[str, Any]]:
+    """``[f(a=1, b='x'), g()]``: a Python list of calls with literal keyword arguments
+    (read with ``ast``, never evaluated)."""
+    import ast
+
+    body = text.strip()
+    if body.startswith(_PYTHONIC_START):
+        body = body[len(_PYTHONIC_START) :].removesuffix("<|python_end|>").strip()
+    if not body.startswith("["):
+        return []
+    try:
+        tree = ast.parse(body, mode="eval").body
+    except SyntaxError:
+        return []
+    if not isinstance(tree, ast.List):
+        return []
+    calls: list[dict[str, Any] | None] = []
+    for node in tree.elts:
+        call = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+            try:
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            except ValueError:
+                args = None
+            if args is not None and None not in args and node.func.id in ctx.functions:
+                call = tool_call(node.func.id, args)
+        calls.append(call)
+    return _all_or_complete(calls, truncated)
+
+
 class ToolStreamer:
     """Splits a streamed chat output into content that can go out now and text held back
     because it is (or may become) a tool call. Invariant: the content streamed plus the
@@ -247,8 +401,8 @@ class ToolStreamer:
         self.text += delta
         if self.holding:
             return ""
-        if self.ctx.parser == "hermes":
-            marker = _HERMES_START
+        if self.ctx.parser in _MARKERS:
+            marker = _MARKERS[self.ctx.parser]
             at = self.text.find(marker, max(0, self.sent - len(marker)))
             if at >= 0:
                 self.holding = True
@@ -260,15 +414,18 @@ class ToolStreamer:
                         keep = k
                         break
                 end = len(self.text) - keep
-        else:  # llama3_json: an output that starts with "{" or the python tag may be a call
+        else:  # llama3_json / pythonic: an output that starts like a call may be one
             head = self.text.lstrip()
-            if (
-                not head
-                or _LLAMA_START.startswith(head)
-                or head[0] == "{"
-                or head.startswith(_LLAMA_START)
-            ):
-                self.holding = head.startswith(("{", _LLAMA_START))
+            opener, tag = (
+                ("[", _PYTHONIC_START)
+                if self.ctx.parser == "pythonic"
+                else (
+                    "{",
+                    _LLAMA_START,
+                )
+            )
+            if not head or tag.startswith(head) or head[0] == opener or head.startswith(tag):
+                self.holding = head.startswith((opener, tag))
                 return ""
             end = len(self.text)
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
