@@ -490,3 +490,8 @@ def test_vllm_request_fields_clients_send(client, server):
         server.url + "/v1/completions", json={"prompt": "x", "truncate_prompt_tokens": 0}
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_rerank_needs_a_reranker_or_the_flag(server):
+    r = httpx.post(server.url + "/v1/rerank", json={"query": "q", "documents": ["d"]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "rerank_not_enabled"

@@ -72,6 +72,18 @@ class ServerConfig:
         help="how /v1/embeddings pools the prompt's hidden states (default: the model's "
         "own pooling if it is an embedding model, else the last token)",
     )
+    enable_rerank: bool = setting(
+        False,
+        help="serve /v1/rerank, /v2/rerank and /v1/score on this generative model (a model "
+        "whose name says reranker is served without it): the probability of 'yes' after "
+        "--rerank-template",
+    )
+    rerank_template: str = setting(
+        "qwen3",
+        metavar="NAME|FILE",
+        help="the rerank prompt: qwen3 (Qwen3-Reranker's), or a file holding {query}, "
+        "{document} and optionally {instruction}",
+    )
     max_stored_responses: int = DEFAULT_MAX_RESPONSES  # the Responses API's store
     max_prompts_per_request: int = setting(64, group="limits", help="prompts in one request")
     max_sequences_per_request: int = setting(256, group="limits", help="prompts x n")

@@ -188,3 +188,34 @@ class EmbeddingRequest(BaseModel):
     priority: StrictInt = 0
     cache_salt: str | None = None
     request_id: str | None = None
+
+
+class RerankRequest(BaseModel):
+    """Jina's and Cohere's rerank body (``/v1/rerank``, ``/v2/rerank``, ``/rerank``):
+    documents as strings or ``{"text": ...}`` objects; undeclared fields are a 400."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    query: str
+    documents: list[str | dict[str, Any]]
+    top_n: StrictInt | None = None
+    return_documents: StrictBool = True
+    instruction: str | None = None  # the Qwen3-Reranker template's task line
+    user: str | None = None
+    priority: StrictInt = 0
+    cache_salt: str | None = None
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's ``/v1/score``: ``text_1`` (one query, or one per pair) against ``text_2``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    instruction: str | None = None
+    user: str | None = None
+    priority: StrictInt = 0
+    cache_salt: str | None = None

@@ -22,7 +22,7 @@ from radixserve.api.asgi import (
 )
 from radixserve.api.console.debug import add_debug_routes
 from radixserve.api.console.routes import register_console
-from radixserve.api.openai import chat, completions, embeddings, native, responses
+from radixserve.api.openai import chat, completions, embeddings, native, rerank, responses
 from radixserve.api.openai.config import ServerConfig
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.version import __version__
@@ -47,6 +47,7 @@ def _watch_sighup(server: OpenAIServer) -> None:
 
 def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> ASGIApp:
     config = config or ServerConfig()
+    rerank.rerank_template(config.rerank_template)  # a missing template file fails here
     server = OpenAIServer(engine_config, config)
     frontend = server.frontend
 
@@ -117,6 +118,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     chat.add_routes(app, server)
     responses.add_routes(app, server)
     embeddings.add_routes(app, server)
+    rerank.add_routes(app, server)  # /v1/rerank, /v2/rerank, /v1/score
     messages.add_routes(app, server)  # Anthropic's Messages API
     return app
 
