@@ -347,3 +347,34 @@ def test_radix_view_shows_the_shared_node(page, client):
     assert node.locator(":scope > details.radix-node").count() == 2
     assert "engine cost" in page.text_content("#radix-info")
     page.screenshot(path=str(ARTIFACTS / "radix.png"), full_page=True)
+
+
+@pytest.fixture(scope="module")
+def thinker_server(tmp_path_factory):
+    """A chain model that answers "!think" with a thinking block, then "Yes."."""
+    chain = ["<think>", "Weighing it.", "</think>", "Yes."]
+    model = build_chain_model(tmp_path_factory.mktemp("thinker") / "m", "!think", chain)
+    srv = InProcessServer(
+        "--model", str(model), "--dtype", "float32", "--reasoning-parser", "qwen3"
+    )
+    yield srv
+    srv.stop()
+
+
+def test_thinking_is_shown_folded_above_the_answer(browser, thinker_server):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    try:
+        pg.goto(thinker_server.url + "/")
+        pg.locator("#engine-state.ok").wait_for(timeout=10_000)
+        _set_playground(pg, "", 20)
+        _send(pg, "Is it so? !think", 1)
+        details = pg.locator(".msg.assistant details.thinking")
+        assert details.count() == 1 and details.get_attribute("open") is None  # folded
+        assert pg.locator(".msg.assistant .thinking-text").text_content() == "Weighing it."
+        assert pg.evaluate("radixserveConsole.messages().at(-1).content") == "Yes."
+        details.locator("summary").click()
+        assert details.get_attribute("open") is not None
+        pg.screenshot(path=str(ARTIFACTS / "thinking.png"), full_page=True)
+    finally:
+        context.close()

@@ -146,6 +146,21 @@
   }
 
   function renderContent(msg) {
+    if (msg.reasoning) {
+      // the model's thinking (--reasoning-parser): folded above the answer, as plain text
+      let box = msg.el.querySelector("details.thinking");
+      if (!box) {
+        box = document.createElement("details");
+        box.className = "thinking";
+        const summary = document.createElement("summary");
+        summary.textContent = "Thinking";
+        const text = document.createElement("div");
+        text.className = "thinking-text";
+        box.append(summary, text);
+        msg.el.querySelector(".content").before(box);
+      }
+      box.querySelector(".thinking-text").textContent = msg.reasoning;
+    }
     msg.el.querySelector(".content").innerHTML = renderMarkdown(msg.content);
     const box = $("messages");
     box.scrollTop = box.scrollHeight;
@@ -231,6 +246,11 @@
             if (obj.error) throw new Error(obj.error.message);
             if (obj.usage) usage = obj.usage;
             for (const c of obj.choices || []) {
+              if (c.delta && c.delta.reasoning_content) {
+                if (tFirst === null) tFirst = performance.now();
+                msg.reasoning = (msg.reasoning || "") + c.delta.reasoning_content;
+                render();
+              }
               if (c.delta && c.delta.content) {
                 if (tFirst === null) tFirst = performance.now();
                 msg.content += c.delta.content;
