@@ -83,8 +83,13 @@ class InProcessServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         parsed = build_parser().parse_args(["serve", "--port", str(self.port), *args])
+        self.grpc_port: int | None = parsed.grpc_port
         config = dataclasses.replace(server_config(parsed), engine_in_process=True)
         app = create_app(EngineConfig(**engine_kwargs(parsed)), config)
+        if parsed.grpc_port is not None:  # the gRPC API beside HTTP, as serve() adds it
+            from radixserve.api.grpc.service import GrpcConfig, add_grpc
+
+            add_grpc(app, GrpcConfig(parsed.grpc_port, "127.0.0.1", config.max_body_bytes, 5.0))
         limits = http_limits(parsed)
         self._server = uvicorn.Server(
             uvicorn.Config(

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.api.server_helpers import InProcessServer
+from tests.api.server_helpers import InProcessServer, free_port
 
 pytestmark = pytest.mark.slow  # starts a server
 
@@ -143,8 +143,9 @@ def thinker(tmp_path_factory):
 
     model = build_chain_model(tmp_path_factory.mktemp("thinker") / "m", "!think", THINKER)
     srv = InProcessServer(
-        "--model", str(model), "--dtype", "float32", "--reasoning-parser", "qwen3"
-    )
+        "--model", str(model), "--dtype", "float32", "--reasoning-parser", "qwen3",
+        "--grpc-port", str(free_port()),
+    )  # fmt: skip
     yield srv
     srv.stop()
 
@@ -183,3 +184,23 @@ def test_chat_counts_reasoning_tokens_exactly_with_a_one_token_end_marker(thinke
     assert (message.reasoning_content, message.content) == ("Weighing it.", "Yes.")
     # <think>, the thought, </think>: three of the four answer tokens (then EOS)
     assert out.usage.completion_tokens_details.reasoning_tokens == 3
+
+
+def test_grpc_chat_carries_the_thinking_apart(thinker):
+    import grpc
+
+    from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
+    from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{thinker.grpc_port}") as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="So? !think")])
+        params = pb.SamplingParams(max_tokens=20, temperature=0)
+        replies = list(stub.Generate(pb.GenerateRequest(chat=chat, sampling_params=params)))
+        reasoning = "".join(r.reasoning_text for r in replies)
+        text = "".join(r.text for r in replies)
+        assert (reasoning, text) == ("Weighing it.", "Yes.")
+        assert replies[-1].usage.reasoning_tokens == 3
+        # a text input is a raw completion: nothing is split
+        raw = list(stub.Generate(pb.GenerateRequest(text="So? !think", sampling_params=params)))
+        assert "".join(r.reasoning_text for r in raw) == ""

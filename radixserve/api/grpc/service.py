@@ -31,6 +31,7 @@ from radixserve.api.openai import converter as cv
 from radixserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving import reasoning as rp
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import DEFAULT_TAG, Routing, TenantTag
@@ -215,6 +216,28 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         params = cv.sampling_params(frontend, body, max_tokens, self.server.config)
         return cv.check_prompt(frontend, ids, max_tokens), params
 
+    @staticmethod
+    def _think(
+        d: Any,
+        parser: str,
+        thinkers: dict[int, rp.ReasoningStreamer],
+        thoughts: dict[int, str],
+        sample_ids: dict[int, list[int]],
+        out: pb.GenerateResponse,
+    ) -> Any:
+        """Delta ``d`` with its thinking moved to ``out.reasoning_text`` (its text: the
+        answer's part only)."""
+        thinker = thinkers.setdefault(d.index, rp.ReasoningStreamer(parser))
+        sample_ids.setdefault(d.index, []).extend(d.token_ids)
+        reasoning, text = thinker.feed(d.text)
+        if d.finished:
+            more_reasoning, more_text = thinker.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        out.reasoning_text += reasoning
+        thoughts[d.index] = thoughts.get(d.index, "") + reasoning
+        d.text = text  # (this request's own delta)
+        return d
+
     def _add(self, out: pb.GenerateResponse, d: Any, wants_logprobs: bool) -> None:
         """Append delta ``d`` (of ``out``'s sample) to ``out``."""
         out.token_ids.extend(d.token_ids)
@@ -257,6 +280,11 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             timer = RequestTimer(frontend.metrics, tag.label)
             wants_logprobs = params.logprobs is not None
             completion: dict[int, int] = {}
+            # chat input with a reasoning parser: the thinking apart, as Chat Completions
+            parser = self.server.config.reasoning_parser if input_name == "chat" else None
+            thinkers: dict[int, rp.ReasoningStreamer] = {}
+            thoughts: dict[int, str] = {}
+            sample_ids: dict[int, list[int]] = {}
             # one message per sample for everything that arrived while the last one was
             # being written: a stream that keeps up gets a message per engine step
             routing = Routing(tag, request.cache_salt or None, request.priority)
@@ -269,6 +297,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     out = outs.get(d.index)
                     if out is None:
                         out = outs[d.index] = pb.GenerateResponse(request_id=rid, index=d.index)
+                    if parser is not None:
+                        d = self._think(d, parser, thinkers, thoughts, sample_ids, out)
                     self._add(out, d, wants_logprobs)
                     completion[d.index] = completion.get(d.index, 0) + len(d.token_ids)
                     if d.finished:
@@ -277,6 +307,19 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                         out.usage.prompt_tokens = len(ids)
                         out.usage.completion_tokens = completion[d.index]
                         out.usage.cached_tokens = d.num_cached_tokens
+                        if parser is not None:
+                            thinker = thinkers.pop(d.index)
+                            reply = rp.ReasoningSplit(
+                                thoughts.pop(d.index, "") if thinker.thought else None,
+                                None,
+                                thinker.closed,
+                            )
+                            out.usage.reasoning_tokens = rp.reasoning_tokens(
+                                sample_ids.pop(d.index, []),
+                                reply,
+                                rp.end_token_id(frontend.tokenizer.backend_tokenizer),
+                                lambda t: frontend.tokenizer.encode(t, add_special_tokens=False),
+                            )
                 for out in outs.values():
                     yield out
             timer.finish(len(ids))
