@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+AUTO = "auto"  # --reasoning-parser auto: chosen from the chat template (detect)
 START, END = "<think>", "</think>"
 
 
@@ -169,3 +170,17 @@ def reasoning_tokens(
     if end_id is not None and end_id in token_ids:
         return token_ids.index(end_id) + 1
     return min(len(token_ids), len(encode(reply.reasoning + END)))
+
+
+def detect(chat_template: str | None) -> str | None:
+    """The reasoning parser a chat template implies, where that is unambiguous: Qwen3's
+    hybrid template (it reads ``enable_thinking``) is qwen3; a template that opens the
+    thinking in the generation prompt (``<think>`` after the assistant turn's start, as
+    DeepSeek-R1's distills do) is deepseek_r1; otherwise None (no thinking to split)."""
+    if not chat_template or START not in chat_template:
+        return None
+    if "enable_thinking" in chat_template:
+        return "qwen3"
+    if END in chat_template:
+        return "deepseek_r1"
+    return None

@@ -124,3 +124,38 @@ def test_a_call_cut_by_max_tokens_keeps_the_complete_ones(parser, text):
     content, calls = parse_tool_calls(text, _ctx(parser), truncated=True)
     assert content is None and _named(calls) == [NOW]
     assert parse_tool_calls(text, _ctx(parser)) == (text, [])  # not cut: not calls
+
+
+@pytest.mark.parametrize(
+    "template, parser",
+    [
+        ("... <tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>", "hermes"),
+        ("<tool_call>\\n<function=example_function_name>\\n<parameter=example_parameter_1>", "qwen3_coder"),
+        ("{{- '[TOOL_CALLS][' }}", "mistral"),
+        ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] }}", "deepseek_v3"),
+        ("[func_name1(params_name1=params_value1, params_name2=params_value2...)]", "pythonic"),
+        ('{"name": function name, "parameters": dictionary of argument name and its value}', "llama3_json"),
+        ("{{ messages }}", None),
+    ],
+)  # fmt: skip
+def test_auto_picks_the_format_the_template_teaches(template, parser):
+    from radixserve.api.openai.tool_parser import detect_tool_parser
+
+    assert detect_tool_parser(template) == parser
+
+
+def test_auto_is_resolved_once_from_the_model_template():
+    import types
+
+    from radixserve.api.openai.config import ServerConfig
+    from radixserve.api.openai.state import _resolve_auto
+
+    qwen3 = types.SimpleNamespace(
+        chat_template="{% if enable_thinking %}<think>\\n\\n</think>{% endif %}<tool_call>"
+    )
+    config = _resolve_auto(ServerConfig(reasoning_parser="auto", tool_call_parser="auto"), qwen3)
+    assert (config.reasoning_parser, config.tool_call_parser) == ("qwen3", "hermes")
+    plain = types.SimpleNamespace(chat_template={"default": "{{ messages }}"})
+    config = _resolve_auto(ServerConfig(reasoning_parser="auto", tool_call_parser="auto"), plain)
+    assert (config.reasoning_parser, config.tool_call_parser) == (None, "hermes")
+    assert _resolve_auto(ServerConfig(), plain) == ServerConfig()  # nothing auto: unchanged

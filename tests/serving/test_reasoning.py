@@ -73,3 +73,20 @@ def test_reasoning_tokens_count_to_the_end_marker():
     # no one-token marker: the reasoning text's own encoding, at most the reply
     assert reasoning_tokens([1, 2, 3, 4, 5], closed, None, lambda t: [0] * len(t)) == 5
     assert reasoning_tokens(list(range(20)), closed, None, lambda t: [0] * len(t)) == 11
+
+
+# the families' chat templates, reduced to the lines that tell them apart
+QWEN3_TEMPLATE = (
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+)
+R1_TEMPLATE = "{{'<｜Assistant｜>'}}{% if add_generation_prompt %}{{'<think>\\n'}}{% endif %}"
+R1_TEMPLATE += "{% set content = content.split('</think>')[-1] %}"
+
+
+def test_auto_picks_the_family_from_the_template():
+    from radixserve.serving.reasoning import detect
+
+    assert detect(QWEN3_TEMPLATE) == "qwen3"
+    assert detect(R1_TEMPLATE) == "deepseek_r1"
+    assert detect("{{ messages }}") is None and detect(None) is None

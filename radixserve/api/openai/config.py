@@ -39,17 +39,19 @@ class ServerConfig:
     max_stop: int = 16  # stop strings a request may give
     tool_call_parser: str = setting(
         "hermes",
-        choices=TOOL_CALL_PARSERS,
+        choices=(*TOOL_CALL_PARSERS, "auto"),
         help="how tool calls are read from chat output, in the model family's own format: "
         "hermes (<tool_call> JSON), llama3_json, mistral ([TOOL_CALLS]), qwen3_coder "
-        "(<function=...> XML), pythonic ([f(a=1)]), deepseek_v3",
+        "(<function=...> XML), pythonic ([f(a=1)]), deepseek_v3; auto: the one the chat "
+        "template shows (else hermes)",
     )
     reasoning_parser: str | None = setting(
         None,
-        choices=REASONING_PARSERS,
+        choices=(*REASONING_PARSERS, "auto"),
         help="split the thinking (<think> ... </think>) from the answer as this model family "
-        "writes it: Chat Completions' reasoning_content and reasoning_tokens (default: "
-        "off, the whole text is the answer)",
+        "writes it (reasoning_content, reasoning items, thinking blocks, reasoning_tokens); "
+        "auto: as the chat template shows, where unambiguous (default: off, the whole text "
+        "is the answer)",
     )
     data_parallel_size: int = 1  # engine processes behind this frontend (serving/dp_client)
     dp_policy: str = "cache-aware"

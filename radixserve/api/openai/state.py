@@ -5,6 +5,8 @@ modules (``completions``, ``chat``, ``responses``, ``embeddings``, ``native``, A
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 import orjson
@@ -19,6 +21,8 @@ from radixserve.api.tenants import load_keys_file, tenant_tag
 from radixserve.serving.frontend import EngineConfig, Frontend
 from radixserve.serving.tenancy import Routing, TenantTag
 
+log = logging.getLogger(__name__)
+
 _PROTECTED_PREFIXES = ("/v1/", "/debug/")  # (/v1/messages takes x-api-key too)
 _PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
 ADMIN_PREFIXES = ("/v1/engine/", "/debug/")
@@ -28,6 +32,25 @@ ADMIN_PATHS = frozenset({"/metrics"})
 STORED_PREFIX = "/v1/responses/"
 
 
+def _resolve_auto(config: ServerConfig, tokenizer: Any) -> ServerConfig:
+    """``auto`` parsers chosen from the model's chat template (logged); the config the
+    routes read holds the result."""
+    from radixserve.api.openai.tool_parser import detect_tool_parser
+    from radixserve.serving import reasoning
+
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one speaks for the model
+        template = template.get("default") or next(iter(template.values()), None)
+    changes: dict[str, Any] = {}
+    if config.reasoning_parser == reasoning.AUTO:
+        changes["reasoning_parser"] = reasoning.detect(template)
+        log.info("--reasoning-parser auto: %s", changes["reasoning_parser"] or "off")
+    if config.tool_call_parser == "auto":
+        changes["tool_call_parser"] = detect_tool_parser(template) or "hermes"
+        log.info("--tool-call-parser auto: %s", changes["tool_call_parser"])
+    return dataclasses.replace(config, **changes) if changes else config
+
+
 class OpenAIServer:
     """The OpenAI API of one server process over its ``Frontend``. Invariants: bad input is
     answered 400 before anything reaches the engine; every request sent to the engine is
@@ -35,9 +58,9 @@ class OpenAIServer:
     frames preformatted."""
 
     def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
-        self.config = config
         file_entries = () if config.api_keys_file is None else load_keys_file(config.api_keys_file)
         self.frontend = Frontend(engine_config, config.serving())
+        self.config = config = _resolve_auto(config, self.frontend.tokenizer)
         self.keys = auth.ApiKeys(config.api_keys, file_entries)
         self.admin_keys = auth.ApiKeys(config.admin_api_keys)
         self.policy = auth.AccessPolicy(

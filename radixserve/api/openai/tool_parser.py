@@ -128,6 +128,25 @@ def tool_context(body: Any, parser: str) -> ToolContext:
     return ctx
 
 
+def detect_tool_parser(chat_template: str | None) -> str | None:
+    """The tool-call format a chat template teaches its model (``--tool-call-parser
+    auto``), or None when it shows none of the known ones."""
+    t = chat_template or ""
+    if "<function=" in t and "<parameter=" in t:
+        return "qwen3_coder"
+    if _HERMES_START in t:
+        return "hermes"
+    if _MISTRAL_START in t:
+        return "mistral"
+    if "tool▁calls▁begin" in t:
+        return "deepseek_v3"
+    if "func_name1(" in t or _PYTHONIC_START in t:  # Llama 3.2 / 4's pythonic prompt
+        return "pythonic"
+    if _LLAMA_START in t or '"parameters"' in t:
+        return "llama3_json"
+    return None
+
+
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {
