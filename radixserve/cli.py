@@ -31,6 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 SERVER_FLAG_GROUPS = {
     None: "server",
     "limits": "per-request limits (a 400 naming the limit)",
+    "dp": "data parallel",
     "reliability": "reliability",
 }
 

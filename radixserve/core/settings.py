@@ -39,6 +39,7 @@ class Flag:
     off: str | None = None
     negatable: bool = False  # a bool defaulting to True: --x / --no-x
     repeat: bool = False  # a tuple field: the flag is given once per item
+    required: bool = False  # the command refuses to run without it
 
 
 def setting(
@@ -118,7 +119,14 @@ def add_flags(
                 g.add_argument(*names, action="store_true", default=default, **common)
             continue
         if fl.repeat:
-            g.add_argument(*names, action="append", default=[], metavar=fl.metavar, **common)
+            g.add_argument(
+                *names,
+                action="append",
+                default=[],
+                metavar=fl.metavar,
+                required=fl.required,
+                **common,
+            )
             continue
         parse = fl.parse or (kind if kind in (int, float, str) else None)
         if parse is None:
@@ -132,6 +140,7 @@ def add_flags(
             default=default,
             choices=list(fl.choices) if fl.choices is not None else None,
             metavar=metavar,
+            required=fl.required,
             **common,
         )
 

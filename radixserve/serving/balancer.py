@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from radixserve.core.settings import setting
 from radixserve.serving.prefix_tree import PrefixTree
 
 POLICIES = ("cache-aware", "round-robin", "least-load")
@@ -25,10 +26,18 @@ class BalanceConfig:
     over ``balance_rel_threshold``, to the least loaded. ``max_tree_size``: characters kept
     per worker's tree."""
 
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    max_tree_size: int = 1 << 22
+    cache_threshold: float = setting(
+        0.3, help="cache-aware: route by prefix when more than this fraction of the prompt matches"
+    )
+    balance_abs_threshold: int = setting(
+        64, help="cache-aware: load is unbalanced when busiest - idlest exceeds this (requests)"
+    )
+    balance_rel_threshold: float = setting(
+        1.5, help="cache-aware: ... and busiest exceeds idlest times this"
+    )
+    max_tree_size: int = setting(
+        1 << 22, help="cache-aware: characters (or tokens) remembered per worker"
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:

@@ -47,6 +47,10 @@ class ServingConfig:
     engine_in_process: bool = False
 
     def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(
+                f"--data-parallel-size must be at least 1, got {self.data_parallel_size}"
+            )
         if self.engine_in_process and self.data_parallel_size != 1:
             raise ValueError("an in-process engine serves alone (data_parallel_size 1)")
 

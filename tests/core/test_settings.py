@@ -88,7 +88,9 @@ def test_serve_takes_every_engine_and_server_setting_with_its_default():
     assert dataclasses.replace(server_config(args), dp_balance=None) == ServerConfig()
     assert http_limits(args) == HttpLimits()
     serve_help = parser.parse_args(["serve"])  # every flag reached the serve command
-    for config in (EngineConfig, ServerConfig, SupervisorConfig, HttpLimits):
+    from radixserve.serving.balancer import BalanceConfig
+
+    for config in (EngineConfig, ServerConfig, SupervisorConfig, HttpLimits, BalanceConfig):
         for f, fl in flag_fields(config):
             assert hasattr(serve_help, f.name), flag_name(f, fl)
     generate = parser.parse_args(["generate", "hi"])

@@ -216,22 +216,28 @@ def test_routing_keys():
 
 
 def test_cli_flags():
-    from radixserve.api.router.cli import dp_kwargs
-    from radixserve.cli import build_parser
+    from radixserve.api.router.cli import balance_config
+    from radixserve.api.router.server import RouterConfig
+    from radixserve.cli import build_parser, server_config
+    from radixserve.core.settings import from_args
 
     args = build_parser().parse_args(["serve", "-dp", "2", "--dp-policy", "round-robin"])
-    kw = dp_kwargs(args)
-    assert kw["data_parallel_size"] == 2 and kw["dp_policy"] == "round-robin"
-    assert kw["dp_balance"] == BalanceConfig()
+    config = server_config(args)
+    assert config.data_parallel_size == 2 and config.dp_policy == "round-robin"
+    assert config.dp_balance == BalanceConfig()
     with pytest.raises(ValueError):
-        dp_kwargs(build_parser().parse_args(["serve", "--data-parallel-size", "0"]))
+        server_config(build_parser().parse_args(["serve", "--data-parallel-size", "0"]))
     r = build_parser().parse_args(
         ["router", "--worker", "http://127.0.0.1:1", "--worker", "http://127.0.0.1:2"]
     )
-    assert r.worker == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    assert (r.policy, r.host, r.port) == ("cache-aware", "127.0.0.1", 8080)
+    routed = RouterConfig(**from_args(r, RouterConfig), balance=balance_config(r))
+    assert routed.workers == ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    assert (routed.policy, r.host, r.port) == ("cache-aware", "127.0.0.1", 8080)
+    assert routed == RouterConfig(workers=routed.workers)  # the flags' defaults are the fields'
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--worker", "http://a:1", "--policy", "random"])
+    with pytest.raises(SystemExit):  # --worker is required
+        build_parser().parse_args(["router"])
 
 
 @pytest.mark.parametrize(

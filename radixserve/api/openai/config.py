@@ -9,6 +9,7 @@ from typing import Any
 from radixserve.api.openai.response_store import DEFAULT_MAX_RESPONSES
 from radixserve.api.openai.tool_parser import TOOL_CALL_PARSERS
 from radixserve.core.settings import setting, zero_is_none
+from radixserve.serving.balancer import POLICIES as BALANCE_POLICIES
 from radixserve.serving.frontend import ServingConfig
 from radixserve.serving.reasoning import REASONING_PARSERS
 from radixserve.serving.supervisor import SupervisorConfig
@@ -53,9 +54,19 @@ class ServerConfig:
         "auto: as the chat template shows, where unambiguous (default: off, the whole text "
         "is the answer)",
     )
-    data_parallel_size: int = 1  # engine processes behind this frontend (serving/dp_client)
-    dp_policy: str = "cache-aware"
-    dp_balance: Any = None  # serving.balancer.BalanceConfig (None: its defaults)
+    data_parallel_size: int = setting(
+        1,
+        aliases=("-dp",),
+        group="dp",
+        help="engine processes (replicas, each with its own KV cache) behind this frontend",
+    )
+    dp_policy: str = setting(
+        "cache-aware",
+        choices=BALANCE_POLICIES,
+        group="dp",
+        help="how requests are spread over the engines",
+    )
+    dp_balance: Any = None  # serving.balancer.BalanceConfig (None: its defaults): its flags
     supervision: SupervisorConfig = field(default_factory=SupervisorConfig)  # watchdog, restarts
     engine_in_process: bool = False  # the engine on a thread of the server (tests)
     enable_debug_endpoints: bool = setting(
@@ -119,6 +130,9 @@ class ServerConfig:
         "[subtenants=true]' a line, each naming its tenant (docs/many-users.md); "
         "re-read on SIGHUP",
     )
+
+    def __post_init__(self) -> None:
+        self.serving()  # its checks (the data-parallel size) hold here too
 
     def serving(self) -> ServingConfig:
         """The transport-independent part, for the serving frontend."""

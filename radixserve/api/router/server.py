@@ -31,7 +31,9 @@ from radixserve.api.asgi import (
     json_response,
 )
 from radixserve.core.request import PREFIX_CACHE_SCOPES
+from radixserve.core.settings import setting
 from radixserve.serving.balancer import (
+    POLICIES,
     BalanceConfig,
     Balancer,
     Decision,
@@ -74,17 +76,38 @@ _WHOLE_ANSWER_GRACE_S = 2.0
 
 @dataclass(frozen=True)
 class RouterConfig:
-    workers: tuple[str, ...]
-    policy: str = "cache-aware"
-    balance: BalanceConfig = field(default_factory=BalanceConfig)
-    health_check_interval_s: float = 5.0
-    health_check_timeout_s: float = 5.0
-    health_failure_threshold: int = 2  # consecutive failed checks before a worker is out
-    max_body_bytes: int = 8 * 2**20
+    """``radixserve router``'s settings, each a flag (``core.settings``)."""
+
+    workers: tuple[str, ...] = setting(
+        (),
+        name="--worker",
+        repeat=True,
+        required=True,
+        metavar="URL",
+        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeatable)",
+    )
+    policy: str = setting("cache-aware", choices=POLICIES)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)  # its own flags
+    health_check_interval_s: float = setting(5.0, name="--health-check-interval", help="seconds")
+    health_check_timeout_s: float = setting(5.0, name="--health-check-timeout", help="seconds")
+    health_failure_threshold: int = setting(
+        2, help="consecutive failed checks before a worker is taken out"
+    )
+    max_body_bytes: int = setting(
+        8 * 2**20,
+        name="--max-body-mb",
+        parse=lambda text: int(float(text) * 2**20),
+        help="request body size limit (MiB; 8)",
+    )
     connect_timeout_s: float = 5.0
-    # as the replicas' --prefix-cache-scope: tenant = a prompt is matched only against the
-    # prompts sent with the same credentials (the replicas cache per tenant); global = all
-    prefix_cache_scope: str = "tenant"
+    # tenant = a prompt is matched only against the prompts sent with the same credentials
+    # (the replicas cache per tenant); global = all
+    prefix_cache_scope: str = setting(
+        "tenant",
+        choices=PREFIX_CACHE_SCOPES,
+        help="as the workers' flag: tenant = a prompt is matched against the prompts sent "
+        "with the same key (and X-Tenant) only; global = against all",
+    )
 
     def __post_init__(self) -> None:
         if not self.workers:
