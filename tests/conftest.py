@@ -160,6 +160,25 @@ def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
+def pytest_configure(config):
+    from tests import helpers
+
+    helpers.FAST_LOOP = (config.option.markexpr or "").strip() == "not slow"
+
+
+# fixtures that load the real SmolLM2 GGUF file (~100 MB): the full run's, not the fast loop's
+_REAL_MODEL_FIXTURES = {"smollm2_path", "smollm2_llm"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks added here
+def pytest_collection_modifyitems(config, items):
+    """A test that loads the real SmolLM2 file is ``slow``: ``-m "not slow"`` (the fast
+    loop) stays on the tiny random models; the full run (CI's) has every one."""
+    for item in items:
+        if _REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from radixserve.engine.model_source import default_model_path

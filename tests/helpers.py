@@ -6,6 +6,16 @@ import torch
 
 from radixserve import LLM, SamplingParams
 
+# True under the fast loop (pytest -m "not slow"; set by conftest.py): the property tests'
+# state machines run a third of their examples there, all of them in the full run
+FAST_LOOP = False
+
+
+def examples(n: int) -> int:
+    """How many examples a property test runs: ``n``, or a third in the fast loop."""
+    return max(10, n // 3) if FAST_LOOP else n
+
+
 _HF_OUTPUTS: dict[tuple, list[int]] = {}  # (model, gguf file, max new tokens, prompt)
 _HF_MODEL: dict[tuple, object] = {}  # the last model loaded (tests ask for one many times)
 

@@ -22,6 +22,7 @@ def _module():
     return module
 
 
+@pytest.mark.slow  # reads the real SmolLM2 file for its tokenizer
 def test_tiny_stand_in_loads_and_generates(tmp_path):
     gguf = pytest.importorskip("gguf")
     synthetic = _module()

@@ -66,6 +66,7 @@ def test_bad_arguments_are_one_line_errors(args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # runs the CLI in a subprocess
 def test_unknown_dtype_is_rejected_by_the_parser():
     result = _run("generate", "hi", "--dtype", "float16")
     assert result.returncode == 2 and "invalid choice" in result.stderr

@@ -144,7 +144,7 @@ async def _slow_body_worker(hang: bool) -> tuple[asyncio.AbstractServer, str, as
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", sent
 
 
-@pytest.mark.parametrize("hang", [False, True])
+@pytest.mark.parametrize("hang", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_whole_answer_on_its_way_survives_its_worker_being_taken_out(hang) -> None:
     """A non-streamed answer whose head has come when the health check takes its worker
     out was complete at the worker: its body is let through (the soak saw such a request

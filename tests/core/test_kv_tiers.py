@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from radixserve.core.kv_tiers import TIER_HOST, TIER_POOL, TierSlots, page_prefix_hashes
 from radixserve.core.page_pool import OutOfPages, PagePool
 from radixserve.core.radix_cache import RadixCache
+from tests.helpers import examples
 
 token_lists = st.lists(st.integers(0, 3), min_size=1, max_size=24)
 
@@ -208,7 +209,7 @@ class TierMachine(RuleBasedStateMachine):
 
 
 TestTiers = TierMachine.TestCase
-TestTiers.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestTiers.settings = settings(max_examples=examples(150), stateful_step_count=50, deadline=None)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.core.page_pool import OutOfPages, PagePool
+from tests.helpers import examples
 
 NUM_PAGES = 24
 
@@ -62,7 +63,7 @@ class PagePoolMachine(RuleBasedStateMachine):
 
 
 TestPagePool = PagePoolMachine.TestCase
-TestPagePool.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestPagePool.settings = settings(max_examples=examples(60), stateful_step_count=40, deadline=None)
 
 
 def test_double_free_detected():

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from radixserve.core.page_pool import PagePool
 from radixserve.core.radix_cache import RadixCache, common_prefix_length
+from tests.helpers import examples
 
 NUM_PAGES = 400
 # Small alphabet and short sequences: many shared prefixes, splits and divergences mid-page.
@@ -114,7 +115,9 @@ class RadixMachine(RuleBasedStateMachine):
 
 
 TestRadixCache = RadixMachine.TestCase
-TestRadixCache.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestRadixCache.settings = settings(
+    max_examples=examples(150), stateful_step_count=50, deadline=None
+)
 
 
 def test_common_prefix_length():

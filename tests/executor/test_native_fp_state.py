@@ -22,6 +22,7 @@ print(" ".join(loaded))
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_native_libraries_leave_denormals_alone():
     if native.load_elementwise() is None:
         pytest.skip("native kernels unavailable here")

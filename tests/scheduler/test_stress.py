@@ -22,20 +22,20 @@ from radixserve.scheduler.scheduler import Scheduler, SchedulerConfig
 NUM_REQUESTS = 5000
 
 
-# the fast loop runs two of the six (each policy's code is shared by both loops; the
-# full run, CI's, all six)
+# the fast loop runs one of the six (priority, overlapped: the most moving parts); the full
+# run, CI's, all six
 _SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
     "policy, overlap",
     [
-        ("fcfs", True),
-        ("priority", False),
+        ("priority", True),
+        pytest.param("priority", False, marks=_SLOW),
+        pytest.param("fcfs", True, marks=_SLOW),
         pytest.param("fcfs", False, marks=_SLOW),
         pytest.param("lpm", False, marks=_SLOW),
         pytest.param("lpm", True, marks=_SLOW),
-        pytest.param("priority", True, marks=_SLOW),
     ],
     ids=lambda v: {True: "overlap", False: "serial"}.get(v, v) if isinstance(v, bool) else v,
 )
