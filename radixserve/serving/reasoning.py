@@ -78,6 +78,11 @@ class ReasoningStreamer:
         self.thought = self._state == "think"  # whether any reasoning was opened
         self.closed = False  # whether the thinking ended (its end marker came)
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the thinking now (opened, not closed)."""
+        return self._state == "think"
+
     def feed(self, text: str) -> tuple[str, str]:
         held = self._held + text
         self._held = ""
@@ -184,3 +189,52 @@ def detect(chat_template: str | None) -> str | None:
     if END in chat_template:
         return "deepseek_r1"
     return None
+
+
+async def run_with_thinking_budget(
+    frontend: Any, ids: list[int], params: Any, routing: Any, parser: str, budget: int
+) -> Any:
+    """The deltas of one sample whose thinking may take at most ``budget`` tokens (the
+    Messages API's ``thinking.budget_tokens``): past it, the generation is stopped, the end
+    marker (``</think>\\n\\n``) is appended as if the model had written it, and a second
+    request continues from there (the prompt plus everything so far: its KV is found in
+    the radix cache) for the tokens ``max_tokens`` leaves. A reply that ends its thinking
+    in time is the one request, untouched. Yields ``(0, delta)`` as ``Frontend.run``."""
+    import dataclasses
+
+    from radixserve.serving.protocol import Delta
+
+    watch = ReasoningStreamer(parser)
+    thinking_tokens = 0
+    produced: list[int] = []
+    stream = frontend.run([ids], params, routing)
+    cut = False
+    try:
+        async for _, d in stream:
+            was_thinking = not watch.closed  # (or not yet known)
+            watch.feed(d.text)
+            produced.extend(d.token_ids)
+            if was_thinking and watch.thought:
+                thinking_tokens += len(d.token_ids)
+            if not d.finished and watch.thinking and thinking_tokens >= budget:
+                cut = True
+                yield 0, d  # the last thinking it did
+                break
+            yield 0, d
+            if d.finished:
+                return
+    finally:
+        await stream.aclose()  # (cut: aborts the request in the engine)
+    if not cut:
+        return
+    marker = END  # the model writes its own separator after it, as it would have
+    end_ids = await frontend.encode(marker, add_special_tokens=False)
+    left = params.max_tokens - len(produced) - len(end_ids)
+    rid = d.request_id
+    yield 0, Delta(rid, 0, end_ids, marker, False, None, None, len(ids), 0)
+    if left < 1:  # nothing left for the answer: ended at the length limit
+        yield 0, Delta(rid, 0, [], "", True, "length", None, len(ids), 0)
+        return
+    rest = dataclasses.replace(params, max_tokens=left)
+    async for _, d2 in frontend.run([ids + produced + end_ids], rest, routing):
+        yield 0, d2

@@ -204,3 +204,39 @@ def test_grpc_chat_carries_the_thinking_apart(thinker):
         # a text input is a raw completion: nothing is split
         raw = list(stub.Generate(pb.GenerateRequest(text="So? !think", sampling_params=params)))
         assert "".join(r.reasoning_text for r in raw) == ""
+
+
+def test_messages_thinking_budget_caps_the_thinking(thinker):
+    """budget_tokens 1: the thinking stops after its first token, the end marker is put in
+    its place, and the answer follows (the chain model answers "</think>" with "Yes.");
+    the same streamed. Without a budget the thinking is the model's own."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=thinker.url, api_key="unused", max_retries=0)
+    model = httpx.get(thinker.url + "/v1/models").json()["data"][0]["id"]
+    ask = {
+        "model": model,
+        "max_tokens": 20,
+        "messages": [{"role": "user", "content": "Is it so? !think"}],
+        "thinking": {"type": "enabled", "budget_tokens": 1},
+    }
+
+    def blocks(message):
+        return [
+            (b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+            for b in message.content
+        ]
+
+    capped = client.messages.create(**ask)
+    assert blocks(capped) == [("thinking", None), ("text", "Yes.")]  # (an empty thought)
+    with client.messages.stream(**ask) as stream:
+        assert blocks(stream.get_final_message()) == blocks(capped)
+    roomy = client.messages.create(**{**ask, "thinking": {"type": "enabled", "budget_tokens": 8}})
+    assert blocks(roomy) == [("thinking", "Weighing it."), ("text", "Yes.")]
+    for thinking, _param in [
+        ({"type": "enabled", "budget_tokens": 20}, "thinking.budget_tokens"),  # not < max_tokens
+        ({"type": "enabled"}, "thinking.budget_tokens"),
+        ({"type": "sometimes"}, "thinking"),
+    ]:
+        r = httpx.post(thinker.url + "/v1/messages", json={**ask, "thinking": thinking})
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text

@@ -49,7 +49,7 @@ from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import Routing
 
 # fields Anthropic's API has that this server does not implement: a 400 naming them
-_REFUSED = ("thinking", "container", "mcp_servers", "context_management")
+_REFUSED = ("container", "mcp_servers", "context_management")
 
 
 # -- request conversion -------------------------------------------------------------------
@@ -149,8 +149,43 @@ def tools_of(body: Any, parser: str) -> ToolContext:
     return tool_context(request, parser)
 
 
-async def _prompt(server: OpenAIServer, body: Any, tools: ToolContext) -> list[int]:
-    template = {"tools": tools.tools} if tools.active else {}
+def _thinking(server: OpenAIServer, body: Any) -> tuple[bool | None, int | None]:
+    """(whether to think: None = as the model does; the thinking budget in tokens) from the
+    request's ``thinking``; a 400 naming the field when it cannot be honoured."""
+    spec = getattr(body, "thinking", None)
+    if spec is None:
+        return None, None
+    if server.config.reasoning_parser is None:
+        raise APIError(
+            400,
+            "thinking needs a reasoning model: start the server with --reasoning-parser",
+            param="thinking",
+        )
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "disabled" and set(spec) == {"type"}:
+        return False, None
+    if kind != "enabled" or set(spec) - {"type", "budget_tokens"}:
+        raise APIError(
+            400,
+            'thinking must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}',
+            param="thinking",
+        )
+    budget = spec.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget < body.max_tokens:
+        raise APIError(
+            400,
+            "thinking.budget_tokens must be an integer from 1 to below max_tokens",
+            param="thinking.budget_tokens",
+        )
+    return True, budget
+
+
+async def _prompt(
+    server: OpenAIServer, body: Any, tools: ToolContext, think: bool | None = None
+) -> list[int]:
+    template: dict[str, Any] = {"tools": tools.tools} if tools.active else {}
+    if think is not None:  # Qwen3's hybrid templates read it; others ignore it
+        template["enable_thinking"] = think
     try:
         return await server.frontend.chat_ids(chat_messages(body), True, False, template)
     except InputError as exc:
@@ -193,6 +228,20 @@ def _usage(prompt_len: int, cached: int, output_tokens: int) -> dict[str, int]:
     }
 
 
+def _budgeted(server: OpenAIServer, budget: int | None) -> Any:
+    """A ``Frontend.run`` whose thinking stops at ``budget`` tokens (None: no budget)."""
+    parser = server.config.reasoning_parser
+    if budget is None or parser is None:
+        return None
+
+    def run(prompts: list[list[int]], params: SamplingParams, routing: Routing) -> Any:
+        return rp.run_with_thinking_budget(
+            server.frontend, prompts[0], params, routing, parser, budget
+        )
+
+    return run
+
+
 def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
@@ -207,7 +256,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         _reject_refused(body)
         server.check_model(body.model)
         tools = tools_of(body, server.config.tool_call_parser)
-        ids = await _prompt(server, body, tools)
+        think, budget = _thinking(server, body)
+        ids = await _prompt(server, body, tools, think)
         params = cv.checked_sampling_params(
             frontend,
             {"stop": "stop_sequences"},
@@ -224,8 +274,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             params = dataclasses.replace(params, structured_output=spec)
         message_id = f"msg_{uuid.uuid4().hex}"
         if body.stream:
-            return StreamResponse(_stream(server, message_id, ids, params, routing, tools))
-        return await _whole(server, message_id, ids, params, routing, tools)
+            return StreamResponse(_stream(server, message_id, ids, params, routing, tools, budget))
+        return await _whole(server, message_id, ids, params, routing, tools, budget)
 
     @app.route("POST", PREFIX + "/count_tokens", body_schema=body_schema(CountTokensRequest))
     async def count_tokens(request: HTTPRequest) -> Response:
@@ -243,8 +293,9 @@ async def _whole(
     params: SamplingParams,
     routing: Routing,
     tools: Any,
+    budget: int | None = None,
 ) -> Response:
-    done = await collect(server, [ids], params, routing)
+    done = await collect(server, [ids], params, routing, _budgeted(server, budget))
     out = done.outputs[0]
     calls: list[dict[str, Any]] = []
     content: list[dict[str, Any]] = []
@@ -282,6 +333,7 @@ async def _stream(
     params: SamplingParams,
     routing: Routing,
     tools: Any,
+    budget: int | None = None,
 ) -> AsyncIterator[bytes]:
     """Anthropic's event sequence: message_start, ping, then per content block
     content_block_start / deltas / content_block_stop (the thinking first, with
@@ -306,6 +358,7 @@ async def _stream(
     parser = server.config.reasoning_parser
     thinker = rp.ReasoningStreamer(parser) if parser is not None else None
     thinking_open = False
+    thought_shown = False  # a thinking block was opened
     index = 0  # of the content block being written
     text_open = False
     reason: str | None = None
@@ -313,7 +366,8 @@ async def _stream(
     cached = 0
 
     def think(piece: str) -> bytes:
-        nonlocal thinking_open
+        nonlocal thinking_open, thought_shown
+        thought_shown = True
         frames = b""
         if not thinking_open:
             thinking_open = True
@@ -347,7 +401,10 @@ async def _stream(
 
     def text_delta(text: str) -> bytes:
         nonlocal text_open
-        frames = thinking_done()
+        frames = b""
+        if thinker is not None and thinker.thought and not thought_shown:
+            frames += think("")  # an empty thought still has its block (as whole)
+        frames += thinking_done()
         if not text_open:
             text_open = True
             block = {"type": "text", "text": ""}
@@ -361,7 +418,8 @@ async def _stream(
         )
 
     try:
-        async for _, d in frontend.run([ids], params, routing):
+        run = _budgeted(server, budget) or frontend.run
+        async for _, d in run([ids], params, routing):
             timer.delta(0, d)
             text = d.text
             if thinker is not None:
@@ -384,6 +442,8 @@ async def _stream(
             yield think(reasoning)
         if text and (frames := answer(text)):
             yield frames
+        if thinker.thought and not thought_shown:
+            yield think("")
         yield thinking_done()
     calls: list[dict[str, Any]] = []
     if streamer is not None:

@@ -49,6 +49,9 @@ class MessagesRequest(_Body):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None  # user_id: accepted, changes nothing
+    # {"type": "enabled", "budget_tokens": N} | {"type": "disabled"}: needs a reasoning
+    # parser (the thinking comes back as thinking blocks); the budget caps its tokens
+    thinking: dict[str, Any] | None = None
 
 
 class CountTokensRequest(_Body):

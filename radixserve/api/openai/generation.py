@@ -83,12 +83,14 @@ async def collect(
     prompts: list[list[int]],
     params: SamplingParams,
     routing: Routing,
+    run: Any = None,
 ) -> Collected:
-    """Run the request to its end; a sample that failed in the engine is a 500."""
+    """Run the request to its end; a sample that failed in the engine is a 500. ``run``:
+    what yields the (prompt index, delta) pairs (None: ``Frontend.run``)."""
     frontend, n = server.frontend, params.n
     started = time.monotonic()
     try:
-        items = [x async for x in frontend.run(prompts, params, routing)]
+        items = [x async for x in (run or frontend.run)(prompts, params, routing)]
     except (RequestRejected, EngineDead) as exc:
         raise engine_error(exc) from None
     outs: dict[int, SampleOutput] = {}

@@ -516,7 +516,10 @@ async def _stream(
     def delta(piece: str) -> bytes:
         nonlocal text
         text += piece
-        frames = thinking_done() + (b"" if opened else open_message())
+        frames = b""
+        if thinker is not None and thinker.thought and thinking_state == "none":
+            frames += think("")  # an empty thought still has its item (as whole)
+        frames += thinking_done() + (b"" if opened else open_message())
         return frames + event(
             "response.output_text.delta",
             item_id=message_id,
@@ -560,6 +563,8 @@ async def _stream(
             yield think(reasoning)
         if piece and (frames := answer(piece)):
             yield frames
+        if thinker.thought and thinking_state == "none":
+            yield think("")
         yield thinking_done()
         if thinker.thought:
             reply = rp.ReasoningSplit(thought, None, thinker.closed)
