@@ -9,6 +9,9 @@ from typing import Any
 
 # structured_output kinds (vLLM's ``structured_outputs`` names) and the type of their value
 STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "grammar", "choice")
+# structured_output's optional "reasoning": whose thinking the grammar lets pass first
+# (serving/reasoning.py's parsers)
+REASONING_FORMATS = ("deepseek_r1", "qwen3")
 
 
 def _require(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -140,13 +143,27 @@ class SamplingParams:
             if isinstance(so, dict)
             else []
         )
+        after = so.get("reasoning") if isinstance(so, dict) else None
         _require(
-            isinstance(so, dict) and len(given) == 1 and len(so) == 1,
+            isinstance(so, dict) and len(given) == 1 and len(so) == 1 + ("reasoning" in so),
             name,
-            f"a dict with exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}",
+            f"a dict with exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} (and "
+            "optionally reasoning)",
             so,
         )
-        kind = given[0]
+        _require(
+            after is None or after in REASONING_FORMATS,
+            f"{name}.reasoning",
+            f"one of {', '.join(REASONING_FORMATS)}",
+            after,
+        )
+        key = self._spec_key(so, given[0], name)
+        # with "reasoning": the grammar starts after that family's thinking (its own kind
+        # in the compile cache: "json@qwen3")
+        return (f"{key[0]}@{after}", key[1]) if after else key
+
+    @staticmethod
+    def _spec_key(so: dict, kind: str, name: str) -> tuple[str, str]:
         value = so[kind]
         if kind == "json":
             if isinstance(value, str):

@@ -49,6 +49,9 @@ def parse_grammar(key: tuple[str, str]) -> Any:
     token masks, the expensive part)."""
     xgr = _xgr()
     kind, text = key
+    kind, _, after = kind.partition("@")
+    if after:  # the thinking first, then the answer's grammar
+        return xgr.Grammar.concat(_thinking_grammar(after), parse_grammar((kind, text)))
     try:
         if kind == "json":
             return xgr.Grammar.from_json_schema(text, any_whitespace=False)
@@ -67,6 +70,35 @@ def parse_grammar(key: tuple[str, str]) -> Any:
             f"structured_output.{kind}: invalid {_KIND_NAMES[kind]}: {_strip_location(detail)}"
         ) from None
     raise GrammarCompileError(f"structured_output: unknown kind {kind!r}")
+
+
+_THINK_END = "</think>"
+
+
+def _thinking_grammar(family: str) -> Any:
+    """What may come before the answer's grammar (``structured_output.reasoning``): the
+    family's thinking block, any text without its end marker, then the marker and the
+    whitespace after it. The text is the exact language "no ``</think>`` in it", written
+    as the automaton that looks for the marker (state k: its first k characters just
+    seen). qwen3: the block is optional (no thinking: the answer at once); deepseek_r1:
+    the reply starts inside the thinking (a leading ``<think>`` allowed) and must close it.
+    """
+    xgr = _xgr()
+    marker = _THINK_END
+    rules = []
+    for k in range(len(marker)):
+        alts = ['""', f"[^<{marker[k] if k else ''}] s0", '"<" s1']
+        if 0 < k < len(marker) - 1:
+            alts.append(f'"{marker[k]}" s{k + 1}')
+        rules.append(f"s{k} ::= " + " | ".join(alts))
+    block = f'"{marker}" [ \\t\\r\\n]*'
+    if family == "qwen3":
+        root = f'root ::= ("<think>" s0 {block})?'
+    elif family == "deepseek_r1":
+        root = f'root ::= "<think>"? s0 {block}'
+    else:
+        raise GrammarCompileError(f"structured_output.reasoning: unknown family {family!r}")
+    return xgr.Grammar.from_ebnf("\n".join([root, *rules]))
 
 
 class GrammarService:

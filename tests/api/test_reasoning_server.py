@@ -1,7 +1,10 @@
-"""``--reasoning-parser`` through a live server and the official openai client: the
-thinking comes back as ``reasoning_content`` (whole and streamed, the same), never as
-content, and counts in ``usage.completion_tokens_details.reasoning_tokens``. A tiny
-random model cannot think, so a regex grammar makes it write the family's markers."""
+"""``--reasoning-parser`` through a live server and the official clients: the thinking
+comes back apart from the answer (Chat's ``reasoning_content``, Responses' reasoning item,
+Messages' thinking block, gRPC's ``reasoning_text``), whole and streamed the same, never as
+content, counted in the usage's reasoning tokens; a grammar starts after the thinking.
+Tiny random models do not think, so a chain model answers "!think" with exactly a
+thinking block and "Yes." (as added tokens), and a random model under DeepSeek-R1's
+parser (whose replies start inside the thinking) shows a reply cut off while thinking."""
 
 from __future__ import annotations
 
@@ -11,67 +14,7 @@ import pytest
 
 from tests.api.server_helpers import InProcessServer, free_port
 
-pytestmark = pytest.mark.slow  # starts a server
-
-THINK_THEN_ANSWER = (
-    r"<think>\n[a-z]{4,12}( [a-z]{2,8}){1,3}\n</think>\n\n[a-z]{3,9}( [a-z]{2,6}){0,2}"
-)
-
-
-@pytest.fixture(scope="module")
-def client(tiny_llama):
-    srv = InProcessServer(
-        "--model", str(tiny_llama), "--dtype", "float32", "--reasoning-parser", "qwen3"
-    )  # fmt: skip
-    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    srv.stop()
-
-
-def _ask(client, regex: str, max_tokens: int = 80, **kw):
-    return client.chat.completions.create(
-        model=client.models.list().data[0].id,
-        messages=[{"role": "user", "content": "Think, then answer."}],
-        max_tokens=max_tokens,
-        temperature=0,
-        extra_body={"structured_outputs": {"regex": regex}},
-        **kw,
-    )
-
-
-def test_thinking_is_reasoning_content_whole_and_streamed(client):
-    whole = _ask(client, THINK_THEN_ANSWER)
-    message = whole.choices[0].message
-    reasoning, content = message.reasoning_content, message.content
-    assert reasoning and content and "<think>" not in content and "</think>" not in content
-    assert "think" not in reasoning.replace("\n", " ").split()  # no marker left in it
-    details = whole.usage.completion_tokens_details
-    assert 0 < details.reasoning_tokens < whole.usage.completion_tokens
-
-    chunks = list(
-        _ask(client, THINK_THEN_ANSWER, stream=True, stream_options={"include_usage": True})
-    )
-    streamed_reasoning = "".join(
-        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
-    )
-    streamed_content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert (streamed_reasoning, streamed_content) == (reasoning, content)
-    last = chunks[-1].usage
-    assert last.completion_tokens_details.reasoning_tokens == details.reasoning_tokens
-
-
-def test_a_reply_cut_inside_the_thinking_has_no_content(client):
-    out = _ask(client, THINK_THEN_ANSWER, max_tokens=10)
-    message = out.choices[0].message
-    assert out.choices[0].finish_reason == "length"
-    assert message.content is None and message.reasoning_content
-    assert out.usage.completion_tokens_details.reasoning_tokens == out.usage.completion_tokens
-
-
-def test_a_reply_without_thinking_is_all_content(client):
-    out = _ask(client, r"[a-z]{3,9} [a-z]{3,9}")
-    message = out.choices[0].message
-    assert message.content and message.reasoning_content is None
-    assert out.usage.completion_tokens_details.reasoning_tokens == 0
+pytestmark = pytest.mark.slow  # starts servers
 
 
 @pytest.fixture(scope="module")
@@ -83,45 +26,32 @@ def r1_client(tiny_llama):
     srv.stop()
 
 
-def test_responses_return_the_thinking_as_a_reasoning_item_whole_and_streamed(r1_client):
-    """DeepSeek-R1's form (no start marker: the reply begins inside the thinking), forced
-    by a JSON-string grammar, the one the Responses API takes: whole, the reasoning item
-    comes first and its tokens count; streamed, its events carry the same texts."""
-    fmt = {
-        "type": "json_schema",
-        "name": "forced",
-        "schema": {"type": "string", "pattern": "^[a-z]{4,10}</think>[a-z]{3,8}$"},
-    }
+def test_a_reply_cut_inside_the_thinking_is_all_reasoning(r1_client):
+    """DeepSeek-R1's replies start inside the thinking: a random model never closes it, so
+    at max_tokens the whole reply is reasoning, no content, every token a reasoning token;
+    streamed, the same text."""
     ask = {
         "model": r1_client.models.list().data[0].id,
-        "input": "Think, then answer.",
-        "max_output_tokens": 60,
+        "messages": [{"role": "user", "content": "Think."}],
+        "max_tokens": 12,
         "temperature": 0,
-        "text": {"format": fmt},
     }
-    whole = r1_client.responses.create(**ask)
-    kinds = [item.type for item in whole.output]
-    assert kinds == ["reasoning", "message"]
-    thought = whole.output[0].content[0].text
-    answer = whole.output_text
-    assert thought.startswith('"') and answer.endswith('"') and "</think>" not in answer
-    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
-
-    reasoning = content = ""
-    done = None
-    with r1_client.responses.stream(**ask) as stream:
-        for event in stream:
-            if event.type == "response.reasoning_text.delta":
-                reasoning += event.delta
-            elif event.type == "response.output_text.delta":
-                content += event.delta
-            elif event.type == "response.completed":
-                done = event.response
-    assert (reasoning, content) == (thought, answer)
-    assert done is not None and [item.type for item in done.output] == kinds
-    assert done.usage.output_tokens_details.reasoning_tokens == (
-        whole.usage.output_tokens_details.reasoning_tokens
+    out = r1_client.chat.completions.create(**ask)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "length"
+    assert message.content is None and message.reasoning_content
+    assert out.usage.completion_tokens_details.reasoning_tokens == out.usage.completion_tokens
+    chunks = list(
+        r1_client.chat.completions.create(
+            **ask, stream=True, stream_options={"include_usage": True}
+        )
     )
+    streamed = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
+    assert streamed == message.reasoning_content
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
 
 
 def test_encrypted_reasoning_is_refused_clearly(r1_client):
@@ -173,17 +103,71 @@ def test_messages_return_thinking_blocks_whole_and_streamed(thinker):
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
 
 
-def test_chat_counts_reasoning_tokens_exactly_with_a_one_token_end_marker(thinker):
-    client = openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused", max_retries=0)
-    out = client.chat.completions.create(
-        model=client.models.list().data[0].id,
-        max_tokens=20,
-        messages=[{"role": "user", "content": "So? !think"}],
-    )
+def _openai(thinker) -> openai.OpenAI:
+    return openai.OpenAI(base_url=thinker.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_reasoning_content_whole_and_streamed_and_exact_tokens(thinker):
+    client = _openai(thinker)
+    ask = {
+        "model": client.models.list().data[0].id,
+        "max_tokens": 20,
+        "messages": [{"role": "user", "content": "So? !think"}],
+    }
+    out = client.chat.completions.create(**ask)
     message = out.choices[0].message
     assert (message.reasoning_content, message.content) == ("Weighing it.", "Yes.")
     # <think>, the thought, </think>: three of the four answer tokens (then EOS)
     assert out.usage.completion_tokens_details.reasoning_tokens == 3
+    chunks = list(
+        client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    )
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (reasoning, content) == ("Weighing it.", "Yes.")
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 3
+
+
+def test_a_grammar_starts_after_the_thinking(thinker):
+    """structured output on a reasoning model: the grammar lets the thinking through and
+    constrains the answer (without it, the regex would force "Yes." as the first token)."""
+    client = _openai(thinker)
+    out = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        max_tokens=20,
+        messages=[{"role": "user", "content": "So? !think"}],
+        extra_body={"structured_outputs": {"regex": "(Yes|No)\\."}},
+    )
+    message = out.choices[0].message
+    assert (message.reasoning_content, message.content) == ("Weighing it.", "Yes.")
+
+
+def test_responses_return_the_thinking_as_a_reasoning_item_whole_and_streamed(thinker):
+    client = _openai(thinker)
+    ask = {
+        "model": client.models.list().data[0].id,
+        "input": "Is it so? !think",
+        "max_output_tokens": 20,
+    }
+    whole = client.responses.create(**ask)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "Weighing it." and whole.output_text == "Yes."
+    assert whole.usage.output_tokens_details.reasoning_tokens == 3
+    reasoning = content = ""
+    done = None
+    with client.responses.stream(**ask) as stream:
+        for event in stream:
+            if event.type == "response.reasoning_text.delta":
+                reasoning += event.delta
+            elif event.type == "response.output_text.delta":
+                content += event.delta
+            elif event.type == "response.completed":
+                done = event.response
+    assert (reasoning, content) == ("Weighing it.", "Yes.")
+    assert done is not None and [item.type for item in done.output] == ["reasoning", "message"]
+    assert done.usage.output_tokens_details.reasoning_tokens == 3
 
 
 def test_grpc_chat_carries_the_thinking_apart(thinker):

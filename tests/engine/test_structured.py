@@ -262,3 +262,43 @@ def test_abort_while_waiting_for_grammar(pair):
         outs.extend(engine.step())
     assert [(d.request_id, d.finished, d.finish_reason) for d in outs] == [("w", True, "abort")]
     engine.check_idle()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_r1"])
+def test_a_grammar_after_the_thinking_lets_any_thinking_pass_and_no_end_marker_in_it(
+    tiny_llama, family
+):
+    """``structured_output.reasoning``: the family's thinking block first (any text, even
+    with "<", "</", "</thin" in it), then the answer's grammar; the end marker cannot hide
+    inside the thinking, and an answer that breaks the grammar is refused."""
+    from radixserve.engine.tokenizer import load_hf_tokenizer
+    from radixserve.executor.grammar import GrammarService
+
+    tokenizer = load_hf_tokenizer(tiny_llama)
+    service = GrammarService(tokenizer, 512)
+    params = SamplingParams(structured_output={"regex": "(yes|no)", "reasoning": family})
+    assert params.grammar_key() == (f"regex@{family}", "(yes|no)")
+    compiled = service.compile(params.grammar_key(), 30)
+
+    def accepts(text: str) -> bool:
+        matcher = service.matcher(compiled).matcher
+        return all(
+            matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False)
+        )
+
+    thinking = "a < b, x </ y, </thin ok <<</thi"
+    assert accepts(f"<think>{thinking}</think>\n\nyes")
+    assert not accepts(f"<think>{thinking}</think>\n\nmaybe")
+    if family == "qwen3":
+        assert accepts("no")  # the block is optional: no thinking, the answer at once
+    else:
+        assert accepts(f"{thinking}</think>no")  # R1 starts inside the thinking
+        assert not accepts(f"{thinking}</think>maybe")
+    service.close()
+
+
+def test_structured_output_reasoning_is_checked():
+    with pytest.raises(ValueError, match=r"structured_output\.reasoning"):
+        SamplingParams(structured_output={"regex": "a", "reasoning": "nope"}).grammar_key()
+    with pytest.raises(ValueError, match="exactly one of"):
+        SamplingParams(structured_output={"reasoning": "qwen3"}).grammar_key()

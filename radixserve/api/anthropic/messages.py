@@ -269,7 +269,9 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         )
         cv.check_prompt(frontend, ids, body.max_tokens)
         free_text = types.SimpleNamespace(response_format=None, structured_outputs=None)
-        spec = await structured_spec(frontend.grammar, free_text, tools)
+        spec = await structured_spec(
+            frontend.grammar, free_text, tools, server.config.reasoning_parser
+        )
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
         message_id = f"msg_{uuid.uuid4().hex}"

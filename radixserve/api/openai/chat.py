@@ -44,7 +44,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         params = cv.sampling_params(frontend, body, max_tokens, server.config)
         cv.check_prompt(frontend, ids, max_tokens)
         cv.check_request_size(server.config, [ids], params)
-        spec = await structured_spec(frontend.grammar, body, tools)
+        spec = await structured_spec(frontend.grammar, body, tools, server.config.reasoning_parser)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
         rid = cv.response_id("chatcmpl", body)
@@ -154,7 +154,6 @@ def _stream(
         text, delta = d.text, {}
         if parser is not None:  # the thinking first, as reasoning_content
             reasoning, text = thinkers.setdefault(idx, rp.ReasoningStreamer(parser)).feed(text)
-            reply_ids.setdefault(idx, []).extend(d.token_ids)
             if reasoning:
                 delta["reasoning_content"] = reasoning
                 thoughts[idx] = thoughts.get(idx, "") + reasoning
@@ -204,4 +203,7 @@ def _stream(
         head,
         base,
         reasoning_tokens=(lambda: sum(thinking.values())) if parser is not None else None,
+        on_tokens=(lambda idx, ids: reply_ids.setdefault(idx, []).extend(ids))
+        if parser is not None
+        else None,
     )

@@ -137,6 +137,7 @@ async def stream_events(
     usage_obj: dict,
     every_token_step: bool = False,
     reasoning_tokens: Callable[[], int] | None = None,
+    on_tokens: Callable[[int, list[int]], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """Shared SSE loop: head frames, per-delta frames, then usage and [DONE]. ``usage_obj``
     is the dict every frame is made from: with ``stream_options.continuous_usage_stats``
@@ -160,6 +161,8 @@ async def stream_events(
         async for i, d in server.frontend.run(prompts, params, routing):
             idx = i * n + d.index
             timer.delta(idx, d)
+            if on_tokens is not None:  # every delta's ids, text or not (reasoning tokens)
+                on_tokens(idx, d.token_ids)
             if d.finished:
                 cached[i] = max(cached.get(i, 0), d.num_cached_tokens)
             if continuous:

@@ -359,7 +359,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         )
         cv.check_prompt(frontend, ids, max_tokens)
         fmt = types.SimpleNamespace(response_format=_format_spec(body), structured_outputs=None)
-        spec = await structured_spec(frontend.grammar, fmt, tools)
+        spec = await structured_spec(frontend.grammar, fmt, tools, server.config.reasoning_parser)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
         responder = _Responder(server, body, conversation, ids, routing)

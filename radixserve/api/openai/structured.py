@@ -107,7 +107,10 @@ def legacy_specs(body: Any) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def structured_spec(
-    checker: GrammarChecker, body: Any, tools: ToolContext | None = None
+    checker: GrammarChecker,
+    body: Any,
+    tools: ToolContext | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any] | None:
     """The request's grammar spec (response_format, structured_outputs, or a tool choice
     that must call), once it parsed (the engine compiles it); None for free text. 400
@@ -128,6 +131,8 @@ async def structured_spec(
     if not specs:
         return None
     source, spec = specs[0]
+    if reasoning is not None:  # the grammar starts after the family's thinking
+        spec = {**spec, "reasoning": reasoning}
     try:
         await checker.check(spec, source)
     except InputError as exc:
