@@ -130,21 +130,13 @@ class RequestStreams:
         """Yield the deltas of the request's samples, with their text, until all have
         finished (a pooling request: one finished delta with ``embedding``). Cancelling
         (client gone) aborts the request in the engine."""
-        outputs, pending = self._start(request)
-        finished = False
+        batches = self.generate_batches(request)
         try:
-            while pending.remaining:
-                batch, error = self._deltas(request.request_id, outputs, pending)
+            async for batch in batches:
                 for delta in batch:
                     yield delta
-                if error is not None:
-                    finished = True
-                    raise error
-                if pending.remaining:
-                    await pending.queue.wait()
-            finished = True
         finally:
-            self._end(request.request_id, finished)
+            await batches.aclose()  # (left early: the request is aborted in the engine)
 
     async def generate_batches(self, request: EngineRequest) -> AsyncIterator[list[p.Delta]]:
         """As ``generate``, but each item is every delta that had arrived by the time the

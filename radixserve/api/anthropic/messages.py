@@ -242,6 +242,12 @@ def _budgeted(server: OpenAIServer, budget: int | None) -> Any:
     return run
 
 
+def _block_delta(index: int, delta: dict[str, Any]) -> bytes:
+    return _event(
+        "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    )
+
+
 def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
@@ -378,10 +384,7 @@ async def _stream(
                 "content_block_start",
                 {"type": "content_block_start", "index": index, "content_block": block},
             )
-        delta = {"type": "thinking_delta", "thinking": piece}
-        return frames + _event(
-            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-        )
+        return frames + _block_delta(index, {"type": "thinking_delta", "thinking": piece})
 
     def thinking_done() -> bytes:
         """Close the thinking block (an empty signature: nothing is signed here)."""
@@ -390,9 +393,9 @@ async def _stream(
             return b""
         thinking_open = False
         signed = {"type": "signature_delta", "signature": ""}
-        frames = _event(
-            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": signed}
-        ) + _event("content_block_stop", {"type": "content_block_stop", "index": index})
+        frames = _block_delta(index, signed) + _event(
+            "content_block_stop", {"type": "content_block_stop", "index": index}
+        )
         index += 1
         return frames
 
@@ -414,10 +417,7 @@ async def _stream(
                 "content_block_start",
                 {"type": "content_block_start", "index": index, "content_block": block},
             )
-        delta = {"type": "text_delta", "text": text}
-        return frames + _event(
-            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-        )
+        return frames + _block_delta(index, {"type": "text_delta", "text": text})
 
     try:
         run = _budgeted(server, budget) or frontend.run
@@ -464,9 +464,7 @@ async def _stream(
             {"type": "content_block_start", "index": index, "content_block": block},
         )
         delta = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
-        yield _event(
-            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-        )
+        yield _block_delta(index, delta)
         yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
         index += 1
     stop_reason = _stop_reason(reason, stop_str, bool(calls))
