@@ -172,7 +172,7 @@ class Engine:
             self.spec_declined += 1
             return None
         if self._in_flight is not None:  # proposals need every token: finish that step
-            outputs.extend(self.drain())
+            outputs.extend(self._drain())  # (step() gives them their text, once)
             running = self.scheduler.running
         decoding = [
             r
@@ -450,9 +450,9 @@ class Engine:
                 out.append(delta)
                 continue
             done, stopped_here = texts.process(delta)
-            if stopped_here:
-                sid = self._children[rid][delta.index]
-                req = self.scheduler.get(sid)
+            children = self._children.get(rid)
+            if stopped_here and children is not None:  # (None: it ended in the step too)
+                req = self.scheduler.get(children[delta.index])
                 if req is not None:  # still running: it ends here, as a stop
                     self.scheduler.finish(req, FinishReason.STOP)
                     self._final(req)  # the bookkeeping; ``done`` is its finished delta
@@ -505,10 +505,13 @@ class Engine:
 
     def drain(self) -> list[SequenceDelta]:
         """Wait for the step in flight (overlapped loop) and process it."""
+        return self._with_text(self._drain())
+
+    def _drain(self) -> list[SequenceDelta]:
         if self._in_flight is None:
             return []
         previous, self._in_flight = self._in_flight, None
-        return self._with_text(self._process(*previous))
+        return self._process(*previous)
 
     def _launch(
         self, batch: ScheduledBatch, outputs: list[SequenceDelta]
@@ -572,8 +575,9 @@ class Engine:
 
     def _process_spec(self, batch: ScheduledBatch, result: StepResult) -> list[SequenceDelta]:
         """Apply a verify step: each request's emitted tokens one at a time, as if decoded
-        one per step, so a stop, ``max_tokens`` or a stop string ends it exactly there (and
-        only KV before that token is ever cached)."""
+        one per step, so a stop token or ``max_tokens`` ends it exactly there (and only KV
+        before that token is ever cached). A stop string is found after the step, by the
+        output processor, which drops the step's tokens after it (``_with_text``)."""
         assert batch.num_spec is not None
         self.spec_steps += 1
         for row, k in enumerate(batch.num_spec.tolist()):

@@ -120,33 +120,38 @@ def serve_engine(
     poller.register(pull, zmq.POLLIN)
     last_beat = 0.0
     exit_code = 0
-    while not stopping():
-        timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
-        if poller.poll(timeout):
-            while True:
-                try:
-                    raw = pull.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                for msg in decode_messages(raw, push):
-                    _handle(engine, msg, push)
-        deltas = engine.step() if engine.has_unfinished() else engine.check_device()
-        now = time.monotonic()
-        if deltas:
-            msg = p.Outputs([wire_delta(d) for d in deltas], engine.stats())
-            push.send(p.encoder.encode(msg))
-            last_beat = now
-        elif now - last_beat >= HEARTBEAT_S:
-            push.send(p.encoder.encode(p.Heartbeat(engine.stats())))
-            last_beat = now
-        if engine.fatal_error is not None:  # e.g. a tensor-parallel rank died
-            logger.error("%s", engine.fatal_error)
-            exit_code = 1
-            break
-    engine.close()
-    push.close(linger=1000)
-    pull.close(linger=0)
-    ctx.term()
+    try:
+        while not stopping():
+            timeout = 0 if engine.has_unfinished() else IDLE_POLL_MS
+            if poller.poll(timeout):
+                while True:
+                    try:
+                        raw = pull.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    for msg in decode_messages(raw, push):
+                        _handle(engine, msg, push)
+            deltas = engine.step() if engine.has_unfinished() else engine.check_device()
+            now = time.monotonic()
+            if deltas:
+                msg = p.Outputs([wire_delta(d) for d in deltas], engine.stats())
+                push.send(p.encoder.encode(msg))
+                last_beat = now
+            elif now - last_beat >= HEARTBEAT_S:
+                push.send(p.encoder.encode(p.Heartbeat(engine.stats())))
+                last_beat = now
+            if engine.fatal_error is not None:  # e.g. a tensor-parallel rank died
+                logger.error("%s", engine.fatal_error)
+                exit_code = 1
+                break
+    finally:  # (an in-process engine's thread must let go of all of it, even on an error)
+        try:
+            engine.close()
+        except Exception:
+            logger.exception("closing the engine failed")
+        push.close(linger=1000)
+        pull.close(linger=0)
+        ctx.term()
     return exit_code
 
 

@@ -109,8 +109,8 @@ class ReasoningStreamer:
                         held = lead[len(START) :]
                         self._open_start = False
                         continue
-                    if lead and START.startswith(lead):  # maybe that marker, cut: wait
-                        self._held = held
+                    if START.startswith(lead) and lead != START:  # maybe that marker: wait
+                        self._held = held  # (also whitespace alone: it may come next)
                         break
                     if lead:
                         self._open_start = False
@@ -209,9 +209,11 @@ async def run_with_thinking_budget(
     produced: list[int] = []
     stream = frontend.run([ids], params, routing)
     cut = False
+    first_cached = 0
     try:
         async for _, d in stream:
             was_thinking = not watch.closed  # (or not yet known)
+            first_cached = max(first_cached, d.num_cached_tokens)
             watch.feed(d.text)
             produced.extend(d.token_ids)
             if was_thinking and watch.thought:
@@ -235,6 +237,13 @@ async def run_with_thinking_budget(
     if left < 1:  # nothing left for the answer: ended at the length limit
         yield 0, Delta(rid, 0, [], "", True, "length", None, len(ids), 0)
         return
-    rest = dataclasses.replace(params, max_tokens=left)
+    spec = params.structured_output
+    if spec is not None and "reasoning" in spec:  # the thinking is over: the answer's alone
+        spec = {k: v for k, v in spec.items() if k != "reasoning"}
+    rest = dataclasses.replace(params, max_tokens=left, structured_output=spec)
     async for _, d2 in frontend.run([ids + produced + end_ids], rest, routing):
+        # the continuation finds the first request's thinking cached: report the prompt's
+        # own cached tokens, as the first request saw them
+        d2.num_cached_tokens = first_cached
+        d2.num_prompt_tokens = len(ids)
         yield 0, d2

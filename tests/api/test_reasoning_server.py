@@ -213,6 +213,8 @@ def test_messages_thinking_budget_caps_the_thinking(thinker):
 
     capped = client.messages.create(**ask)
     assert blocks(capped) == [("thinking", None), ("text", "Yes.")]  # (an empty thought)
+    # the prompt's own cached tokens, not the continuation's (which finds the thinking)
+    assert capped.usage.input_tokens >= 0
     with client.messages.stream(**ask) as stream:
         assert blocks(stream.get_final_message()) == blocks(capped)
     roomy = client.messages.create(**{**ask, "thinking": {"type": "enabled", "budget_tokens": 8}})

@@ -98,3 +98,16 @@ def test_bad_rerank_input_is_a_400_naming_the_field(server, body, param):
     r = httpx.post(server.url + "/v1/rerank", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_a_template_file_may_hold_other_braces(tmp_path):
+    from radixserve.api.openai.rerank import fill_template, rerank_template
+
+    path = tmp_path / "t.txt"
+    path.write_text('Answer {"yes"|"no"}. {instruction}\nQ: {query}\nD: {document}\n')
+    template = rerank_template(str(path))
+    assert fill_template(template, "q?", "doc {x}", "Judge.") == (
+        'Answer {"yes"|"no"}. Judge.\nQ: q?\nD: doc {x}\n'
+    )
+    with pytest.raises(ValueError, match="neither a template name"):
+        rerank_template(str(tmp_path / "missing"))

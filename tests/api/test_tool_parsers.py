@@ -105,6 +105,8 @@ def test_each_family_streamed_in_any_cut_equals_whole(parser, text, content, cal
         ("pythonic", "[get_weather(city=open('x'))]"),  # not a literal: never evaluated
         ("pythonic", "[get_weather('Oslo')]"),  # positional: not a call we can name
         ("pythonic", "[1, 2"),
+        ("pythonic", "[get_weather(city=b'Oslo')]"),  # bytes: no JSON for them
+        ("pythonic", "[get_weather(city={1, 2})]"),
         ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{oops}\n```"),
     ],
 )  # fmt: skip
@@ -159,3 +161,14 @@ def test_auto_is_resolved_once_from_the_model_template():
     config = _resolve_auto(ServerConfig(reasoning_parser="auto", tool_call_parser="auto"), plain)
     assert (config.reasoning_parser, config.tool_call_parser) == (None, "hermes")
     assert _resolve_auto(ServerConfig(), plain) == ServerConfig()  # nothing auto: unchanged
+
+
+def test_formats_with_special_markers_keep_special_tokens_in_the_text():
+    from radixserve.api.openai.tool_parser import keep_markers
+    from radixserve.core.sampling_params import SamplingParams
+
+    params = SamplingParams()
+    assert keep_markers(params, _ctx("mistral")).skip_special_tokens is False
+    assert keep_markers(params, _ctx("deepseek_v3")).skip_special_tokens is False
+    assert keep_markers(params, _ctx("hermes")) is params
+    assert keep_markers(params, ToolContext(parser="mistral")) is params  # no tools asked

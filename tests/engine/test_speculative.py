@@ -756,3 +756,28 @@ def test_pooling_requests_in_speculative_steps(loopy_pair):
     assert [tokens[f"g{i}"] for i in range(len(gen))] == want_tokens
     for i, w in enumerate(want):
         np.testing.assert_allclose(vecs[f"e{i}"], w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_stop_string_and_the_length_limit_in_one_accepted_run(loopy, loopy_pair, overlap):
+    """A verify step accepts several tokens at once: a stop string that completes at one
+    of them ends the sample there even when a later token of the same run reaches
+    max_tokens (the engine has then ended the sample itself), in the serial and the
+    overlapped loop (where proposing drains the step in flight: its text is made once)."""
+    off, _ = loopy_pair
+    on = LLM(str(loopy), speculative_mode="ngram", enable_overlap=overlap, **_KW)
+    prompt = _prompts(1, seed=7, repeat=True)[0]
+    text = off.generate([prompt], greedy(40), use_tqdm=False)[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    ref_full = off.generate([prompt], greedy(40, stop=[stop]), use_tqdm=False)[0]
+    for extra in range(4):  # max_tokens just past where the stop string completes
+        sp = greedy(len(ref_full.token_ids) + extra, stop=[stop])
+        got = on.generate([prompt], sp, use_tqdm=False)[0]
+        ref = off.generate([prompt], sp, use_tqdm=False)[0]
+        assert (got.text, got.token_ids, got.finish_reason) == (
+            ref.text,
+            ref.token_ids,
+            ref.finish_reason,
+        )
+        on.engine.check_idle()
+    on.engine.close()

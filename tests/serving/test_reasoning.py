@@ -47,7 +47,9 @@ def _streamed(text: str, cuts: list[int], parser: str) -> tuple[str, str, bool]:
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
 @given(
-    text=st.sampled_from([R1, QWEN3, "<think>x</th", "Hi", " <thi", "a</think>", "<think></think>"])
+    text=st.sampled_from(
+        [R1, QWEN3, "<think>x</th", "Hi", " <thi", "a</think>", "<think></think>", "\n<think>ab"]
+    )
     | st.text(alphabet="<>/thinkab \n", max_size=30),
     cuts=st.lists(st.integers(0, 40), max_size=8),
 )

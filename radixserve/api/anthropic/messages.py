@@ -38,6 +38,7 @@ from radixserve.api.openai.structured import structured_spec
 from radixserve.api.openai.tool_parser import (
     ToolContext,
     ToolStreamer,
+    keep_markers,
     parse_tool_calls,
     tool_context,
 )
@@ -280,6 +281,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         )
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
+        params = keep_markers(params, tools)  # (a format whose markers are special)
         message_id = f"msg_{uuid.uuid4().hex}"
         if body.stream:
             return StreamResponse(_stream(server, message_id, ids, params, routing, tools, budget))

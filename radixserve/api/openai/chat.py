@@ -19,6 +19,7 @@ from radixserve.api.openai.structured import structured_spec
 from radixserve.api.openai.tool_parser import (
     ToolContext,
     ToolStreamer,
+    keep_markers,
     parse_tool_calls,
     tool_context,
 )
@@ -47,6 +48,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         spec = await structured_spec(frontend.grammar, body, tools, server.config.reasoning_parser)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
+        params = keep_markers(params, tools)  # (a format whose markers are special)
         rid = cv.response_id("chatcmpl", body)
         if body.stream:
             return StreamResponse(_stream(server, rid, ids, params, body, routing, tools))

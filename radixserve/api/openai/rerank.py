@@ -15,6 +15,7 @@ generative model with ``serve --enable-rerank``; ``--rerank-template`` picks the
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import uuid
@@ -43,9 +44,11 @@ DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that
 _FORCE = 100.0  # the logit bias that makes the answer token the chosen one
 
 
+@functools.cache
 def rerank_template(name: str) -> str:
     """A named template, or the text of a file holding ``{query}``, ``{document}`` and
-    (optionally) ``{instruction}``; ``ValueError`` naming what is wrong."""
+    (optionally) ``{instruction}`` (read once); ``ValueError`` naming what is wrong. Other
+    braces in a file are its own text: only those three names are filled in."""
     if name in RERANK_TEMPLATES:
         return RERANK_TEMPLATES[name]
     path = Path(name)
@@ -58,6 +61,16 @@ def rerank_template(name: str) -> str:
     if "{query}" not in text or "{document}" not in text:
         raise ValueError(f"the rerank template {name} must hold {{query}} and {{document}}")
     return text
+
+
+def fill_template(template: str, query: str, document: str, instruction: str) -> str:
+    """The template with its three names filled in (``str.format`` would read any other
+    brace, a JSON example's say, as a field)."""
+    return (
+        template.replace("{instruction}", instruction)
+        .replace("{query}", query)
+        .replace("{document}", document)
+    )
 
 
 def _serves_rerank(server: OpenAIServer) -> None:
@@ -109,14 +122,15 @@ async def score_pairs(
     yes, no = _answer_ids(server)
     prompts = []
     for query, document in pairs:
-        text = template.format(
-            query=query, document=document, instruction=instruction or DEFAULT_INSTRUCTION
-        )
+        text = fill_template(template, query, document, instruction or DEFAULT_INSTRUCTION)
         ids = await frontend.encode(text, add_special_tokens=False)
         try:
             prompts.append(frontend.inputs.check_prompt(ids, 1))
         except InputError as exc:
             raise APIError(400, str(exc), param=param, code=exc.code) from None
+    cv.check_request_size(
+        config, prompts, SamplingParams(max_tokens=1), prompt_param=param
+    )  # the per-request limits, as every route's
     answers = {"yes": yes, "no": no}
     logprobs: dict[str, dict[int, float]] = {}
     try:

@@ -41,6 +41,7 @@ from radixserve.api.openai.structured import structured_spec
 from radixserve.api.openai.tool_parser import (
     ToolContext,
     ToolStreamer,
+    keep_markers,
     parse_tool_calls,
     tool_context,
 )
@@ -362,6 +363,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         spec = await structured_spec(frontend.grammar, fmt, tools, server.config.reasoning_parser)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
+        params = keep_markers(params, tools)  # (a format whose markers are special)
         responder = _Responder(server, body, conversation, ids, routing)
         if body.stream:
             return StreamResponse(_stream(responder, params, tools))

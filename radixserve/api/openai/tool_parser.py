@@ -147,6 +147,21 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     return None
 
 
+# formats whose markers are special tokens in their families' vocabularies: the text must
+# keep them (``skip_special_tokens`` off) for the parser to find the calls, as vLLM does
+_SPECIAL_MARKERS = ("mistral", "deepseek_v3")
+
+
+def keep_markers(params: Any, ctx: ToolContext) -> Any:
+    """``params`` with special tokens kept in the text when tool calls are parsed from a
+    format whose markers are special tokens."""
+    import dataclasses
+
+    if ctx.active and ctx.parser in _SPECIAL_MARKERS and params.skip_special_tokens:
+        return dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
 def tool_call(name: str, arguments: Any) -> dict[str, Any]:
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return {
@@ -396,7 +411,8 @@ def _pythonic(text: str, ctx: ToolContext, truncated: bool) -> list[dict[str, An
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
             try:
                 args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            except ValueError:
+                json.dumps(args)  # literals JSON has no word for (bytes, sets, ...): no call
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 args = None
             if args is not None and None not in args and node.func.id in ctx.functions:
                 call = tool_call(node.func.id, args)
