@@ -40,6 +40,8 @@ def encode_blocks(type_name: str, rows: int, cols: int, seed: int, std: float = 
     from gguf.quants import quantize
 
     rng = np.random.default_rng(seed)
+    if type_name in ("IQ4_NL", "IQ4_XS", "MXFP4"):  # random codes, scales sized for std
+        return _table_blocks(type_name, rows, cols, rng, std)
     if type_name not in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
         w = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
         return quantize(w, GGMLQuantizationType[type_name])
@@ -68,6 +70,26 @@ def encode_blocks(type_name: str, rows: int, cols: int, seed: int, std: float = 
     packed = rng.integers(0, 256, size=(rows, nb, 12), dtype=np.uint8)
     codes = rng.integers(0, 256, size=(rows, nb, 128 + (32 if levels == 32 else 0)), dtype=np.uint8)
     return np.concatenate([d, dmin, packed, codes], axis=-1).reshape(rows, -1)
+
+
+def _table_blocks(type_name: str, rows: int, cols: int, rng, std: float) -> np.ndarray:
+    """IQ4_NL (d, 16 bytes of nibbles), IQ4_XS (d, 2 + 4 bytes of 6-bit scales, 128 of
+    nibbles per 256) and MXFP4 (an E8M0 exponent, 16 bytes of nibbles) with random codes
+    and sub-scales, the scales making weights of about ``std``."""
+    if type_name == "MXFP4":  # values up to 12 x 2^(e - 128): e around 128 + log2(std / 6)
+        nb = cols // 32
+        e = rng.integers(-1, 2, size=(rows, nb, 1)) + int(np.rint(128 + np.log2(std / 6)))
+        body = rng.integers(0, 256, size=(rows, nb, 16), dtype=np.uint8)
+        return np.concatenate([e.astype(np.uint8), body], axis=-1).reshape(rows, -1)
+    if type_name == "IQ4_NL":
+        nb = cols // 32
+        d = _f16_bytes(np.full((rows, nb), std / 64))
+        body = rng.integers(0, 256, size=(rows, nb, 16), dtype=np.uint8)
+        return np.concatenate([d, body], axis=-1).reshape(rows, -1)
+    nb = cols // QK_K  # IQ4_XS: d times a sub-scale ls - 32 in -32..31
+    d = _f16_bytes(np.full((rows, nb), std / (64 * 16)))
+    body = rng.integers(0, 256, size=(rows, nb, 2 + 4 + 128), dtype=np.uint8)
+    return np.concatenate([d, body], axis=-1).reshape(rows, -1)
 
 
 def _reference(raw: np.ndarray, type_name: str, rows: int, cols: int) -> torch.Tensor:
@@ -153,7 +175,7 @@ def test_executed_weights_match_gguf_dequantize(type_name):
 
 
 # the types whose executed weights are the file's exactly (docs/models.md says so)
-EXACT = ("Q3_K", "Q5_0", "Q5_1", "Q8_0")
+EXACT = ("Q3_K", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4")
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,17 @@ Q5_1      32     0..31        d, m
 Q5_K      32     0..31        d sc[j], -dmin m[j]
 Q6_K      16     -32..31      d sc[j] (sc a signed byte), none
 Q8_0      32     -127..127    d, none
+IQ4_NL    32     -127..113    d, none             (q = the 4-bit code's table value)
+IQ4_XS    32     -127..113    d (ls[j] - 32), none (the same table; a 6-bit ls per 32)
+MXFP4     32     -12..12      2^(e - 128), none   (q = 2 x the FP4 value: integers)
 ========  =====  ===========  =======================================================
+
+IQ4_NL and IQ4_XS are 4-bit codes into a fixed non-linear table (``IQ4_TABLE``) and MXFP4
+4-bit floating-point codes (E2M1) with a power-of-two scale per 32 (E8M0): none is an
+affine map of its 4-bit code, but each is one of its table's values, an integer, times
+the group's scale, so as int8 codes (the table value) they run exactly, at 8 bits a weight
+instead of the 16 of a bfloat16 copy (the gguf package's dequantizers are again the
+reference).
 
 The 4-bit types (``bits == 4``) fit the int4 kernels (code ``q + 8`` in 0..15), the others
 the int8 group-wise ones. Scales and zeros are float32 here, exact (a float16 times an
@@ -52,7 +62,15 @@ CODE_TYPES: dict[str, tuple[int, int]] = {
     "Q5_K": (32, 8),
     "Q6_K": (16, 8),
     "Q8_0": (32, 8),
+    "IQ4_NL": (32, 8),
+    "IQ4_XS": (32, 8),
+    "MXFP4": (32, 8),
 }
+# IQ4_NL / IQ4_XS's code table (ggml's kvalues_iq4nl) and MXFP4's E2M1 values, doubled
+IQ4_TABLE = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8
+)
+MXFP4_TABLE = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 
 
 @dataclass
@@ -241,6 +259,26 @@ def decode_codes(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Gro
             q = (low | (high.reshape(n, k // QK_K, 4, 2, 32) << 4)).astype(np.int8)
             zero = -m
         scale, zero = scale.reshape(n, -1), zero.reshape(n, -1)
+    elif type_name in ("IQ4_NL", "MXFP4"):  # 32 a block: a scale, then 16 bytes of nibbles
+        head = 2 if type_name == "IQ4_NL" else 1
+        blocks = b.reshape(n, k // 32, -1)
+        table = IQ4_TABLE if type_name == "IQ4_NL" else MXFP4_TABLE
+        q = table[_nibbles(blocks[..., head:], 16)]
+        if type_name == "IQ4_NL":
+            scale = _f16(blocks[..., 0:2])[..., 0]
+        else:  # E8M0: 2^(e - 127), halved as the table is doubled (ggml's e8m0_to_fp32_half)
+            scale = np.ldexp(np.float32(1.0), blocks[..., 0].astype(np.int32) - 128)
+    elif type_name == "IQ4_XS":  # 256: d, 2 bytes of high scale bits, 4 of low, 128 nibbles
+        blocks = b.reshape(n, k // QK_K, -1)
+        d = _f16(blocks[..., 0:2])  # [n, nb, 1]
+        high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)  # [n, nb, 1]
+        low = blocks[..., 4:8]  # [n, nb, 4]: sub-blocks 2i (low nibble) and 2i + 1 (high)
+        ls_low = np.stack([low & 0x0F, low >> 4], axis=-1).reshape(n, -1, 8)
+        ls_high = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [n, nb, 8]
+        ls = (ls_low.astype(np.int16) | (ls_high.astype(np.int16) << 4)) - 32
+        scale = (d * ls.astype(np.float32)).reshape(n, -1)
+        qs = blocks[..., 8:].reshape(n, k // QK_K, 8, 16)
+        q = IQ4_TABLE[_nibbles(qs, 16)]  # per sub-block of 32: low nibbles, then high
     elif type_name == "Q2_K":
         scale, zero, q = _q2_k(b.reshape(n, k // QK_K, -1))
     elif type_name == "Q3_K":
