@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,6 @@ class Flag:
     metavar: str | None = None
     group: str | None = None  # the help's section (None: the config's own)
     off: str | None = None
-    negatable: bool = False  # a bool defaulting to True: --x / --no-x
     repeat: bool = False  # a tuple field: the flag is given once per item
     required: bool = False  # the command refuses to run without it
 
@@ -66,9 +65,8 @@ def flag_fields(config: type) -> list[tuple[dataclasses.Field, Flag]]:
     return [(f, fl) for f in dataclasses.fields(config) if (fl := flag_of(f)) is not None]
 
 
-def _base_type(config: type, f: dataclasses.Field) -> Any:
-    """The field's type without ``| None`` (annotations are strings here)."""
-    hint = typing.get_type_hints(config)[f.name]
+def _base_type(hint: Any) -> Any:
+    """A field's type without ``| None``."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if typing.get_origin(hint) in (typing.Union, _UnionType) and args else hint
 
@@ -84,13 +82,11 @@ def add_flags(
     parser: argparse.ArgumentParser,
     config: type,
     groups: dict[str | None, str] | None = None,
-    skip: Iterable[str] = (),
 ) -> None:
     """Add every flag of ``config`` to ``parser`` (``dest`` = the field's name), in help
     sections by ``Flag.group`` (``groups`` maps a group to its title; a group not there
-    is a section of that name). ``skip``: field names another part of the parser owns."""
+    is a section of that name)."""
     sections: dict[str | None, Any] = {}
-    skipped = set(skip)
 
     def section(name: str | None) -> Any:
         if name not in sections:
@@ -98,20 +94,19 @@ def add_flags(
             sections[name] = parser.add_argument_group(title) if title else parser
         return sections[name]
 
+    hints = typing.get_type_hints(config)  # (annotations are strings here)
     for f, fl in flag_fields(config):
-        if f.name in skipped:
-            continue
         g = section(fl.group)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         names = [flag_name(f, fl), *fl.aliases]
-        kind = _base_type(config, f)
+        kind = _base_type(hints[f.name])
         common: dict[str, Any] = {"dest": f.name, "help": fl.help}
         if kind is bool:
             if fl.off is not None:  # bool | None: two flags, one for each value
                 both = g.add_mutually_exclusive_group()
                 both.add_argument(*names, action="store_true", default=default, **common)
                 both.add_argument(fl.off, dest=f.name, action="store_false")
-            elif fl.negatable or default is True:
+            elif default is True:  # --x / --no-x
                 g.add_argument(
                     *names, action=argparse.BooleanOptionalAction, default=default, **common
                 )
@@ -145,13 +140,11 @@ def add_flags(
         )
 
 
-def from_args(args: argparse.Namespace, config: type, skip: Iterable[str] = ()) -> dict[str, Any]:
+def from_args(args: argparse.Namespace, config: type) -> dict[str, Any]:
     """The keyword arguments of ``config`` that its flags in ``args`` set."""
-    skipped = set(skip)
     return {
         f.name: tuple(getattr(args, f.name)) if fl.repeat else getattr(args, f.name)
         for f, fl in flag_fields(config)
-        if f.name not in skipped
     }
 
 

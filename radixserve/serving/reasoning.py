@@ -49,14 +49,11 @@ def _starts_open(parser: str) -> bool:
 def split(text: str, parser: str) -> ReasoningSplit:
     """``text`` (a whole reply) as reasoning and content, as ``parser``'s family writes."""
     streamer = ReasoningStreamer(parser)
-    reasoning, content = streamer.feed(text)
-    more_reasoning, more_content = streamer.finish()
-    reasoning += more_reasoning
-    content += more_content
+    _, content = streamer.feed(text)
+    content += streamer.finish()[1]
+    reply = streamer.reply()
     return ReasoningSplit(
-        reasoning if streamer.thought else None,
-        content if content or not streamer.thought else None,
-        streamer.closed,
+        reply.reasoning, content if content or not streamer.thought else None, reply.closed
     )
 
 
@@ -77,6 +74,11 @@ class ReasoningStreamer:
         self._strip_lead = False  # the whitespace after </think> (templates write "\n\n")
         self.thought = self._state == "think"  # whether any reasoning was opened
         self.closed = False  # whether the thinking ended (its end marker came)
+        self.reasoning = ""  # all the reasoning given out so far
+
+    def reply(self) -> ReasoningSplit:
+        """The thinking so far (its content is the caller's: not kept here)."""
+        return ReasoningSplit(self.reasoning if self.thought else None, None, self.closed)
 
     @property
     def thinking(self) -> bool:
@@ -121,7 +123,7 @@ class ReasoningStreamer:
                     self._state, self._strip_lead = "answer", True
                     self.closed = True
                     continue
-                keep = _partial_suffix(held, END)
+                keep = partial_suffix(held, END)
                 reasoning += held[: len(held) - keep]
                 self._held = held[len(held) - keep :]
                 break
@@ -133,48 +135,43 @@ class ReasoningStreamer:
                 self._strip_lead = False
             content += held
             held = ""
+        self.reasoning += reasoning
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:
         """What is still held back, at the end of the reply."""
         held, self._held = self._held, ""
         if self._state == "think":
+            self.reasoning += held
             return held, ""
         if self._state == "start":  # only whitespace, or a cut start marker: the answer
             return "", held
         return "", held.lstrip() if self._strip_lead else held
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker`` (0: none)."""
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (0: none): what a
+    streamed parser holds back until it knows whether the marker comes."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
             return k
     return 0
 
 
-def end_token_id(tokenizer: Any) -> int | None:
-    """The id of ``</think>`` when the vocabulary has it as one token (the families here
-    do: an added token), else None."""
-    ids = tokenizer.encode(END, add_special_tokens=False)
-    ids = getattr(ids, "ids", ids)  # a Rust tokenizer's Encoding, or a list
-    return ids[0] if len(ids) == 1 else None
-
-
-def reasoning_tokens(
-    token_ids: list[int], reply: ReasoningSplit, end_id: int | None, encode: Any
-) -> int:
+def reasoning_tokens(tokenizer: Any, token_ids: list[int], reply: ReasoningSplit) -> int:
     """How many of a reply's tokens were thinking (usage's ``reasoning_tokens``): up to and
     including the end marker's token; all of them when the reply was cut inside the
-    thinking; 0 when it did not think. ``encode`` (text -> ids) estimates it when the
-    vocabulary has no one-token end marker."""
+    thinking; 0 when it did not think. ``tokenizer`` (the model's): where its vocabulary
+    has no one-token end marker, the reasoning text's own encoding estimates it."""
     if reply.reasoning is None:
         return 0
     if not reply.closed:
         return len(token_ids)
-    if end_id is not None and end_id in token_ids:
-        return token_ids.index(end_id) + 1
-    return min(len(token_ids), len(encode(reply.reasoning + END)))
+    end = tokenizer.encode(END, add_special_tokens=False)
+    if len(end) == 1 and end[0] in token_ids:
+        return token_ids.index(end[0]) + 1
+    encoded = tokenizer.encode(reply.reasoning + END, add_special_tokens=False)
+    return min(len(token_ids), len(encoded))
 
 
 def detect(chat_template: str | None) -> str | None:
@@ -196,7 +193,7 @@ async def run_with_thinking_budget(
 ) -> Any:
     """The deltas of one sample whose thinking may take at most ``budget`` tokens (the
     Messages API's ``thinking.budget_tokens``): past it, the generation is stopped, the end
-    marker (``</think>\\n\\n``) is appended as if the model had written it, and a second
+    marker (``</think>``) is appended as if the model had written it, and a second
     request continues from there (the prompt plus everything so far: its KV is found in
     the radix cache) for the tokens ``max_tokens`` leaves. A reply that ends its thinking
     in time is the one request, untouched. Yields ``(0, delta)`` as ``Frontend.run``."""

@@ -67,14 +67,20 @@ def test_unknown_parser_is_refused():
 
 
 def test_reasoning_tokens_count_to_the_end_marker():
-    end = 99
+    class Vocab:  # "</think>" one token (99) or, without it, one token a character
+        def __init__(self, one_token_end: bool) -> None:
+            self.one = one_token_end
+
+        def encode(self, text, add_special_tokens=False):
+            return [99] if self.one and text == "</think>" else [0] * len(text)
+
     closed = ReasoningSplit("abc", "x", closed=True)
-    assert reasoning_tokens([1, 2, 3, end, 5, 6], closed, end, None) == 4
-    assert reasoning_tokens([1, 2, 3], ReasoningSplit("abc", None), end, None) == 3  # cut
-    assert reasoning_tokens([1, 2], ReasoningSplit(None, "hi"), end, None) == 0
+    assert reasoning_tokens(Vocab(True), [1, 2, 3, 99, 5, 6], closed) == 4
+    assert reasoning_tokens(Vocab(True), [1, 2, 3], ReasoningSplit("abc", None)) == 3  # cut
+    assert reasoning_tokens(Vocab(True), [1, 2], ReasoningSplit(None, "hi")) == 0
     # no one-token marker: the reasoning text's own encoding, at most the reply
-    assert reasoning_tokens([1, 2, 3, 4, 5], closed, None, lambda t: [0] * len(t)) == 5
-    assert reasoning_tokens(list(range(20)), closed, None, lambda t: [0] * len(t)) == 11
+    assert reasoning_tokens(Vocab(False), [1, 2, 3, 4, 5], closed) == 5
+    assert reasoning_tokens(Vocab(False), list(range(20)), closed) == 11
 
 
 # the families' chat templates, reduced to the lines that tell them apart

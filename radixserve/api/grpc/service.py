@@ -221,7 +221,6 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         d: Any,
         parser: str,
         thinkers: dict[int, rp.ReasoningStreamer],
-        thoughts: dict[int, str],
         sample_ids: dict[int, list[int]],
         out: pb.GenerateResponse,
     ) -> Any:
@@ -234,7 +233,6 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             more_reasoning, more_text = thinker.finish()
             reasoning, text = reasoning + more_reasoning, text + more_text
         out.reasoning_text += reasoning
-        thoughts[d.index] = thoughts.get(d.index, "") + reasoning
         d.text = text  # (this request's own delta)
         return d
 
@@ -283,7 +281,6 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             # chat input with a reasoning parser: the thinking apart, as Chat Completions
             parser = self.server.config.reasoning_parser if input_name == "chat" else None
             thinkers: dict[int, rp.ReasoningStreamer] = {}
-            thoughts: dict[int, str] = {}
             sample_ids: dict[int, list[int]] = {}
             # one message per sample for everything that arrived while the last one was
             # being written: a stream that keeps up gets a message per engine step
@@ -298,7 +295,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                     if out is None:
                         out = outs[d.index] = pb.GenerateResponse(request_id=rid, index=d.index)
                     if parser is not None:
-                        d = self._think(d, parser, thinkers, thoughts, sample_ids, out)
+                        d = self._think(d, parser, thinkers, sample_ids, out)
                     self._add(out, d, wants_logprobs)
                     completion[d.index] = completion.get(d.index, 0) + len(d.token_ids)
                     if d.finished:
@@ -308,17 +305,10 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                         out.usage.completion_tokens = completion[d.index]
                         out.usage.cached_tokens = d.num_cached_tokens
                         if parser is not None:
-                            thinker = thinkers.pop(d.index)
-                            reply = rp.ReasoningSplit(
-                                thoughts.pop(d.index, "") if thinker.thought else None,
-                                None,
-                                thinker.closed,
-                            )
                             out.usage.reasoning_tokens = rp.reasoning_tokens(
+                                frontend.tokenizer,
                                 sample_ids.pop(d.index, []),
-                                reply,
-                                rp.end_token_id(frontend.tokenizer.backend_tokenizer),
-                                lambda t: frontend.tokenizer.encode(t, add_special_tokens=False),
+                                thinkers.pop(d.index).reply(),
                             )
                 for out in outs.values():
                     yield out

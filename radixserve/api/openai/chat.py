@@ -73,7 +73,7 @@ async def _whole(
         text = o.text
         if parser is not None:
             reply = rp.split(o.text, parser)
-            thinking += _reasoning_tokens(server, o.token_ids, reply)
+            thinking += rp.reasoning_tokens(server.frontend.tokenizer, o.token_ids, reply)
             text = reply.content or ""
             message = {
                 "role": "assistant",
@@ -109,16 +109,6 @@ async def _whole(
     )
 
 
-def _reasoning_tokens(server: OpenAIServer, token_ids: list[int], reply: rp.ReasoningSplit) -> int:
-    frontend = server.frontend
-    return rp.reasoning_tokens(
-        token_ids,
-        reply,
-        rp.end_token_id(frontend.tokenizer.backend_tokenizer),
-        lambda text: frontend.tokenizer.encode(text, add_special_tokens=False),
-    )
-
-
 def _stream(
     server: OpenAIServer,
     rid: str,
@@ -148,7 +138,6 @@ def _stream(
     parser = server.config.reasoning_parser
     thinkers: dict[int, rp.ReasoningStreamer] = {}
     reply_ids: dict[int, list[int]] = {}
-    thoughts: dict[int, str] = {}  # by choice: its reasoning text so far
     thinking: dict[int, int] = {}  # by choice: its reasoning tokens, once it finished
 
     def on_delta(idx, d) -> bytes:
@@ -158,7 +147,6 @@ def _stream(
             reasoning, text = thinkers.setdefault(idx, rp.ReasoningStreamer(parser)).feed(text)
             if reasoning:
                 delta["reasoning_content"] = reasoning
-                thoughts[idx] = thoughts.get(idx, "") + reasoning
         if tools.active and text:  # tool calls are held back until complete
             text = streamers.setdefault(idx, ToolStreamer(tools)).feed(text)
         if text or (parser is None and not tools.active):
@@ -179,9 +167,9 @@ def _stream(
                 text = streamers.setdefault(idx, ToolStreamer(tools)).feed(text)
             if text:
                 frames += frame(idx, {"content": text})
-            thought = thoughts.pop(idx, "") + reasoning
-            reply = rp.ReasoningSplit(thought if thinker.thought else None, None, thinker.closed)
-            thinking[idx] = _reasoning_tokens(server, reply_ids.pop(idx, []), reply)
+            thinking[idx] = rp.reasoning_tokens(
+                server.frontend.tokenizer, reply_ids.pop(idx, []), thinker.reply()
+            )
         streamer = streamers.pop(idx, None)
         if streamer is not None:
             rest, calls = streamer.finish(truncated=reason == "length")

@@ -375,7 +375,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             reply = rp.split(out.text, parser)
             text = reply.content or ""
             if reply.reasoning is not None:
-                count = rp.reasoning_tokens(out.token_ids, reply, *_token_counter(server))
+                count = rp.reasoning_tokens(frontend.tokenizer, out.token_ids, reply)
                 thinking = (f"rs_{uuid.uuid4().hex}", reply.reasoning, count)
         if tools.active:
             parsed, calls = parse_tool_calls(text, tools, truncated=out.reason == "length")
@@ -403,14 +403,6 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         if not store.delete(response_id, server.reader(request.headers)):
             raise _not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
-
-
-def _token_counter(server: OpenAIServer) -> tuple[int | None, Any]:
-    """What ``reasoning.reasoning_tokens`` needs of the tokenizer."""
-    tokenizer = server.frontend.tokenizer
-    return rp.end_token_id(tokenizer.backend_tokenizer), lambda text: tokenizer.encode(
-        text, add_special_tokens=False
-    )
 
 
 def _response_id(request: HTTPRequest) -> str:
@@ -456,7 +448,6 @@ async def _stream(
     parser = server.config.reasoning_parser
     thinker = rp.ReasoningStreamer(parser) if parser is not None else None
     reasoning_id = f"rs_{uuid.uuid4().hex}"
-    thought = ""  # the reasoning item's text so far
     thinking_state = "none"  # none | open | done: the reasoning item's events
     reply_ids: list[int] = []
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -469,13 +460,12 @@ async def _stream(
         return 0 if thinking_state == "none" else 1
 
     def think(piece: str) -> bytes:
-        nonlocal thought, thinking_state
+        nonlocal thinking_state
         frames = b""
         if thinking_state == "none":
             thinking_state = "open"
             item = {**_reasoning_item(reasoning_id, "", "in_progress"), "content": []}
             frames += event("response.output_item.added", output_index=0, item=item)
-        thought += piece
         return frames + event(
             "response.reasoning_text.delta",
             item_id=reasoning_id,
@@ -489,6 +479,8 @@ async def _stream(
         if thinking_state != "open":
             return b""
         thinking_state = "done"
+        assert thinker is not None
+        thought = thinker.reasoning  # (all of it: the streamer keeps it)
         return event(
             "response.reasoning_text.done",
             item_id=reasoning_id,
@@ -569,9 +561,8 @@ async def _stream(
             yield think("")
         yield thinking_done()
         if thinker.thought:
-            reply = rp.ReasoningSplit(thought, None, thinker.closed)
-            count = rp.reasoning_tokens(reply_ids, reply, *_token_counter(server))
-            thinking = (reasoning_id, thought, count)
+            count = rp.reasoning_tokens(frontend.tokenizer, reply_ids, thinker.reply())
+            thinking = (reasoning_id, thinker.reasoning, count)
     calls: list[dict[str, Any]] = []
     if streamer is not None:
         rest, calls = streamer.finish(truncated=reason == "length")

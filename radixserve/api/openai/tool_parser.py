@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.api.asgi import APIError
+from radixserve.serving.reasoning import partial_suffix
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "pythonic", "deepseek_v3")
 
@@ -443,12 +444,7 @@ class ToolStreamer:
                 self.holding = True
                 end = at
             else:  # hold back a tail that could be the start of the marker
-                keep = 0
-                for k in range(min(len(marker) - 1, len(self.text)), 0, -1):
-                    if marker.startswith(self.text[-k:]):
-                        keep = k
-                        break
-                end = len(self.text) - keep
+                end = len(self.text) - partial_suffix(self.text, marker)
         else:  # llama3_json / pythonic: an output that starts like a call may be one
             head = self.text.lstrip()
             opener, tag = (
