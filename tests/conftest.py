@@ -47,9 +47,32 @@ def build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(str(folder))
 
 
+# 8 experts of 32, two per token; Qwen2-MoE with its shared expert, Qwen3-MoE with a dense
+# middle layer (mlp_only_layers) and renormalised weights, OLMoE with q/k clipping
+MOE_SHAPES: dict[str, dict] = {
+    "qwen2moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "qwen3moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        head_dim=32,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+    ),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, clip_qkv=1.5),
+}
+
+
 def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) -> Path:
-    """Save a random-weight model of ``arch`` (llama, mistral, qwen2, qwen3, gemma3, phi3)
-    with a tokenizer."""
+    """Save a random-weight model of ``arch`` (llama, mistral, qwen2, qwen3, gemma3, phi3;
+    the mixtures of experts qwen2moe, qwen3moe, mixtral, olmoe) with a tokenizer."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -57,12 +80,20 @@ def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) 
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     classes = {
@@ -72,6 +103,10 @@ def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) 
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
+        "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+        "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
+        "olmoe": (OlmoeConfig, OlmoeForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     kwargs = dict(
@@ -116,6 +151,7 @@ def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) 
             },
             pad_token_id=0,
         )
+    kwargs.update(MOE_SHAPES.get(arch, {}))
     kwargs.update(overrides)
     torch.manual_seed(zlib.crc32(arch.encode()))  # hash() differs between processes
     model = model_cls(config_cls(**kwargs)).eval()

@@ -450,6 +450,7 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
         or model.embed.device.type != "cpu"
         or model.embed.dtype != torch.bfloat16
         or (c.qk_norm and not gemma)
+        or c.moe is not None  # experts run op by op: the program has no routed MLP
         or (gemma and not _gelu_ok(model))
     ):
         return None

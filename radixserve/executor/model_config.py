@@ -12,12 +12,53 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
 )
+# the mixture-of-experts families: their config keys for the expert count and size
+_MOE = {
+    "Qwen2MoeForCausalLM": ("num_experts", "moe_intermediate_size"),
+    "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size"),
+    "MixtralForCausalLM": ("num_local_experts", "intermediate_size"),
+    "OlmoeForCausalLM": ("num_experts", "intermediate_size"),
+}
 
 # model_type of config.json -> architecture, for configs without ``architectures`` (the
 # text part of a Gemma 3 checkpoint is ``gemma3_text``)
 _MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}
 _SLIDING = "sliding_attention"
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a config: ``num_experts`` experts of
+    ``intermediate_size`` (a SwiGLU MLP each), ``top_k`` of them per token, chosen by a
+    router over the hidden state; layer ``i`` is sparse when ``sparse_layers[i]`` (else a
+    dense MLP of the model's ``intermediate_size``).
+
+    Invariant: ``0 < top_k <= num_experts``; ``sparse_layers`` has one entry per layer.
+    ``scoring`` is ``"softmax"`` (softmax over every expert's logit, then the top k;
+    renormalised to sum 1 when ``norm_topk_prob``: Qwen2/3-MoE, Mixtral, OLMoE); a
+    ``shared_intermediate_size`` > 0 adds an always-on shared expert gated by
+    sigmoid(``shared_expert_gate`` x) (Qwen2-MoE).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+    scoring: str = "softmax"
+    shared_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} must be in 1..num_experts={self.num_experts}"
+            )
 
 
 @dataclass(frozen=True)
@@ -54,6 +95,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale = this ** -0.5
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    moe: MoEConfig | None = None  # experts in (some) layers' MLPs; None: dense
+    qk_norm_whole: bool = False  # OLMoE: q/k norms over the whole projection, not per head
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip_qkv
 
     @property
     def max_model_len(self) -> int:
@@ -131,8 +175,18 @@ class ModelConfig:
                     cfg.get("tie_word_embeddings", arch == "Gemma3ForCausalLM")
                 ),
                 # Qwen2 always has q/k/v biases; the others say so in config.json.
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias")),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                or bool(cfg.get("attention_bias")),
+                qk_norm=arch
+                in (
+                    "Qwen3ForCausalLM",
+                    "Gemma3ForCausalLM",
+                    "Qwen3MoeForCausalLM",
+                    "OlmoeForCausalLM",
+                ),
+                qk_norm_whole=arch == "OlmoeForCausalLM",
+                clip_qkv=_float_or_none(cfg.get("clip_qkv")),
+                moe=_moe_config(arch, cfg, num_layers),
                 sliding_window=int(sliding_window) if sliding_window else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
@@ -160,6 +214,36 @@ class ModelConfig:
 _ACTIVATIONS = {"Gemma3ForCausalLM": ("gelu_pytorch_tanh", "gelu_tanh")}
 
 
+def _moe_config(arch: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    """The experts of an MoE family's config, as transformers places them: Qwen2/3-MoE
+    sparse on every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``; Mixtral
+    and OLMoE on every layer. Mixtral always renormalises the top-k weights."""
+    if arch not in _MOE:
+        return None
+    count_key, size_key = _MOE[arch]
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts; the published configs
+    # say num_experts
+    experts = int(cfg.get(count_key) or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts <= 0:
+        raise ValueError(f"{arch}: config has no experts ({count_key}={cfg.get(count_key)})")
+    sparse = [True] * num_layers
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        sparse = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    norm = True if arch == "MixtralForCausalLM" else bool(cfg.get("norm_topk_prob", False))
+    return MoEConfig(
+        num_experts=experts,
+        top_k=int(cfg.get("num_experts_per_tok") or 2),
+        intermediate_size=int(cfg[size_key]),
+        norm_topk_prob=norm,
+        sparse_layers=tuple(sparse),
+        shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if arch == "Qwen2MoeForCausalLM"
+        else 0,
+    )
+
+
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -172,7 +256,7 @@ def _sliding_layers(
     ``max_window_layers`` on; Gemma 3 on every layer but each ``sliding_window_pattern``-th
     (6); an explicit ``layer_types`` list wins. ``()``: every layer global."""
     window = cfg.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+    if arch in _QWEN and not cfg.get("use_sliding_window"):
         window = None
     if arch == "Phi3ForCausalLM" and window is not None:
         window = None if int(window) >= int(cfg.get("max_position_embeddings", 4096)) else window
@@ -184,7 +268,7 @@ def _sliding_layers(
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
         types = tuple(str(t) for t in types)
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif arch in _QWEN:
         first = int(cfg.get("max_window_layers", num_layers))
         types = tuple(_SLIDING if i >= first else "full_attention" for i in range(num_layers))
     elif arch == "Gemma3ForCausalLM":

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from radixserve.executor.layers.moe import SparseMoE
 from radixserve.executor.linear import Linear
 from radixserve.executor.loader.gguf_codes import GroupCodes
 from radixserve.executor.native import load_int4_panels, load_int8_panels, load_qlinear
@@ -914,29 +915,28 @@ def install_gguf_linears(
 ) -> dict[tuple[str, str], int]:
     """Put the layers built from a GGUF file's codes (``linears``: by the Hugging Face name
     of each fused group's first tensor) in place of the placeholder ``Linear``s of
-    ``model.layers`` (weights on the meta device), with their biases. Returns the count of
-    tensors per (executed precision, GGML type), and ("lm_head", its GGML type) when the LM
-    head was built too (``linears["lm_head.weight"]``, replacing ``model.lm_head``).
-    ``RuntimeError`` when a placeholder has no layer or a layer no placeholder."""
+    ``model.layers`` (weights on the meta device; experts included), with their biases.
+    Returns the count of tensors per (executed precision, GGML type), and ("lm_head", its
+    GGML type) when the LM head was built too (``linears["lm_head.weight"]``, replacing
+    ``model.lm_head``). ``RuntimeError`` when a placeholder has no layer or a layer no
+    placeholder."""
     left = dict(linears)
     counts: dict[tuple[str, str], int] = {}
     for i, layer in enumerate(model.layers):
-        prefix = f"model.layers.{i}."
-        for name in _layer_fields(layer):
-            value = getattr(layer, name)
-            if not isinstance(value, Linear) or value.weight.device.type != "meta":
+        for slot in layer_linears(layer, f"model.layers.{i}."):
+            value = slot.value
+            plain = value.plain_weight if isinstance(value, Linear) else None
+            if plain is None or plain.device.type != "meta":  # not a placeholder
                 continue
-            group = next(
-                (g for g in LAYER_FIELD_SOURCES.get(name, ()) if prefix + g[0] in left), None
-            )
+            group = next((g for g in slot.sources if slot.prefix + g[0] in left), None)
             if group is None:
-                raise RuntimeError(f"layer {i} {name}: no weights were built for it")
-            built = left.pop(prefix + group[0])
+                raise RuntimeError(f"{slot.prefix}{slot.field}: no weights were built for it")
+            built = left.pop(slot.prefix + group[0])
             built.bias = value.bias
-            setattr(layer, name, built)
+            slot.set(built)
             label = executed_label(built)
             for part in group:
-                key = (label, tensor_types[prefix + part])
+                key = (label, tensor_types[slot.prefix + part])
                 counts[key] = counts.get(key, 0) + 1
     head = left.pop("lm_head.weight", None)
     if head is not None:
@@ -971,21 +971,64 @@ def quantize_linear(layer: Linear, scheme: QuantScheme) -> Linear | Int8Linear |
 AnyLinear = Linear | Int8Linear | Int4Linear | Int8GroupLinear
 
 
-def _layer_fields(layer: Any) -> Iterable[str]:
-    if dataclasses.is_dataclass(layer):
-        return [f.name for f in dataclasses.fields(layer)]
-    return list(vars(layer))
+# An expert's fields, by name relative to its prefix (``mlp.experts.E.``)
+EXPERT_FIELD_SOURCES: dict[str, tuple[tuple[str, ...], ...]] = {
+    "gate_up": (("gate_proj.weight", "up_proj.weight"),),
+    "down": (("down_proj.weight",),),
+}
+
+
+@dataclass(frozen=True)
+class LinearSlot:
+    """One field of a decoder layer (or of one of its experts) that holds a linear layer:
+    ``owner.field`` is ``value``; ``prefix`` + a name of ``sources`` is a Hugging Face
+    name of its weight (the first of each fused group)."""
+
+    owner: Any
+    field: str
+    value: Any
+    prefix: str
+    sources: tuple[tuple[str, ...], ...]
+    expert: bool
+
+    def set(self, value: Any) -> None:
+        setattr(self.owner, self.field, value)
+
+
+def _fields(obj: Any) -> Iterable[str]:
+    if dataclasses.is_dataclass(obj):
+        return [f.name for f in dataclasses.fields(obj)]
+    return list(vars(obj))
+
+
+def layer_linears(layer: Any, prefix: str = "") -> Iterator[LinearSlot]:
+    """Every linear layer a decoder layer holds (whatever its fields are called or fused
+    into), the experts of a ``SparseMoE`` field included (``expert=True``)."""
+    for name in _fields(layer):
+        value = getattr(layer, name)
+        if isinstance(value, SparseMoE):
+            for part_prefix, expert in value.parts():
+                for field in _fields(expert):
+                    yield LinearSlot(
+                        expert,
+                        field,
+                        getattr(expert, field),
+                        prefix + part_prefix,
+                        EXPERT_FIELD_SOURCES[field],
+                        True,
+                    )
+        elif isinstance(value, AnyLinear):
+            yield LinearSlot(layer, name, value, prefix, LAYER_FIELD_SOURCES.get(name, ()), False)
 
 
 def quantize_model(model: Any, scheme: QuantScheme) -> None:
     """Replace, in place, every ``Linear`` held by ``model.layers[i]`` (whatever they are
-    called or fused into) by its quantized form. Embeddings and the LM head stay as they
-    are."""
+    called or fused into; experts too) by its quantized form. Embeddings and the LM head
+    stay as they are."""
     for layer in model.layers:
-        for name in _layer_fields(layer):
-            value = getattr(layer, name)
-            if isinstance(value, Linear):
-                setattr(layer, name, quantize_linear(value, scheme))
+        for slot in layer_linears(layer):
+            if isinstance(slot.value, Linear):
+                slot.set(quantize_linear(slot.value, scheme))
 
 
 QuantizedLinear = Int8Linear | Int4Linear | Int8GroupLinear
@@ -1008,12 +1051,12 @@ def _dense_bf16(layer: QuantizedLinear) -> torch.Tensor:
     return layer.dequantized().to(torch.bfloat16)
 
 
-def _quantized_layers(model: Any) -> Iterable[QuantizedLinear]:
+def _quantized_layers(model: Any, experts: bool = False) -> Iterable[QuantizedLinear]:
+    """The quantized layers of ``model.layers``; the experts' only with ``experts``."""
     for layer in model.layers:
-        for name in _layer_fields(layer):
-            value = getattr(layer, name)
-            if isinstance(value, QuantizedLinear):
-                yield value
+        for slot in layer_linears(layer):
+            if isinstance(slot.value, QuantizedLinear) and (experts or not slot.expert):
+                yield slot.value
 
 
 def prefill_copy_bytes(model: Any) -> int:
@@ -1078,8 +1121,17 @@ def weight_memory(model: Any) -> dict[str, int]:
     for name in ("embed", "norm", "lm_head"):
         add_any(getattr(model, name, None))
     for layer in model.layers:
-        for name in _layer_fields(layer):
-            add_any(getattr(layer, name))
+        for name in _fields(layer):
+            value = getattr(layer, name)
+            if isinstance(value, SparseMoE):
+                add_tensor(value.router)
+                add_tensor(value.shared_gate)
+        for slot in layer_linears(layer):
+            add_any(slot.value)
+        for name in _fields(layer):
+            value = getattr(layer, name)
+            if isinstance(value, torch.Tensor):
+                add_tensor(value)
     return out
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.executor.loader.gguf_file import GGUFFile, read_gguf_metadata
+from radixserve.executor.loader.gguf_file import GGUFFile, GGUFTensorInfo, read_gguf_metadata
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -20,7 +20,15 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# a ``llama`` file with experts is a Mixtral
+_LLAMA_MOE = "MixtralForCausalLM"
+# llama.cpp's rule for each MoE family's top-k weights (``expert_weights_norm`` in newer
+# files says so itself): renormalised for Qwen3-MoE and Mixtral, not for Qwen2-MoE, OLMoE
+_NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,6 +51,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixtures of experts: the router, the shared expert and its gate (the experts' stacked
+    # tensors are split per expert: ``_expert_slices``)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 
 # Gemma 3 names its four norms differently (ffn_norm is the pre-MLP norm there)
@@ -67,6 +82,10 @@ _GEMMA3_PATTERN, _GEMMA3_LOCAL_BASE = 6, 10000.0
 _END_OF_TURN = {"gemma3": "<end_of_turn>", "phi3": "<|end|>"}
 
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# one expert's matrix: old Mixtral files store them so, and ``_expert_slices`` names the
+# slices of a stacked ``ffn_*_exps`` tensor so
+_EXPERT_RE = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
+_STACKED_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 
 
 @dataclass
@@ -112,6 +131,28 @@ def _reverse_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     )
 
 
+def _expert_slices(tensors: list[GGUFTensorInfo]) -> list[GGUFTensorInfo]:
+    """``tensors`` with each stacked expert tensor (``blk.N.ffn_gate_exps.weight``
+    [experts, rows, cols], llama.cpp's layout since 2024) replaced by one 2-D tensor per
+    expert (``blk.N.ffn_gate.E.weight``), each a view of its slice of the file's bytes."""
+    out = []
+    for t in tensors:
+        m = _STACKED_RE.fullmatch(t.name)
+        if m is None:
+            out.append(t)
+            continue
+        if len(t.shape) != 3:
+            raise ValueError(f"expert tensor {t.name} has shape {t.shape}; expected 3-D")
+        experts, rows, cols = t.shape
+        per = t.data.size // experts
+        for e in range(experts):
+            name = f"blk.{m.group(1)}.ffn_{m.group(2)}.{e}.weight"
+            out.append(
+                GGUFTensorInfo(name, (rows, cols), t.ggml_type, t.data[e * per : (e + 1) * per])
+            )
+    return out
+
+
 def load_gguf(
     path: Path,
     select: Callable[[dict[str, Any]], Callable[[str, torch.Tensor], torch.Tensor]] | None = None,
@@ -139,7 +180,8 @@ def load_gguf(
 
     weights: dict[str, torch.Tensor] = {}
     tensor_types: dict[str, str] = {}
-    by_hf = {_hf_name(t.name, arch): t for t in gguf_file.tensors}
+    tensors = _expert_slices(gguf_file.tensors)
+    by_hf = {_hf_name(t.name, arch): t for t in tensors}
     groups = _code_groups(by_hf) if codes and keep is None else {}
     linears: dict[str, Any] = {}
 
@@ -171,7 +213,7 @@ def load_gguf(
             decode_codes(head.data, head.type_name, head.shape)
         )
         tensor_types["lm_head.weight"] = head.type_name
-    for tensor in gguf_file.tensors:
+    for tensor in tensors:
         if tensor.name == "rope_freqs.weight":  # per-frequency rope divisors (llama3)
             factors = gguf_file.dequantize(tensor).reshape(-1).tolist()
             hf_config["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors}
@@ -251,15 +293,19 @@ def _code_groups(by_hf: dict[str | None, Any]) -> dict[str, list[str]]:
     name of each fused group's first tensor, the group's names (every part present, 2-D,
     of a type in ``CODE_TYPES``)."""
     from radixserve.executor.loader.gguf_codes import CODE_TYPES
-    from radixserve.executor.quant import LAYER_FIELD_SOURCES
+    from radixserve.executor.quant import EXPERT_FIELD_SOURCES, LAYER_FIELD_SOURCES
 
     out: dict[str, list[str]] = {}
     for name in by_hf:
-        m = name and re.fullmatch(r"(model\.layers\.\d+\.)(.+)", name)
+        expert = name and re.fullmatch(
+            r"(model\.layers\.\d+\.mlp\.(?:experts\.\d+|shared_expert)\.)(.+)", name
+        )
+        m = expert or (name and re.fullmatch(r"(model\.layers\.\d+\.)(.+)", name))
         if not m:
             continue
         prefix, rest = m.group(1), m.group(2)
-        for options in LAYER_FIELD_SOURCES.values():
+        sources = EXPERT_FIELD_SOURCES if expert else LAYER_FIELD_SOURCES
+        for options in sources.values():
             for group in options:
                 if group[0] != rest:
                     continue
@@ -309,6 +355,7 @@ def gguf_hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> 
     }
     if arch == "qwen2":
         hf_config["attention_bias"] = True
+    _moe_hf_config(arch, meta, tensor_names, hf_config)
     rope_scaling = _rope_scaling(arch, meta, path, tensor_names)
     if rope_scaling is not None:
         hf_config["rope_scaling"] = rope_scaling
@@ -341,6 +388,45 @@ def gguf_hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> 
     if eot is not None and eot in tokens and hf_config["eos_token_id"] is not None:
         hf_config["eos_token_id"] = sorted({int(hf_config["eos_token_id"]), tokens.index(eot)})
     return hf_config
+
+
+def _moe_hf_config(
+    arch: str, meta: dict[str, Any], tensor_names: set[str], hf_config: dict[str, Any]
+) -> None:
+    """The experts' fields of config.json from ``{arch}.expert_*`` (a ``llama`` file with
+    experts becomes a Mixtral); a layer without a router (``ffn_gate_inp``) is dense."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe", "olmoe"):
+            raise ValueError(f"GGUF metadata lacks {arch}.expert_count")
+        return
+    if arch not in _NORM_TOPK:
+        raise ValueError(f"GGUF architecture {arch!r} with experts is not supported")
+    layers = hf_config["num_hidden_layers"]
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    expert_size = meta.get(f"{arch}.expert_feed_forward_length") or hf_config["intermediate_size"]
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    hf_config.update(
+        num_experts=experts,
+        num_local_experts=experts,
+        num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count") or 2),
+        moe_intermediate_size=int(expert_size),
+        norm_topk_prob=_NORM_TOPK[arch] if norm is None else bool(norm),
+        mlp_only_layers=dense,
+        shared_expert_intermediate_size=int(
+            meta.get(f"{arch}.expert_shared_feed_forward_length") or 0
+        ),
+    )
+    if arch == "llama":
+        if dense:
+            raise ValueError(f"a Mixtral file needs a router in every layer (none in {dense})")
+        hf_config["architectures"] = [_LLAMA_MOE]
+        hf_config["intermediate_size"] = int(expert_size)
+    elif arch == "olmoe":
+        hf_config["intermediate_size"] = int(expert_size)
+        clamp = meta.get(f"{arch}.attention.clamp_kqv")
+        if clamp:
+            hf_config["clip_qkv"] = float(clamp)
 
 
 def _rope_scaling(
@@ -399,6 +485,10 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in table:
         return f"model.layers.{m.group(1)}.{table[m.group(2)]}"
+    expert = m and _EXPERT_RE.fullmatch(m.group(2))
+    if expert:
+        kind, e = expert.group(1), expert.group(2)
+        return f"model.layers.{m.group(1)}.mlp.experts.{e}.{kind}_proj.weight"
     if gguf_name.startswith("rope_"):
         return f"rotary_emb.{gguf_name}"  # precomputed rope tables: dropped by the model
     return None

@@ -47,6 +47,12 @@ class ShardLayout:
         c, n = self.config, self.world_size
         if n < 1 or not 0 <= self.rank < n:
             raise ValueError(f"rank {self.rank} is not in a group of {n}")
+        if c.moe is not None and n > 1:
+            raise ValueError(
+                f"{c.architecture} is a mixture of experts: tensor parallelism does not "
+                "split experts yet; run it with tensor_parallel_size 1 (data parallelism "
+                "replicates it whole)"
+            )
         if c.num_attention_heads % n:
             raise ValueError(
                 f"tensor_parallel_size {n} does not divide the model's "

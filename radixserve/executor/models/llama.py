@@ -12,6 +12,7 @@ from radixserve.executor.attention import AttentionBackend
 from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.layers.attention import AttentionSpec
 from radixserve.executor.layers.linear import Linear, fused
+from radixserve.executor.layers.moe import ExpertMLP, SparseMoE
 from radixserve.executor.layers.parallel import TensorParallel
 from radixserve.executor.layers.rotary import RotaryEmbedding
 from radixserve.executor.model_config import ModelConfig
@@ -26,14 +27,42 @@ class DecoderLayerWeights:
     k_norm: torch.Tensor | None
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]: gate, up fused
-    down: Linear
+    gate_up: Linear | None  # [2 * intermediate, hidden]: gate, up fused; None: ``moe``
+    down: Linear | None
+    moe: SparseMoE | None = None  # the MLP of a sparse layer (experts)
+
+
+# Mixtral's names for its MoE weights, as Qwen-MoE's (the names the loaders and the
+# quantizer use): w1 gate, w3 up, w2 down
+_MIXTRAL_NAMES = (
+    (".block_sparse_moe.gate.", ".mlp.gate."),
+    (".block_sparse_moe.experts.", ".mlp.experts."),
+    (".w1.weight", ".gate_proj.weight"),
+    (".w3.weight", ".up_proj.weight"),
+    (".w2.weight", ".down_proj.weight"),
+)
+
+
+def canonical_moe_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` with Mixtral's MoE names (``block_sparse_moe``, ``w1/w2/w3``) as
+    Qwen-MoE's (``mlp.gate``, ``mlp.experts.E.gate/up/down_proj``)."""
+    if not any(".block_sparse_moe." in name for name in weights):
+        return weights
+    out = {}
+    for name, tensor in weights.items():
+        if ".block_sparse_moe." in name:
+            for old, new in _MIXTRAL_NAMES:
+                name = name.replace(old, new)
+        out[name] = tensor
+    return out
 
 
 class LlamaForCausalLM:
-    """Llama, Mistral, Qwen2, Qwen3 (a ``CausalLM``): the weights in Hugging Face semantics,
-    fused where that saves kernel launches; with ``tp`` one rank's part of the model (the
-    loader's ``ShardLayout`` cut the weights; ``config`` is the rank's local config).
+    """Llama, Mistral, Qwen2, Qwen3 and their mixture-of-experts kin (Qwen2-MoE, Qwen3-MoE,
+    Mixtral, OLMoE; ``SparseMoE`` in the sparse layers) (a ``CausalLM``): the weights in
+    Hugging Face semantics, fused where that saves kernel launches; with ``tp`` one rank's
+    part of the model (the loader's ``ShardLayout`` cut the weights; ``config`` is the
+    rank's local config).
 
     Invariant: ``forward`` computes the same function as the Hugging Face model of the same
     config on the same weights (on every rank under tensor parallelism); hidden states of
@@ -55,7 +84,7 @@ class LlamaForCausalLM:
         c = config
         self.q_size = c.num_attention_heads * c.head_dim
         self.kv_size = c.num_key_value_heads * c.head_dim
-        source = Weights(weights, dtype)
+        source = Weights(canonical_moe_names(weights), dtype)
         take, take_optional = source.take, source.take_optional
 
         self.embed = take("model.embed_tokens.weight")
@@ -76,10 +105,16 @@ class LlamaForCausalLM:
                     if c.attention_bias
                     else None,
                 )
-            if p + "mlp.gate_up_proj.weight" in source:  # stored fused (Phi-3)
+            moe = None
+            if c.moe is not None and c.moe.sparse_layers[i]:
+                moe = self._sparse_moe(source, p, c.moe.intermediate_size)
+                gate_up = down = None
+            elif p + "mlp.gate_up_proj.weight" in source:  # stored fused (Phi-3)
                 gate_up = Linear(take(p + "mlp.gate_up_proj.weight"))
+                down = Linear(take(p + "mlp.down_proj.weight"))
             else:
                 gate_up = fused([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                down = Linear(take(p + "mlp.down_proj.weight"))
             self.layers.append(
                 DecoderLayerWeights(
                     input_norm=take(p + "input_layernorm.weight"),
@@ -89,12 +124,16 @@ class LlamaForCausalLM:
                     o=Linear(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=gate_up,
-                    down=Linear(take(p + "mlp.down_proj.weight")),
+                    down=down,
+                    moe=moe,
                 )
             )
             if qkv.weight.shape != (self.q_size + 2 * self.kv_size, c.hidden_size):
                 raise ValueError(f"layer {i}: q/k/v projections do not match the config")
-            if gate_up.weight.shape != (2 * c.intermediate_size, c.hidden_size):
+            if gate_up is not None and gate_up.weight.shape != (
+                2 * c.intermediate_size,
+                c.hidden_size,
+            ):
                 raise ValueError(f"layer {i}: gate/up projections do not match the config")
         self.norm = take("model.norm.weight")
         lm_head = take_optional("lm_head.weight")
@@ -111,6 +150,33 @@ class LlamaForCausalLM:
         # the first such step for its attention backend; None: not looked at yet
         self._program: decode_program.DecodeProgram | None = None
         self._program_for: object | None = None  # the backend it was built (or refused) for
+
+    def _sparse_moe(self, source: Weights, p: str, inter: int) -> SparseMoE:
+        """Layer ``p``'s experts (each gate/up fused), router and shared expert."""
+        c = self.config
+        assert c.moe is not None
+
+        def expert(q: str, size: int) -> ExpertMLP:
+            gate_up = fused(
+                [source.take(q + "gate_proj.weight"), source.take(q + "up_proj.weight")]
+            )
+            if gate_up.weight.shape != (2 * size, c.hidden_size):
+                raise ValueError(f"{q}: gate/up projections do not match the config")
+            return ExpertMLP(gate_up, Linear(source.take(q + "down_proj.weight")))
+
+        experts = [expert(f"{p}mlp.experts.{e}.", inter) for e in range(c.moe.num_experts)]
+        shared = shared_gate = None
+        if c.moe.shared_intermediate_size:
+            shared = expert(p + "mlp.shared_expert.", c.moe.shared_intermediate_size)
+            shared_gate = source.take(p + "mlp.shared_expert_gate.weight").reshape(1, -1)
+        return SparseMoE(
+            c.moe,
+            source.take(p + "mlp.gate.weight"),
+            experts,
+            self.ops.silu_and_mul,
+            shared,
+            shared_gate,
+        )
 
     def forward(
         self,
@@ -136,8 +202,12 @@ class LlamaForCausalLM:
         for layer_idx, w in enumerate(self.layers):
             x = ops.add_rms_norm(sublayer_out, residual, w.input_norm, eps)
             qkv = w.qkv(x)
+            if c.qk_norm_whole:  # OLMoE: q and k normed over all their heads at once
+                qkv = self._norm_whole_qk(qkv, w)
+            if c.clip_qkv is not None:  # (after the norms, as OLMoE does)
+                qkv = qkv.clamp(-c.clip_qkv, c.clip_qkv)
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
-            if w.q_norm is None:
+            if w.q_norm is None or c.qk_norm_whole:
                 # q and k rotate together as one [T, heads + kv_heads, d] view.
                 qk = qkv[:, : self.q_size + self.kv_size].view(
                     num_tokens, heads + kv_heads, head_dim
@@ -156,6 +226,13 @@ class LlamaForCausalLM:
             x = ops.add_rms_norm(self.tp.reduce(w.o(attn)), residual, w.post_norm, eps)
             sublayer_out = self.tp.reduce(self._mlp(w, x))
         return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
+
+    def _norm_whole_qk(self, qkv: torch.Tensor, w: DecoderLayerWeights) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q = F.rms_norm(qkv[:, :q_end], (q_end,), w.q_norm, eps)
+        k = F.rms_norm(qkv[:, q_end:k_end], (self.kv_size,), w.k_norm, eps)
+        return torch.cat([q, k, qkv[:, k_end:]], dim=1)
 
     def attention_specs(self) -> list[AttentionSpec]:
         c = self.config
@@ -184,6 +261,8 @@ class LlamaForCausalLM:
         [T, 2 * intermediate] activations of a long prompt chunk fall out of cache between
         the three ops, and GEMMs with fewer rows each run ~6% faster here (measured at
         T = 2048, SmolLM2's shapes)."""
+        if w.moe is not None:
+            return w.moe(x)
         rows = x.shape[0]
         block = self.mlp_block_rows
         if block is None or rows <= block:

@@ -28,8 +28,9 @@ class ModelClass(Protocol):
 
 
 def _registry() -> dict[str, ModelClass]:
-    # one file per family; Llama's covers Mistral, Qwen2 and Qwen3 (q/k/v bias, q/k norm,
-    # rope scaling, tied embeddings and sliding windows are read from the config)
+    # one file per family; Llama's covers Mistral, Qwen2, Qwen3 and the MoE families (q/k/v
+    # bias, q/k norm, experts, rope scaling, tied embeddings and sliding windows are read
+    # from the config)
     registry: dict[str, ModelClass] = {
         arch: LlamaForCausalLM
         for arch in (
@@ -37,6 +38,10 @@ def _registry() -> dict[str, ModelClass]:
             "MistralForCausalLM",
             "Qwen2ForCausalLM",
             "Qwen3ForCausalLM",
+            "Qwen2MoeForCausalLM",
+            "Qwen3MoeForCausalLM",
+            "MixtralForCausalLM",
+            "OlmoeForCausalLM",
         )
     }
     registry["Gemma3ForCausalLM"] = Gemma3ForCausalLM
