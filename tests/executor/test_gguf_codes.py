@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from radixserve import LLM
-from radixserve.executor.loader.gguf_codes import CODE_TYPES, concat_codes, decode_codes
+from radixserve.executor.loader.gguf_codes import (
+    CODE_TYPES,
+    GRID_TYPES,
+    concat_codes,
+    decode_codes,
+)
 from radixserve.executor.native import load_int8_panels
 from radixserve.executor.quant import (
     Int4Linear,
@@ -42,6 +47,8 @@ def encode_blocks(type_name: str, rows: int, cols: int, seed: int, std: float = 
     rng = np.random.default_rng(seed)
     if type_name in ("IQ4_NL", "IQ4_XS", "MXFP4"):  # random codes, scales sized for std
         return _table_blocks(type_name, rows, cols, rng, std)
+    if type_name in GRID_TYPES:
+        return _grid_blocks(type_name, rows, cols, rng, std)
     if type_name not in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
         w = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
         return quantize(w, GGMLQuantizationType[type_name])
@@ -90,6 +97,39 @@ def _table_blocks(type_name: str, rows: int, cols: int, rng, std: float) -> np.n
     d = _f16_bytes(np.full((rows, nb), std / (64 * 16)))
     body = rng.integers(0, 256, size=(rows, nb, 2 + 4 + 128), dtype=np.uint8)
     return np.concatenate([d, body], axis=-1).reshape(rows, -1)
+
+
+# a grid type's typical |value| over its d: sub-scale ~8 times its lattice's mean coordinate
+_GRID_SIZE = {
+    "IQ1_S": 8.0,
+    "IQ1_M": 11.0,
+    "IQ2_XXS": 50.0,
+    "IQ2_XS": 50.0,
+    "IQ2_S": 50.0,
+    "IQ3_XXS": 120.0,
+    "IQ3_S": 128.0,
+}
+
+
+def _grid_blocks(type_name: str, rows: int, cols: int, rng, std: float) -> np.ndarray:
+    """A grid type's super-blocks: random lattice indices, signs and sub-scales, the
+    float16 ``d`` sized for weights of about ``std`` (IQ1_M keeps it in the top nibbles of
+    its four scale words)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    nb = cols // QK_K
+    body = rng.integers(0, 256, size=(rows, nb, block_bytes), dtype=np.uint8)
+    d = np.float16(std / _GRID_SIZE[type_name])
+    if type_name == "IQ1_M":
+        bits = int(d.view(np.uint16))
+        words = np.ascontiguousarray(body[..., 48:56]).view(np.uint16) & np.uint16(0x0FFF)
+        for i in range(4):
+            words[..., i] |= np.uint16(((bits >> (4 * i)) & 0xF) << 12)
+        body[..., 48:56] = words.view(np.uint8)
+    else:
+        body[..., 0:2] = _f16_bytes(np.full((rows, nb), float(d)))
+    return body.reshape(rows, -1)
 
 
 def _reference(raw: np.ndarray, type_name: str, rows: int, cols: int) -> torch.Tensor:

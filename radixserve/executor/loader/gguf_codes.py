@@ -21,6 +21,13 @@ Q8_0      32     -127..127    d, none
 IQ4_NL    32     -127..113    d, none             (q = the 4-bit code's table value)
 IQ4_XS    32     -127..113    d (ls[j] - 32), none (the same table; a 6-bit ls per 32)
 MXFP4     32     -12..12      2^(e - 128), none   (q = 2 x the FP4 value: integers)
+IQ1_S     32     -9..9        d (2 s + 1) / 8     (q = 8 (grid + delta), grid -1..1)
+IQ1_M     16     -9..9        d (2 s + 1) / 8     (the same, delta per 8 inputs)
+IQ2_XXS   32     -43..43      d (s + 1/2) / 4     (q = a signed grid value: 8, 25, 43)
+IQ2_XS    16     -43..43      d (s + 1/2) / 4
+IQ2_S     16     -43..43      d (s + 1/2) / 4     (grid values 8, 25, 43, 60... <= 43)
+IQ3_XXS   32     -62..62      d (s + 1/2) / 2     (grid values 4 .. 62)
+IQ3_S     32     -15..15      d (2 s + 1)         (grid values 1 .. 15)
 ========  =====  ===========  =======================================================
 
 IQ4_NL and IQ4_XS are 4-bit codes into a fixed non-linear table (``IQ4_TABLE``) and MXFP4
@@ -29,6 +36,14 @@ affine map of its 4-bit code, but each is one of its table's values, an integer,
 the group's scale, so as int8 codes (the table value) they run exactly, at 8 bits a weight
 instead of the 16 of a bfloat16 copy (the gguf package's dequantizers are again the
 reference).
+
+The grid types (IQ1, IQ2, IQ3: "i-quants") store each 8 weights as an index into a
+lattice of points with small integer coordinates, signs apart (IQ1: coordinates -1, 0, 1
+and a shift of +-1/8 per group, so eight times the value is an integer). Their codes are
+taken from the gguf package's dequantization divided by the group's scale read from the
+bytes (the lattices are its tables), and checked to be integers in a byte: exact as int8
+groups. Their scales (a float16 ``d`` times an odd factor up to 31, over 4 or 8) round
+to 16 bits in the kernels, as IQ4_XS's do.
 
 The 4-bit types (``bits == 4``) fit the int4 kernels (code ``q + 8`` in 0..15), the others
 the int8 group-wise ones. Scales and zeros are float32 here, exact (a float16 times an
@@ -65,7 +80,17 @@ CODE_TYPES: dict[str, tuple[int, int]] = {
     "IQ4_NL": (32, 8),
     "IQ4_XS": (32, 8),
     "MXFP4": (32, 8),
+    "IQ1_S": (32, 8),
+    "IQ1_M": (16, 8),
+    "IQ2_XXS": (32, 8),
+    "IQ2_XS": (16, 8),
+    "IQ2_S": (16, 8),
+    "IQ3_XXS": (32, 8),
+    "IQ3_S": (32, 8),
 }
+# the grid types: signed lattice points (IQ2/IQ3: integers; IQ1: -1, 0, 1 plus a +-1/8
+# shift per group) times a scale per 16 or 32 inputs (see ``_grid_codes``)
+GRID_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 # IQ4_NL / IQ4_XS's code table (ggml's kvalues_iq4nl) and MXFP4's E2M1 values, doubled
 IQ4_TABLE = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8
@@ -206,6 +231,59 @@ def _q3_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale, q
 
 
+def _nibble_scales(raw: np.ndarray) -> np.ndarray:
+    """4-bit sub-block scales, two a byte (low nibble first): [..., 2 * bytes]."""
+    return np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(*raw.shape[:-1], -1)
+
+
+def _grid_scale(blocks: np.ndarray, type_name: str) -> np.ndarray:
+    """The scale of each group of a grid type's super-blocks [n, nb, bytes] (float32
+    [n, nb, groups]), as the gguf package's dequantizers compute it (IQ1: over 8)."""
+    half, quarter = np.float32(0.5), np.float32(0.25)
+    if type_name == "IQ1_M":  # the float16 d in the top nibbles of the four scale words
+        words = np.ascontiguousarray(blocks[..., 48:56]).view(np.uint16)  # [n, nb, 4]
+        parts = (words & np.uint16(0xF000)) >> np.array([12, 8, 4, 0], dtype=np.uint16)
+        d = np.bitwise_or.reduce(parts, axis=-1, keepdims=True).view(np.float16)
+        s = (words[..., None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & 7
+        return d.astype(np.float32) * (2 * s.reshape(*words.shape[:-1], 16) + 1) / 8
+    d = _f16(blocks[..., 0:2])  # [n, nb, 1]
+    if type_name in ("IQ2_XXS", "IQ3_XXS"):  # 4-bit scales atop 8 uint32 words
+        offset = 2 if type_name == "IQ2_XXS" else 66
+        words = np.ascontiguousarray(
+            blocks[..., offset : offset + 64 if type_name == "IQ2_XXS" else offset + 32]
+        ).view(np.uint32)
+        ls = (words[..., 1::2] if type_name == "IQ2_XXS" else words) >> 28
+        return d * (half + ls.astype(np.float32)) * (quarter if type_name == "IQ2_XXS" else half)
+    if type_name in ("IQ2_XS", "IQ2_S"):
+        offset = 66 if type_name == "IQ2_XS" else 74
+        ls = _nibble_scales(blocks[..., offset : offset + 8]).astype(np.float32)
+        return d * (half + ls) * quarter
+    if type_name == "IQ3_S":
+        ls = _nibble_scales(blocks[..., 106:110]).astype(np.float32)
+        return d * (1 + 2 * ls)
+    # IQ1_S: a uint16 per 32: 3-bit scale at bit 12
+    qh = np.ascontiguousarray(blocks[..., 34:50]).view(np.uint16)
+    return d * (2 * ((qh >> 12) & 7).astype(np.float32) + 1) / 8
+
+
+def _grid_codes(b: np.ndarray, type_name: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scale [n, k / group], q [n, k] int8) of a grid type: the gguf package's values
+    divided by the group's scale, checked to be integers of a byte."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    group = CODE_TYPES[type_name][0]
+    blocks = b.reshape(n, k // QK_K, -1)
+    scale = _grid_scale(blocks, type_name).reshape(n, k // group)
+    w = np.asarray(dequantize(b.reshape(n, -1), GGMLQuantizationType[type_name]), np.float32)
+    w = w.reshape(n, k // group, group)
+    safe = np.where(scale == 0, np.float32(1), scale)[..., None]
+    q = np.rint(w / safe)
+    if np.abs(q).max(initial=0) > 127 or not np.allclose(q * safe, w, rtol=1e-5, atol=0):
+        raise ValueError(f"{type_name} values are not integers of a byte times the scale")
+    return scale, q.astype(np.int8).reshape(n, k)
+
+
 def decode_codes(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> GroupCodes:
     """The codes of a tensor of ``shape`` [N, K] from its raw blocks (uint8, any shape
     holding them in order). ``ValueError`` for a type not in ``CODE_TYPES``."""
@@ -279,6 +357,8 @@ def decode_codes(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Gro
         scale = (d * ls.astype(np.float32)).reshape(n, -1)
         qs = blocks[..., 8:].reshape(n, k // QK_K, 8, 16)
         q = IQ4_TABLE[_nibbles(qs, 16)]  # per sub-block of 32: low nibbles, then high
+    elif type_name in GRID_TYPES:
+        scale, q = _grid_codes(b, type_name, n, k)
     elif type_name == "Q2_K":
         scale, zero, q = _q2_k(b.reshape(n, k // QK_K, -1))
     elif type_name == "Q3_K":
