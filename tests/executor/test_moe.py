@@ -371,3 +371,14 @@ def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> tuple[np.ndarray, np
     llm.engine.check_idle()
     entries = [lp for o in outs for lp in o.prompt_logprobs[1:]]
     return np.array([e.logprob for e in entries]), np.array([e.top[0][0] for e in entries])
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "olmoe"])
+def test_dummy_weights_build_every_family(moe_models, arch):
+    """``load_format="dummy"`` makes an MoE model's every tensor (router, experts, shared
+    expert, whole-projection q/k norms), so its speed can be measured without the file."""
+    llm = LLM(str(moe_models[arch]), load_format="dummy", quantization="int8")
+    layers = llm.engine.model.layers
+    sparse = [lay.moe for lay in layers if lay.moe is not None]
+    assert sparse and all(isinstance(e.down, Int8Linear) for m in sparse for e in m.experts)
+    assert len(generate_ids(llm, _prompts(), greedy(3))[0]) == 3

@@ -38,12 +38,24 @@ def dummy_weights(
                     rows, dtype=dtype, device=device
                 )
         weights[p + "self_attn.o_proj.weight"] = matrix(c.hidden_size, q_size)
-        if c.qk_norm:
+        if c.qk_norm and not c.qk_norm_whole:
             weights[p + "self_attn.q_norm.weight"] = ones(c.head_dim)
             weights[p + "self_attn.k_norm.weight"] = ones(c.head_dim)
-        weights[p + "mlp.gate_proj.weight"] = matrix(c.intermediate_size, c.hidden_size)
-        weights[p + "mlp.up_proj.weight"] = matrix(c.intermediate_size, c.hidden_size)
-        weights[p + "mlp.down_proj.weight"] = matrix(c.hidden_size, c.intermediate_size)
+        if c.qk_norm and c.qk_norm_whole:  # OLMoE: over the whole projections
+            weights[p + "self_attn.q_norm.weight"] = ones(q_size)
+            weights[p + "self_attn.k_norm.weight"] = ones(kv_size)
+        moe = c.moe
+        mlps = [(p + "mlp.", c.intermediate_size)]
+        if moe is not None and moe.sparse_layers[i]:
+            weights[p + "mlp.gate.weight"] = matrix(moe.num_experts, c.hidden_size)
+            mlps = [(f"{p}mlp.experts.{e}.", moe.intermediate_size) for e in range(moe.num_experts)]
+            if moe.shared_intermediate_size:
+                mlps.append((p + "mlp.shared_expert.", moe.shared_intermediate_size))
+                weights[p + "mlp.shared_expert_gate.weight"] = matrix(1, c.hidden_size)
+        for q, inter in mlps:
+            weights[q + "gate_proj.weight"] = matrix(inter, c.hidden_size)
+            weights[q + "up_proj.weight"] = matrix(inter, c.hidden_size)
+            weights[q + "down_proj.weight"] = matrix(c.hidden_size, inter)
         weights[p + "input_layernorm.weight"] = ones(c.hidden_size)
         weights[p + "post_attention_layernorm.weight"] = ones(c.hidden_size)
         if gemma:
