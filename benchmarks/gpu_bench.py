@@ -47,6 +47,8 @@ def weight_bytes_per_step(engine: Engine) -> int:
     """Bytes of every matrix a decode step reads (all but the embedding table, of which it
     reads only a row per request) and the norms."""
     m = engine.model
+    if engine.model_config.moe is not None:
+        raise SystemExit("gpu_bench's bandwidth model is for dense models (this one has experts)")
     total = 0
     for w in m.layers:
         for lin in (w.qkv, w.o, w.gate_up, w.down):

@@ -53,6 +53,7 @@ class MoEConfig:
     sparse_layers: tuple[bool, ...]
     scoring: str = "softmax"
     shared_intermediate_size: int = 0
+    float32_weights: bool = False  # Mixtral: weights the experts' outputs in float32
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -175,7 +176,8 @@ class ModelConfig:
                     cfg.get("tie_word_embeddings", arch == "Gemma3ForCausalLM")
                 ),
                 # Qwen2 always has q/k/v biases; the others say so in config.json.
-                attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+                attention_bias=arch == "Qwen2ForCausalLM"
+                or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))
                 or bool(cfg.get("attention_bias")),
                 qk_norm=arch
                 in (
@@ -241,6 +243,7 @@ def _moe_config(arch: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | 
         shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
         if arch == "Qwen2MoeForCausalLM"
         else 0,
+        float32_weights=arch == "MixtralForCausalLM",
     )
 
 
@@ -253,7 +256,8 @@ def _sliding_layers(
 ) -> tuple[int | None, tuple[str, ...]]:
     """(window, layer types) as transformers decides them for ``arch``: Mistral slides on
     every layer when it has a window; Qwen2/Qwen3 when ``use_sliding_window``, from layer
-    ``max_window_layers`` on; Gemma 3 on every layer but each ``sliding_window_pattern``-th
+    ``max_window_layers`` on (Qwen3-MoE: every layer; Qwen2-MoE: the even-indexed layers
+    below ``max_window_layers``); Gemma 3 on every layer but each ``sliding_window_pattern``-th
     (6); an explicit ``layer_types`` list wins. ``()``: every layer global."""
     window = cfg.get("sliding_window")
     if arch in _QWEN and not cfg.get("use_sliding_window"):
@@ -268,6 +272,13 @@ def _sliding_layers(
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
         types = tuple(str(t) for t in types)
+    elif arch == "Qwen3MoeForCausalLM":  # every layer
+        types = (_SLIDING,) * num_layers
+    elif arch == "Qwen2MoeForCausalLM":  # transformers: odd-numbered layers below the bound
+        first = int(cfg.get("max_window_layers", num_layers))
+        types = tuple(
+            _SLIDING if (i + 1) % 2 and i < first else "full_attention" for i in range(num_layers)
+        )
     elif arch in _QWEN:
         first = int(cfg.get("max_window_layers", num_layers))
         types = tuple(_SLIDING if i >= first else "full_attention" for i in range(num_layers))

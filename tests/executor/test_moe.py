@@ -233,12 +233,20 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_moe_gguf(folder: Path, out_folder: Path, expert_type: str) -> Path:
+def write_moe_gguf(
+    folder: Path,
+    out_folder: Path,
+    expert_type: str,
+    stacked: bool = True,
+    size_keys: bool = True,
+) -> Path:
     """``folder``'s model as a GGUF file the way llama.cpp's converter writes one (experts
     stacked [experts, rows, cols] per projection, each quantized to ``expert_type`` by the
     gguf package), and beside it in ``out_folder`` the Hugging Face folder with the experts'
     weights replaced by the file's dequantized ones (transformers' reference). Returns the
-    file's path."""
+    file's path. ``stacked=False``: one tensor per expert (``blk.N.ffn_gate.E.weight``, old
+    Mixtral files); ``size_keys=False``: without the experts' size keys (older Qwen-MoE
+    conversions)."""
     import shutil
 
     import gguf
@@ -267,11 +275,11 @@ def write_moe_gguf(folder: Path, out_folder: Path, expert_type: str) -> Path:
     writer.add_key_length(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
-    if getattr(c, "moe_intermediate_size", None):
+    if getattr(c, "moe_intermediate_size", None) and size_keys:
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
     if getattr(c, "clip_qkv", None):
         writer.add_clamp_kqv(c.clip_qkv)
-    if getattr(c, "shared_expert_intermediate_size", None):
+    if getattr(c, "shared_expert_intermediate_size", None) and size_keys:
         writer.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     write_gguf_vocab(writer, AutoTokenizer.from_pretrained(str(folder)))
     stacks: dict[tuple[str, str], dict[int, np.ndarray]] = {}
@@ -302,7 +310,11 @@ def write_moe_gguf(folder: Path, out_folder: Path, expert_type: str) -> Path:
     for (layer, kind), by_expert in stacks.items():
         stack = np.stack([by_expert[e] for e in range(experts)])
         raw = quantize(stack, qtype)
-        writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=qtype)
+        if stacked:
+            writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=qtype)
+        else:
+            for e in range(experts):
+                writer.add_tensor(f"blk.{layer}.ffn_{kind}.{e}.weight", raw[e], raw_dtype=qtype)
         back = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(stack.shape)
         for e in range(experts):
             dequantized[(layer, kind, e)] = torch.from_numpy(back[e].copy())
@@ -325,14 +337,35 @@ def write_moe_gguf(folder: Path, out_folder: Path, expert_type: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("arch", "expert_type"),
-    [("qwen2moe", "Q8_0"), ("qwen3moe", "Q4_0"), ("mixtral", "Q5_1"), ("olmoe", "MXFP4")],
+    ("arch", "expert_type", "layout"),
+    [
+        ("qwen2moe", "Q8_0", "stacked"),
+        ("qwen2moe", "Q8_0", "no size keys"),
+        ("qwen3moe", "Q4_0", "stacked"),
+        ("mixtral", "Q5_1", "stacked"),
+        ("mixtral", "Q5_1", "per expert"),
+        ("olmoe", "MXFP4", "stacked"),
+    ],
 )
-def test_gguf_file_equals_transformers_on_its_weights(moe_models, tmp_path, arch, expert_type):
-    """A converter-shaped file of each family: float32 gives transformers' tokens on the
-    file's (dequantized) weights; ``auto`` runs every expert from its codes (the start-up
-    line counts them) and stays close to the float32 run."""
-    path = write_moe_gguf(moe_models[arch], tmp_path / arch, expert_type)
+def test_gguf_file_equals_transformers_on_its_weights(
+    moe_models, tmp_path, arch, expert_type, layout
+):
+    """A converter-shaped file of each family (and the older layouts: one tensor per
+    expert, no expert size keys): float32 gives transformers' tokens on the file's
+    (dequantized) weights; ``auto`` runs every expert from its codes (the start-up line
+    counts them) and stays close to the float32 run."""
+    folder = moe_models[arch]
+    if layout == "no size keys":  # sizes llama.cpp's fallbacks give: n_ff / k and n_ff
+        folder = build_tiny_model(
+            tmp_path / "sizes", arch, intermediate_size=64, shared_expert_intermediate_size=64
+        )
+    path = write_moe_gguf(
+        folder,
+        tmp_path / arch,
+        expert_type,
+        stacked=layout != "per expert",
+        size_keys=layout != "no size keys",
+    )
     reference = path.parent
     prompts = _prompts()
     expected = hf_greedy(reference, prompts, NEW_TOKENS)
@@ -382,3 +415,76 @@ def test_dummy_weights_build_every_family(moe_models, arch):
     sparse = [lay.moe for lay in layers if lay.moe is not None]
     assert sparse and all(isinstance(e.down, Int8Linear) for m in sparse for e in m.experts)
     assert len(generate_ids(llm, _prompts(), greedy(3))[0]) == 3
+
+
+def test_experts_follow_the_models_layer_ops(moe_models):
+    """``use_layer_ops`` (the CUDA path's Triton ops) reaches the experts' activation."""
+    from radixserve.executor.layer_ops import LayerOps
+
+    llm = LLM(str(moe_models["mixtral"]), dtype="float32")
+    model = llm.engine.model
+    calls = []
+
+    class Counting(LayerOps):
+        def silu_and_mul(self, x):
+            calls.append(x.shape[0])
+            return super().silu_and_mul(x)
+
+    model.use_layer_ops(Counting())
+    moe = model.layers[0].moe
+    moe(torch.randn(3, model.config.hidden_size))
+    assert calls and sum(calls) == 3 * moe.config.top_k
+
+
+def test_mixtral_weights_its_experts_in_float32(moe_models):
+    from radixserve.executor.loader.safetensors_loader import read_hf_config
+
+    for arch, float32 in (("mixtral", True), ("qwen3moe", False)):
+        config = ModelConfig.from_hf_dict(read_hf_config(moe_models[arch]))
+        assert config.moe.float32_weights is float32
+    moe = _block(1, False, True, dtype=torch.bfloat16)
+    moe.config = MoEConfig(6, 2, 32, True, (True,), float32_weights=True)
+    weights, _ = moe.route(torch.randn(2, 64).to(torch.bfloat16))
+    assert weights.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("kind", "extra"),
+    [
+        ("qwen3moe", {}),
+        ("qwen2moe", {"layer_types": None, "max_window_layers": 3}),
+    ],
+)
+def test_qwen_moe_sliding_layers_as_transformers(kind, extra):
+    """Qwen3-MoE slides on every layer, Qwen2-MoE on the even-indexed layers below
+    ``max_window_layers``, as transformers' configs decide."""
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+
+    cls = Qwen3MoeConfig if kind == "qwen3moe" else Qwen2MoeConfig
+    hf = cls(
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    cfg = hf.to_dict()
+    cfg.update(extra, architectures=[cls.__name__.replace("Config", "ForCausalLM")])
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    ours = ModelConfig.from_hf_dict(cfg)
+    window = [ours.is_sliding(i) for i in range(4)]
+    if kind == "qwen3moe":
+        assert window == [True] * 4 and ours.sliding_window == 8
+    else:
+        want = [(i + 1) % 2 == 1 and i < 3 for i in range(4)]
+        assert window == want
+
+
+def test_qwen2_moe_reads_qkv_bias():
+    from transformers import Qwen2MoeConfig
+
+    arch = {"architectures": ["Qwen2MoeForCausalLM"]}
+    cfg = {**Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, qkv_bias=False).to_dict(), **arch}
+    assert not ModelConfig.from_hf_dict(cfg).attention_bias
+    cfg = {**Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2).to_dict(), **arch}
+    assert ModelConfig.from_hf_dict(cfg).attention_bias

@@ -3,6 +3,8 @@ on the device, one device-to-host copy per step."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -19,6 +21,8 @@ from radixserve.executor.future_tokens import FutureTokens
 from radixserve.executor.kv_cache import KVCache
 from radixserve.executor.model_runner import ModelRunner, _ModelInputs, _rows
 from radixserve.executor.models.base import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 class CudaModelRunner(ModelRunner):
@@ -64,6 +68,11 @@ class CudaModelRunner(ModelRunner):
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # this step's
         self.graphs: CudaGraphRunner | None = None
+        if cuda_graph_max_bs and device.type == "cuda" and c.moe is not None:
+            # the router's choices are read on the host (one GEMM pair per chosen expert): a
+            # graph would freeze one step's routing, and capture forbids the read
+            log.info("CUDA graphs are off for a mixture-of-experts model")
+            cuda_graph_max_bs = 0
         if cuda_graph_max_bs and device.type == "cuda":
             assert page_table is not None
             self.graphs = CudaGraphRunner(

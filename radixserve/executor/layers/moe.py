@@ -35,7 +35,8 @@ class SparseMoE:
     Invariant: ``__call__(x)`` equals transformers' sparse MoE block on the same weights:
     ``router`` [E, hidden] scores every expert (softmax in float32, the top ``top_k``,
     renormalised when ``config.norm_topk_prob``), each chosen expert's output is weighted by
-    its score (cast to the activations' dtype) and summed; a ``shared`` expert, when present,
+    its score (cast to the activations' dtype first, except Mixtral's: the product in
+    float32, then cast) and summed; a ``shared`` expert, when present,
     adds ``sigmoid(shared_gate x) * shared(x)`` for every token. ``experts[e]`` is expert
     ``e``; experts no token chose are not touched (their weights are not read).
     """
@@ -72,13 +73,14 @@ class SparseMoE:
             yield "mlp.shared_expert.", self.shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in ``x``'s dtype, expert ids [T, k]) for each token."""
+        """(weights [T, k] in ``x``'s dtype (float32 with ``float32_weights``), expert
+        ids [T, k]) for each token."""
         logits = F.linear(x, self.router)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.config.top_k, dim=-1)
         if self.config.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return (weights if self.config.float32_weights else weights.to(x.dtype)), ids
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -90,7 +92,7 @@ class SparseMoE:
             # one token: its k experts in turn, no sort (the decode step at batch 1)
             for slot, e in enumerate(flat.tolist()):
                 y = self._expert(self.experts[e], x)
-                out.add_(y * weights[0, slot])
+                out.add_((y * weights[:, slot : slot + 1]).to(out.dtype))
         else:
             order = torch.argsort(flat, stable=True)
             counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
@@ -102,7 +104,9 @@ class SparseMoE:
                     continue
                 tokens = token_of[start : start + count]
                 y = self._expert(self.experts[e], x[tokens])
-                out.index_add_(0, tokens, y * weight_of[start : start + count, None])
+                out.index_add_(
+                    0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype)
+                )
                 start += count
         if self.shared is not None:
             gate = torch.sigmoid(F.linear(x, self.shared_gate))

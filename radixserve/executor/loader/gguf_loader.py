@@ -404,18 +404,28 @@ def _moe_hf_config(
         raise ValueError(f"GGUF architecture {arch!r} with experts is not supported")
     layers = hf_config["num_hidden_layers"]
     dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
-    expert_size = meta.get(f"{arch}.expert_feed_forward_length") or hf_config["intermediate_size"]
+    used = int(meta.get(f"{arch}.expert_used_count") or 2)
+    # llama.cpp's fallbacks where a file lacks the sizes (older Qwen1.5-MoE conversions):
+    # the dense size over the experts used, and the dense size for a shared expert
+    expert_size = meta.get(f"{arch}.expert_feed_forward_length") or (
+        hf_config["intermediate_size"] // used
+        if arch == "qwen2moe"
+        else hf_config["intermediate_size"]
+    )
+    shared_size = meta.get(f"{arch}.expert_shared_feed_forward_length") or (
+        hf_config["intermediate_size"]
+        if any(name.endswith("ffn_gate_shexp.weight") for name in tensor_names)
+        else 0
+    )
     norm = meta.get(f"{arch}.expert_weights_norm")
     hf_config.update(
         num_experts=experts,
         num_local_experts=experts,
-        num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count") or 2),
+        num_experts_per_tok=used,
         moe_intermediate_size=int(expert_size),
         norm_topk_prob=_NORM_TOPK[arch] if norm is None else bool(norm),
         mlp_only_layers=dense,
-        shared_expert_intermediate_size=int(
-            meta.get(f"{arch}.expert_shared_feed_forward_length") or 0
-        ),
+        shared_expert_intermediate_size=int(shared_size),
     )
     if arch == "llama":
         if dense:

@@ -173,10 +173,14 @@ class LlamaForCausalLM:
             c.moe,
             source.take(p + "mlp.gate.weight"),
             experts,
-            self.ops.silu_and_mul,
+            self._silu_and_mul,
             shared,
             shared_gate,
         )
+
+    def _silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts' activation through the model's current ops (``use_layer_ops``)."""
+        return self.ops.silu_and_mul(x)
 
     def forward(
         self,
