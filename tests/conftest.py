@@ -67,15 +67,29 @@ MOE_SHAPES: dict[str, dict] = {
     ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, clip_qkv=1.5),
+    # alternating 6-token windows, YaRN, sinks, clamped SwiGLU (a limit the tiny model's
+    # activations reach), biases everywhere
+    "gptoss": dict(
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        head_dim=16,
+        num_hidden_layers=4,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        swiglu_limit=1.0,
+    ),
 }
 
 
 def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) -> Path:
     """Save a random-weight model of ``arch`` (llama, mistral, qwen2, qwen3, gemma3, phi3;
-    the mixtures of experts qwen2moe, qwen3moe, mixtral, olmoe) with a tokenizer."""
+    the mixtures of experts qwen2moe, qwen3moe, mixtral, olmoe, gptoss) with a tokenizer."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        GptOssConfig,
+        GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -107,6 +121,7 @@ def build_tiny_model(folder: Path, arch: str, shard: bool = False, **overrides) 
         "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
         "mixtral": (MixtralConfig, MixtralForCausalLM),
         "olmoe": (OlmoeConfig, OlmoeForCausalLM),
+        "gptoss": (GptOssConfig, GptOssForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     kwargs = dict(

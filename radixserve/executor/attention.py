@@ -100,6 +100,9 @@ class TorchNativeMetadata:
     context_spans: list[tuple[int, int, int, torch.Tensor]]
     prefill: _PrefillGroup | None
     native_prefill: _NativePrefillGroup | None = None
+    # every sequence (query start, end, kv length, its pages): the layers with attention
+    # sinks attend each with explicit scores (set only where some layer has sinks)
+    sequences: list[tuple[int, int, int, torch.Tensor]] | None = None
 
 
 _SMALL_CAUSAL = 1024  # longest prompt attended with explicit scores (L x L per head group)
@@ -157,10 +160,22 @@ class TorchNativeAttention:
         self.default_spec = AttentionSpec(self.scale)
         # decode batches whose requests share leading pages attend them once (two passes)
         self.shared_prefix = True
+        self.has_sinks = any(s.sinks is not None for s in self.specs or ())
         self._masks: dict[torch.dtype, torch.Tensor] = {}
 
     # -- per step -------------------------------------------------------------------------
     def prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
+        meta = self._prepare(batch)
+        if self.has_sinks:
+            starts, seq_lens = batch.query_start_loc, batch.seq_lens
+            meta.sequences = []
+            for i in range(len(batch.q_lens)):
+                num_pages = -(-int(seq_lens[i]) // batch.page_size)
+                pages = torch.from_numpy(batch.page_tables[i, :num_pages].copy())
+                meta.sequences.append((int(starts[i]), int(starts[i + 1]), int(seq_lens[i]), pages))
+        return meta
+
+    def _prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
         is_decode = batch.q_lens == 1
         if self.native_prefill is not None:
             return TorchNativeMetadata(
@@ -286,6 +301,14 @@ class TorchNativeAttention:
     ) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.write(layer, meta.slots, k, v)
         spec = self.default_spec if self.specs is None else self.specs[layer]
+        if spec.sinks is not None:  # explicit scores, sequence by sequence
+            assert meta.sequences is not None
+            out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
+            for start, end, kv_len, pages in meta.sequences:
+                keys = self._gather_sequence(k_cache, pages, kv_len)
+                values = self._gather_sequence(v_cache, pages, kv_len)
+                out[start:end] = self._explicit(q[start:end], keys, values, spec)
+            return out.view(meta.num_tokens, -1)
         if meta.decode is not None and meta.decode.whole_batch:  # a pure decode step
             return self._decode(meta.decode, q, k_cache, v_cache, spec).view(meta.num_tokens, -1)
         out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
@@ -375,7 +398,12 @@ class TorchNativeAttention:
         else:
             scores = torch.bmm(queries, k.transpose(1, 2)) * spec.scale
             scores = torch.tanh(scores / spec.softcap) * spec.softcap + mask
-        probs = torch.softmax(scores, dim=-1)
+        if spec.sinks is not None:  # one more logit per query head, with no value
+            sink = spec.sinks.to(scores.dtype).view(kv_heads, group, 1, 1)
+            sink = sink.expand(kv_heads, group, length, 1).reshape(kv_heads, group * length, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs, v)  # [kv_heads, group * L, d]
         return out.view(heads, length, d).transpose(0, 1)
 

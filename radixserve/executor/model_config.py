@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "GptOssForCausalLM",
 )
 # the mixture-of-experts families: their config keys for the expert count and size
 _MOE = {
@@ -23,6 +24,7 @@ _MOE = {
     "Qwen3MoeForCausalLM": ("num_experts", "moe_intermediate_size"),
     "MixtralForCausalLM": ("num_local_experts", "intermediate_size"),
     "OlmoeForCausalLM": ("num_experts", "intermediate_size"),
+    "GptOssForCausalLM": ("num_local_experts", "intermediate_size"),
 }
 
 # model_type of config.json -> architecture, for configs without ``architectures`` (the
@@ -41,9 +43,14 @@ class MoEConfig:
 
     Invariant: ``0 < top_k <= num_experts``; ``sparse_layers`` has one entry per layer.
     ``scoring`` is ``"softmax"`` (softmax over every expert's logit, then the top k;
-    renormalised to sum 1 when ``norm_topk_prob``: Qwen2/3-MoE, Mixtral, OLMoE); a
+    renormalised to sum 1 when ``norm_topk_prob``: Qwen2/3-MoE, Mixtral, OLMoE) or
+    ``"topk_softmax"`` (the top k logits, then a softmax over them: gpt-oss); a
     ``shared_intermediate_size`` > 0 adds an always-on shared expert gated by
-    sigmoid(``shared_expert_gate`` x) (Qwen2-MoE).
+    sigmoid(``shared_expert_gate`` x) (Qwen2-MoE). ``activation`` is ``"silu"``
+    (``silu(gate) * up``) or ``"swiglu_oai"`` (gpt-oss: gate clamped above at
+    ``swiglu_limit``, up to +-``swiglu_limit``, ``(up + 1) * gate * sigmoid(swiglu_alpha *
+    gate)``); ``router_bias`` / ``expert_bias``: the router and the experts' projections
+    carry biases (gpt-oss).
     """
 
     num_experts: int
@@ -54,8 +61,17 @@ class MoEConfig:
     scoring: str = "softmax"
     shared_intermediate_size: int = 0
     float32_weights: bool = False  # Mixtral: weights the experts' outputs in float32
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_bias: bool = False
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "topk_softmax"):
+            raise ValueError(f"router scoring {self.scoring!r} is not supported")
+        if self.activation not in ("silu", "swiglu_oai"):
+            raise ValueError(f"expert activation {self.activation!r} is not supported")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok={self.top_k} must be in 1..num_experts={self.num_experts}"
@@ -99,6 +115,8 @@ class ModelConfig:
     moe: MoEConfig | None = None  # experts in (some) layers' MLPs; None: dense
     qk_norm_whole: bool = False  # OLMoE: q/k norms over the whole projection, not per head
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip_qkv
+    o_bias: bool = False  # gpt-oss: the attention's output projection has a bias
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per head in the softmax
 
     @property
     def max_model_len(self) -> int:
@@ -178,6 +196,7 @@ class ModelConfig:
                 # Qwen2 always has q/k/v biases; the others say so in config.json.
                 attention_bias=arch == "Qwen2ForCausalLM"
                 or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True)))
+                or (arch == "GptOssForCausalLM" and bool(cfg.get("attention_bias", True)))
                 or bool(cfg.get("attention_bias")),
                 qk_norm=arch
                 in (
@@ -189,6 +208,8 @@ class ModelConfig:
                 qk_norm_whole=arch == "OlmoeForCausalLM",
                 clip_qkv=_float_or_none(cfg.get("clip_qkv")),
                 moe=_moe_config(arch, cfg, num_layers),
+                o_bias=arch == "GptOssForCausalLM" and bool(cfg.get("attention_bias", True)),
+                attention_sinks=arch == "GptOssForCausalLM",
                 sliding_window=int(sliding_window) if sliding_window else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
@@ -234,6 +255,7 @@ def _moe_config(arch: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | 
         dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
         sparse = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
     norm = True if arch == "MixtralForCausalLM" else bool(cfg.get("norm_topk_prob", False))
+    gpt_oss = arch == "GptOssForCausalLM"
     return MoEConfig(
         num_experts=experts,
         top_k=int(cfg.get("num_experts_per_tok") or 2),
@@ -244,6 +266,12 @@ def _moe_config(arch: str, cfg: dict[str, Any], num_layers: int) -> MoEConfig | 
         if arch == "Qwen2MoeForCausalLM"
         else 0,
         float32_weights=arch == "MixtralForCausalLM",
+        scoring="topk_softmax" if gpt_oss else "softmax",
+        activation="swiglu_oai" if gpt_oss else "silu",
+        swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.702),
+        swiglu_limit=float(cfg.get("swiglu_limit") or 7.0),
+        router_bias=gpt_oss,
+        expert_bias=gpt_oss,
     )
 
 

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (Hugging Face's rotate-half layout), with llama3 / linear scaling."""
+"""Rotary position embeddings (Hugging Face's rotate-half layout), with llama3 / linear / YaRN
+scaling and LongRoPE."""
 
 from __future__ import annotations
 
@@ -35,11 +36,56 @@ def inverse_frequencies(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return yarn_parameters(head_dim, theta, scaling)[0]
     if kind in ("longrope", "su"):
         raise ValueError("longrope frequencies depend on the position: use longrope_tables")
     raise ValueError(
-        f"rope scaling type {kind!r} is not supported (default, linear, llama3, longrope)"
+        f"rope scaling type {kind!r} is not supported (default, linear, llama3, yarn, longrope)"
     )
+
+
+def yarn_parameters(
+    head_dim: int, theta: float, scaling: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss, DeepSeek, Qwen's long-context configs): (inverse frequencies, the
+    cos/sin scale), as transformers computes them: frequencies below the correction range
+    interpolated by ``factor``, above it kept, a linear ramp between (its ends rounded
+    outward unless ``truncate`` is false); the scale ``0.1 ln(factor) + 1`` unless given."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp(
+        (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 def is_longrope(scaling: dict[str, Any] | None) -> bool:
@@ -70,7 +116,8 @@ class RotaryEmbedding:
     Invariant: row p of ``cos`` / ``sin_signed`` rotates position p, in the model's dtype.
     Under LongRoPE, position p rotates with the short factors while p is below the original
     context length and with the long factors from there on (each position's rotation is
-    fixed, so cached keys stay valid); cos and sin carry the attention factor.
+    fixed, so cached keys stay valid); cos and sin carry the attention factor (LongRoPE's,
+    YaRN's).
     """
 
     def __init__(
@@ -97,6 +144,9 @@ class RotaryEmbedding:
             inv_freq = inverse_frequencies(head_dim, theta, scaling).to(torch.float32)
             angles = torch.outer(positions, inv_freq)
             cos, sin = angles.cos(), angles.sin()
+            if scaling and (scaling.get("rope_type") or scaling.get("type")) == "yarn":
+                mscale = yarn_parameters(head_dim, theta, scaling)[1]
+                cos, sin = cos * mscale, sin * mscale
         # Full-width tables so rotation is x * cos + roll(x, d/2) * sin_signed, where
         # sin_signed = [-sin, sin] reproduces rotate_half(x) * sin exactly.
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype)

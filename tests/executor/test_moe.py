@@ -1,5 +1,6 @@
 """Mixtures of experts: Qwen2-MoE (shared expert), Qwen3-MoE (a dense layer among sparse
-ones), Mixtral and OLMoE (q/k norms over the whole projection, clipping) against
+ones), Mixtral, OLMoE (q/k norms over the whole projection, clipping) and gpt-oss
+(attention sinks, alternating windows, YaRN, biased router and experts, clamped SwiGLU) against
 transformers, from Hugging Face folders and from GGUF files written as llama.cpp's converter
 writes them (stacked ``ffn_*_exps`` tensors, the router as ``ffn_gate_inp``) with the
 experts quantized; the MoE block itself against a float64 reference, quantized experts
@@ -31,7 +32,7 @@ from radixserve.executor.quant import (
 from tests.conftest import build_tiny_model
 from tests.helpers import generate_ids, greedy, hf_greedy, write_gguf_vocab
 
-FAMILIES = ("qwen2moe", "qwen3moe", "mixtral", "olmoe")
+FAMILIES = ("qwen2moe", "qwen3moe", "mixtral", "olmoe", "gptoss")
 NEW_TOKENS = 10
 
 
@@ -56,6 +57,34 @@ def test_family_greedy_equals_transformers(moe_models, arch):
     llm = LLM(str(folder), dtype="float32", page_size=4, max_num_batched_tokens=32)
     assert llm.engine.model_config.moe is not None
     assert generate_ids(llm, prompts + prompts, greedy(NEW_TOKENS)) == expected + expected
+
+
+def test_gpt_oss_sinks_and_clamp_are_in_play(moe_models):
+    """The tiny gpt-oss exercises what sets it apart: raising its sinks (attention drawn
+    to nowhere), or lifting its SwiGLU limit, changes the tokens (so the greedy test above
+    checks both)."""
+    folder = moe_models["gptoss"]
+    prompts = _prompts()
+    expected = hf_greedy(folder, prompts, NEW_TOKENS)
+    llm = LLM(str(folder), dtype="float32")
+    model = llm.engine.model
+    assert model.config.attention_sinks and model.config.moe.scoring == "topk_softmax"
+    assert [model.config.is_sliding(i) for i in range(4)] == [True, False, True, False]
+    assert model.config.rope_scaling["rope_type"] == "yarn"
+    assert generate_ids(llm, prompts, greedy(NEW_TOKENS)) == expected
+    saved = [lay.sinks.clone() for lay in model.layers]
+    for lay in model.layers:
+        lay.sinks.fill_(3.0)  # the attention specs hold the same tensors
+    assert generate_ids(llm, prompts, greedy(NEW_TOKENS)) != expected
+    for lay, s in zip(model.layers, saved, strict=True):
+        lay.sinks.copy_(s)
+    limit = model.config.moe.swiglu_limit
+    for lay in model.layers:
+        object.__setattr__(lay.moe.config, "swiglu_limit", 100.0)
+    assert generate_ids(llm, prompts, greedy(NEW_TOKENS)) != expected
+    for lay in model.layers:
+        object.__setattr__(lay.moe.config, "swiglu_limit", limit)
+    assert generate_ids(llm, prompts, greedy(NEW_TOKENS)) == expected
 
 
 def test_configs_place_experts_as_transformers_does(moe_models):

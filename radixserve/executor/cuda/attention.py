@@ -73,6 +73,8 @@ class TritonAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.specs = list(specs) if specs is not None else None
+        if any(s.sinks is not None for s in self.specs or ()):
+            raise ValueError("attention sinks (gpt-oss) have no Triton kernel yet: run on the CPU")
         self.default_spec = AttentionSpec(self.scale)
 
     def prepare(self, batch: ForwardBatch) -> TritonHostMetadata:

@@ -3,7 +3,9 @@ attention backend honours."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -14,11 +16,14 @@ class AttentionSpec:
     ``i - sliding_window < j <= i`` (all ``j <= i`` when ``sliding_window`` is None), with
     scores ``scale * q.k``, then ``softcap * tanh(score / softcap)`` when ``softcap`` is
     set, then a softmax. ``sliding_window`` counts the query's own position (Hugging
-    Face's convention: ``kv_idx > q_idx - sliding_window``)."""
+    Face's convention: ``kv_idx > q_idx - sliding_window``). ``sinks`` (float32, one per
+    query head; gpt-oss): the softmax's denominator also holds ``exp(sinks[h])``, a
+    learned logit with no value (attention may go "nowhere")."""
 
     scale: float
     sliding_window: int | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and self.sliding_window < 1:

@@ -30,14 +30,16 @@ class ExpertMLP:
 
 
 class SparseMoE:
-    """A mixture-of-experts MLP (Qwen2/3-MoE, Mixtral, OLMoE).
+    """A mixture-of-experts MLP (Qwen2/3-MoE, Mixtral, OLMoE, gpt-oss).
 
     Invariant: ``__call__(x)`` equals transformers' sparse MoE block on the same weights:
     ``router`` [E, hidden] scores every expert (softmax in float32, the top ``top_k``,
     renormalised when ``config.norm_topk_prob``), each chosen expert's output is weighted by
     its score (cast to the activations' dtype first, except Mixtral's: the product in
     float32, then cast) and summed; a ``shared`` expert, when present,
-    adds ``sigmoid(shared_gate x) * shared(x)`` for every token. ``experts[e]`` is expert
+    adds ``sigmoid(shared_gate x) * shared(x)`` for every token. gpt-oss's router has a
+    bias and takes a softmax of the top k logits; its experts have biases and a clamped
+    SwiGLU (``MoEConfig``). ``experts[e]`` is expert
     ``e``; experts no token chose are not touched (their weights are not read).
     """
 
@@ -49,6 +51,7 @@ class SparseMoE:
         act_and_mul: Callable[[torch.Tensor], torch.Tensor],
         shared: ExpertMLP | None = None,
         shared_gate: torch.Tensor | None = None,
+        router_bias: torch.Tensor | None = None,
     ) -> None:
         if tuple(router.shape[:1]) != (config.num_experts,) or len(experts) != config.num_experts:
             raise ValueError(
@@ -59,10 +62,11 @@ class SparseMoE:
             raise ValueError("a shared expert without its size in the config, or the reverse")
         self.config = config
         self.router = router
+        self.router_bias = router_bias
         self.experts = experts
         self.shared = shared
         self.shared_gate = shared_gate
-        self.act_and_mul = act_and_mul
+        self.act_and_mul = act_and_mul if config.activation == "silu" else self._swiglu_oai
 
     def parts(self) -> Iterator[tuple[str, ExpertMLP]]:
         """Every expert with the Hugging Face prefix of its weights (relative to the
@@ -75,7 +79,10 @@ class SparseMoE:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in ``x``'s dtype (float32 with ``float32_weights``), expert
         ids [T, k]) for each token."""
-        logits = F.linear(x, self.router)
+        logits = F.linear(x, self.router, self.router_bias)
+        if self.config.scoring == "topk_softmax":  # gpt-oss: the top k logits, softmaxed
+            top, ids = torch.topk(logits, self.config.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), ids
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.config.top_k, dim=-1)
         if self.config.norm_topk_prob:
@@ -112,6 +119,14 @@ class SparseMoE:
             gate = torch.sigmoid(F.linear(x, self.shared_gate))
             out.add_(gate * self._expert(self.shared, x))
         return out
+
+    def _swiglu_oai(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's clamped SwiGLU over [gate | up] (de-interleaved at load)."""
+        limit, alpha = self.config.swiglu_limit, self.config.swiglu_alpha
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
     def _expert(self, expert: ExpertMLP, x: torch.Tensor) -> torch.Tensor:
         return expert.down(self.act_and_mul(expert.gate_up(x)))

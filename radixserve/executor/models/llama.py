@@ -30,6 +30,7 @@ class DecoderLayerWeights:
     gate_up: Linear | None  # [2 * intermediate, hidden]: gate, up fused; None: ``moe``
     down: Linear | None
     moe: SparseMoE | None = None  # the MLP of a sparse layer (experts)
+    sinks: torch.Tensor | None = None  # gpt-oss: a sink logit per head (float32)
 
 
 # Mixtral's names for its MoE weights, as Qwen-MoE's (the names the loaders and the
@@ -44,8 +45,11 @@ _MIXTRAL_NAMES = (
 
 
 def canonical_moe_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``weights`` with Mixtral's MoE names (``block_sparse_moe``, ``w1/w2/w3``) as
-    Qwen-MoE's (``mlp.gate``, ``mlp.experts.E.gate/up/down_proj``)."""
+    """``weights`` with Mixtral's MoE names (``block_sparse_moe``, ``w1/w2/w3``) and
+    gpt-oss's stacked experts as Qwen-MoE's (``mlp.gate``, ``mlp.experts.E.gate/up/
+    down_proj``)."""
+    if any(name.endswith(".mlp.experts.gate_up_proj") for name in weights):
+        return _split_gpt_oss_experts(weights)
     if not any(".block_sparse_moe." in name for name in weights):
         return weights
     out = {}
@@ -54,6 +58,37 @@ def canonical_moe_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             for old, new in _MIXTRAL_NAMES:
                 name = name.replace(old, new)
         out[name] = tensor
+    return out
+
+
+def _split_gpt_oss_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts ([E, hidden, 2I] ``gate_up_proj`` with gate and up interleaved by
+    column, [E, I, hidden] ``down_proj``, their biases) as one [I, hidden] / [hidden, I]
+    weight and bias per expert and projection; the router ``mlp.router`` as ``mlp.gate``."""
+    out = {}
+    for name, tensor in weights.items():
+        if ".mlp.router." in name:
+            out[name.replace(".mlp.router.", ".mlp.gate.")] = tensor
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            p = name.removesuffix("gate_up_proj")
+            for e in range(tensor.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"] = tensor[e, :, 0::2].t()
+                out[f"{p}{e}.up_proj.weight"] = tensor[e, :, 1::2].t()
+        elif name.endswith(".mlp.experts.gate_up_proj_bias"):
+            p = name.removesuffix("gate_up_proj_bias")
+            for e in range(tensor.shape[0]):
+                out[f"{p}{e}.gate_proj.bias"] = tensor[e, 0::2]
+                out[f"{p}{e}.up_proj.bias"] = tensor[e, 1::2]
+        elif name.endswith(".mlp.experts.down_proj"):
+            p = name.removesuffix("down_proj")
+            for e in range(tensor.shape[0]):
+                out[f"{p}{e}.down_proj.weight"] = tensor[e].t()
+        elif name.endswith(".mlp.experts.down_proj_bias"):
+            p = name.removesuffix("down_proj_bias")
+            for e in range(tensor.shape[0]):
+                out[f"{p}{e}.down_proj.bias"] = tensor[e]
+        else:
+            out[name] = tensor
     return out
 
 
@@ -121,11 +156,15 @@ class LlamaForCausalLM:
                     qkv=qkv,
                     q_norm=take(p + "self_attn.q_norm.weight") if c.qk_norm else None,
                     k_norm=take(p + "self_attn.k_norm.weight") if c.qk_norm else None,
-                    o=Linear(take(p + "self_attn.o_proj.weight")),
+                    o=Linear(
+                        take(p + "self_attn.o_proj.weight"),
+                        take(p + "self_attn.o_proj.bias") if c.o_bias else None,
+                    ),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=gate_up,
                     down=down,
                     moe=moe,
+                    sinks=source.take(p + "self_attn.sinks").float() if c.attention_sinks else None,
                 )
             )
             if qkv.weight.shape != (self.q_size + 2 * self.kv_size, c.hidden_size):
@@ -156,13 +195,19 @@ class LlamaForCausalLM:
         c = self.config
         assert c.moe is not None
 
+        bias = c.moe.expert_bias
+
         def expert(q: str, size: int) -> ExpertMLP:
             gate_up = fused(
-                [source.take(q + "gate_proj.weight"), source.take(q + "up_proj.weight")]
+                [source.take(q + "gate_proj.weight"), source.take(q + "up_proj.weight")],
+                [source.take(q + "gate_proj.bias"), source.take(q + "up_proj.bias")]
+                if bias
+                else None,
             )
             if gate_up.weight.shape != (2 * size, c.hidden_size):
                 raise ValueError(f"{q}: gate/up projections do not match the config")
-            return ExpertMLP(gate_up, Linear(source.take(q + "down_proj.weight")))
+            down_bias = source.take(q + "down_proj.bias") if bias else None
+            return ExpertMLP(gate_up, Linear(source.take(q + "down_proj.weight"), down_bias))
 
         experts = [expert(f"{p}mlp.experts.{e}.", inter) for e in range(c.moe.num_experts)]
         shared = shared_gate = None
@@ -176,6 +221,7 @@ class LlamaForCausalLM:
             self._silu_and_mul,
             shared,
             shared_gate,
+            source.take(p + "mlp.gate.bias") if c.moe.router_bias else None,
         )
 
     def _silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,8 +288,8 @@ class LlamaForCausalLM:
         c = self.config
         scale = c.head_dim**-0.5
         return [
-            AttentionSpec(scale, c.sliding_window if c.is_sliding(i) else None)
-            for i in range(c.num_hidden_layers)
+            AttentionSpec(scale, c.sliding_window if c.is_sliding(i) else None, sinks=w.sinks)
+            for i, w in enumerate(self.layers)
         ]
 
     def use_layer_ops(self, ops: LayerOps) -> None:

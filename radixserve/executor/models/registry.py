@@ -42,6 +42,7 @@ def _registry() -> dict[str, ModelClass]:
             "Qwen3MoeForCausalLM",
             "MixtralForCausalLM",
             "OlmoeForCausalLM",
+            "GptOssForCausalLM",
         )
     }
     registry["Gemma3ForCausalLM"] = Gemma3ForCausalLM
