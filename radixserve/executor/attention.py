@@ -399,9 +399,10 @@ class TorchNativeAttention:
             scores = torch.bmm(queries, k.transpose(1, 2)) * spec.scale
             scores = torch.tanh(scores / spec.softcap) * spec.softcap + mask
         if spec.sinks is not None:  # one more logit per query head, with no value
-            sink = spec.sinks.to(scores.dtype).view(kv_heads, group, 1, 1)
+            sink = spec.sinks.float().view(kv_heads, group, 1, 1)
             sink = sink.expand(kv_heads, group, length, 1).reshape(kv_heads, group * length, 1)
-            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            scores = torch.cat([scores.float(), sink], dim=-1)  # the softmax in float32
+            probs = torch.softmax(scores, dim=-1)[..., :-1].to(v.dtype)
         else:
             probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs, v)  # [kv_heads, group * L, d]

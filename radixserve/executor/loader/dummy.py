@@ -26,6 +26,9 @@ def dummy_weights(
         # a norm that multiplies by 1: Gemma stores w in (1 + w)
         return (torch.zeros if gemma else torch.ones)(n, dtype=dtype, device=device)
 
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=device)
+
     q_size = c.num_attention_heads * c.head_dim
     kv_size = c.num_key_value_heads * c.head_dim
     weights = {"model.embed_tokens.weight": matrix(c.vocab_size, c.hidden_size)}
@@ -38,6 +41,10 @@ def dummy_weights(
                     rows, dtype=dtype, device=device
                 )
         weights[p + "self_attn.o_proj.weight"] = matrix(c.hidden_size, q_size)
+        if c.o_bias:
+            weights[p + "self_attn.o_proj.bias"] = zeros(c.hidden_size)
+        if c.attention_sinks:
+            weights[p + "self_attn.sinks"] = zeros(c.num_attention_heads)
         if c.qk_norm and not c.qk_norm_whole:
             weights[p + "self_attn.q_norm.weight"] = ones(c.head_dim)
             weights[p + "self_attn.k_norm.weight"] = ones(c.head_dim)
@@ -48,6 +55,8 @@ def dummy_weights(
         mlps = [(p + "mlp.", c.intermediate_size)]
         if moe is not None and moe.sparse_layers[i]:
             weights[p + "mlp.gate.weight"] = matrix(moe.num_experts, c.hidden_size)
+            if moe.router_bias:
+                weights[p + "mlp.gate.bias"] = zeros(moe.num_experts)
             mlps = [(f"{p}mlp.experts.{e}.", moe.intermediate_size) for e in range(moe.num_experts)]
             if moe.shared_intermediate_size:
                 mlps.append((p + "mlp.shared_expert.", moe.shared_intermediate_size))
@@ -56,6 +65,9 @@ def dummy_weights(
             weights[q + "gate_proj.weight"] = matrix(inter, c.hidden_size)
             weights[q + "up_proj.weight"] = matrix(inter, c.hidden_size)
             weights[q + "down_proj.weight"] = matrix(c.hidden_size, inter)
+            if moe is not None and moe.expert_bias and q != p + "mlp.":
+                for name, size in (("gate", inter), ("up", inter), ("down", c.hidden_size)):
+                    weights[q + f"{name}_proj.bias"] = zeros(size)
         weights[p + "input_layernorm.weight"] = ones(c.hidden_size)
         weights[p + "post_attention_layernorm.weight"] = ones(c.hidden_size)
         if gemma:

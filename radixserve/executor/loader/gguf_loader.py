@@ -23,12 +23,13 @@ _ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # a ``llama`` file with experts is a Mixtral
 _LLAMA_MOE = "MixtralForCausalLM"
 # llama.cpp's rule for each MoE family's top-k weights (``expert_weights_norm`` in newer
 # files says so itself): renormalised for Qwen3-MoE and Mixtral, not for Qwen2-MoE, OLMoE
-_NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+_NORM_TOPK = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False, "gpt-oss": False}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -73,7 +74,19 @@ _PHI3_LAYER_NAMES = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
-_LAYER_TABLES = {"gemma3": _GEMMA3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+# gpt-oss: a post-attention norm (not ffn_norm), sinks, biases on o and the router
+_GPT_OSS_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+}
+_LAYER_TABLES = {
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "phi3": _PHI3_LAYER_NAMES,
+    "gpt-oss": _GPT_OSS_LAYER_NAMES,
+}
 
 # What llama.cpp assumes of Gemma 3 files and they do not carry: every 6th layer global,
 # the sliding layers' rotary base 10000
@@ -84,8 +97,8 @@ _END_OF_TURN = {"gemma3": "<end_of_turn>", "phi3": "<|end|>"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # one expert's matrix: old Mixtral files store them so, and ``_expert_slices`` names the
 # slices of a stacked ``ffn_*_exps`` tensor so
-_EXPERT_RE = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
-_STACKED_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_EXPERT_RE = re.compile(r"ffn_(gate|up|down)\.(\d+)\.(weight|bias)")
+_STACKED_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 
 
 @dataclass
@@ -133,23 +146,23 @@ def _reverse_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def _expert_slices(tensors: list[GGUFTensorInfo]) -> list[GGUFTensorInfo]:
     """``tensors`` with each stacked expert tensor (``blk.N.ffn_gate_exps.weight``
-    [experts, rows, cols], llama.cpp's layout since 2024) replaced by one 2-D tensor per
-    expert (``blk.N.ffn_gate.E.weight``), each a view of its slice of the file's bytes."""
+    [experts, rows, cols], llama.cpp's layout since 2024; gpt-oss's biases [experts, rows])
+    replaced by one tensor per expert (``blk.N.ffn_gate.E.weight``), each a view of its
+    slice of the file's bytes."""
     out = []
     for t in tensors:
         m = _STACKED_RE.fullmatch(t.name)
         if m is None:
             out.append(t)
             continue
-        if len(t.shape) != 3:
-            raise ValueError(f"expert tensor {t.name} has shape {t.shape}; expected 3-D")
-        experts, rows, cols = t.shape
+        kind = m.group(3)
+        if len(t.shape) != (3 if kind == "weight" else 2):
+            raise ValueError(f"expert tensor {t.name} has shape {t.shape}: not one per expert")
+        experts, shape = t.shape[0], t.shape[1:]
         per = t.data.size // experts
         for e in range(experts):
-            name = f"blk.{m.group(1)}.ffn_{m.group(2)}.{e}.weight"
-            out.append(
-                GGUFTensorInfo(name, (rows, cols), t.ggml_type, t.data[e * per : (e + 1) * per])
-            )
+            name = f"blk.{m.group(1)}.ffn_{m.group(2)}.{e}.{kind}"
+            out.append(GGUFTensorInfo(name, shape, t.ggml_type, t.data[e * per : (e + 1) * per]))
     return out
 
 
@@ -427,9 +440,19 @@ def _moe_hf_config(
         mlp_only_layers=dense,
         shared_expert_intermediate_size=int(shared_size),
     )
+    if arch in ("llama", "gpt-oss") and dense:
+        raise ValueError(f"a {arch} file with experts needs a router in every layer ({dense})")
+    if arch == "gpt-oss":
+        hf_config["intermediate_size"] = int(expert_size)
+        hf_config["attention_bias"] = True
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+        period = int(pattern) if isinstance(pattern, int) and pattern else 2
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern]
+        else:  # llama.cpp's rule: every layer but each period-th slides
+            sliding = [(i + 1) % period != 0 for i in range(layers)]
+        hf_config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     if arch == "llama":
-        if dense:
-            raise ValueError(f"a Mixtral file needs a router in every layer (none in {dense})")
         hf_config["architectures"] = [_LLAMA_MOE]
         hf_config["intermediate_size"] = int(expert_size)
     elif arch == "olmoe":
@@ -456,7 +479,21 @@ def _rope_scaling(
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(factor)}
-    raise ValueError(f"{path}: GGUF rope scaling {kind!r} is not supported (linear, llama3)")
+    if kind == "yarn":
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if not original:
+            raise ValueError(f"{path}: YaRN without {arch}.rope.scaling.original_context_length")
+        return {
+            "rope_type": "yarn",
+            "factor": float(factor),
+            "original_max_position_embeddings": int(original),
+            "beta_fast": float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),
+            "beta_slow": float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow") or 1.0),
+            # gpt-oss was trained with an unrounded correction range (its config.json's
+            # truncate: false); llama.cpp rounds it for every model
+            "truncate": arch != "gpt-oss",
+        }
+    raise ValueError(f"{path}: GGUF rope scaling {kind!r} is not supported (linear, llama3, yarn)")
 
 
 def _phi3_longrope(meta: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -497,8 +534,8 @@ def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return f"model.layers.{m.group(1)}.{table[m.group(2)]}"
     expert = m and _EXPERT_RE.fullmatch(m.group(2))
     if expert:
-        kind, e = expert.group(1), expert.group(2)
-        return f"model.layers.{m.group(1)}.mlp.experts.{e}.{kind}_proj.weight"
+        kind, e, leaf = expert.group(1), expert.group(2), expert.group(3)
+        return f"model.layers.{m.group(1)}.mlp.experts.{e}.{kind}_proj.{leaf}"
     if gguf_name.startswith("rope_"):
         return f"rotary_emb.{gguf_name}"  # precomputed rope tables: dropped by the model
     return None
