@@ -169,6 +169,20 @@ class GGUFFile:
                 GGUFTensorInfo(name, shape, ggml_type, self._buf[begin : begin + nbytes])
             )
 
+    def release(self, tensor: GGUFTensorInfo) -> None:
+        """Drop the file's pages under ``tensor`` from this process's resident set once it
+        has been read (they stay in the page cache; a later read faults them back in). A
+        loader that releases each tensor after decoding it peaks at what it builds, not at
+        what it built plus the whole file it read."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        base = self._buf.__array_interface__["data"][0]
+        start = tensor.data.__array_interface__["data"][0] - base
+        first = start // mmap.PAGESIZE * mmap.PAGESIZE
+        end = start + tensor.data.nbytes
+        if 0 <= first < end <= len(self._map):
+            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
+
     def dequantize(self, tensor: GGUFTensorInfo) -> np.ndarray:
         """The tensor as float32, in ``tensor.shape``."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
