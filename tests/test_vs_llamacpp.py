@@ -83,8 +83,58 @@ def test_result_json_has_the_issue_keys_and_ratios_of_medians():
     assert result["decode_bs1_ratio_gemma3"] == 0.8
     assert result["prefill_ratio_gemma3"] == round(1600 / 650, 3)
     assert result["online_c16_ratio_gemma3"] is None  # not measured: present, None
+    for key in ("decode_bs1_ratio_moe", "online_c16_ratio_moe", "peak_rss_ratio_moe"):
+        assert key in result and result[key] is None  # #42's keys, None until measured
     assert result["raw"] is raw
     json.dumps(result)  # the last line is JSON
+    moe = {"moe": {"memory": {"radixserve": [6.0, 6.0], "llamacpp": [4.0, 4.2]}}}
+    assert vs.summarize_results(moe)["peak_rss_ratio_moe"] == round(6.0 / 4.1, 3)
+
+
+def test_stand_ins_are_written_from_codes_and_run(tmp_path):
+    """A tiny shape of the codes writer (an OLMoE with four experts) loads in radixserve
+    from its codes and is a valid GGUF file for the gguf package."""
+    import sys
+
+    import gguf
+
+    from radixserve import LLM
+
+    sys.path.insert(0, str(Path(vs.__file__).parent))
+    import synthetic_gguf as sg
+
+    sg.CODE_SHAPES["olmoe-test"] = {
+        **sg.CODE_SHAPES["olmoe-1b-7b"],
+        "hidden": 256,
+        "intermediate": 256,
+        "layers": 2,
+        "heads": 2,
+        "kv_heads": 2,
+        "vocab": 49216,
+        "experts": 4,
+        "experts_used": 2,
+    }
+    try:
+        path = sg.codes_file("olmoe-test", tmp_path)
+    finally:
+        del sg.CODE_SHAPES["olmoe-test"]
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == "Q4_K"
+    assert types["blk.0.ffn_down_exps.weight"] == "Q4_K"
+    assert types["blk.1.ffn_down_exps.weight"] == "Q6_K"  # use_more_bits picks the last
+    assert types["output.weight"] == "Q6_K"
+    llm = LLM(str(path), max_model_len=64)
+    assert "int4-g32 (Q4_K)" in llm.engine.startup_line
+    out = llm.generate([[5, 6, 7]], vs_greedy(4), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    llm.engine.close()
+
+
+def vs_greedy(tokens: int):
+    from radixserve import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 
 
 def test_random_prompts_are_fresh_ordinary_ids():
