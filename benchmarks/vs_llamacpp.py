@@ -219,10 +219,20 @@ def gguf_facts(path: Path) -> dict[str, Any]:
 
     reader = GGUFReader(str(path))
     tensors = {t.name: t for t in reader.tensors}
-    total = sum(int(t.n_bytes) for t in tensors.values())
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+
+    def field(key: str) -> int:
+        f = reader.fields.get(f"{arch}.{key}")
+        return int(f.parts[-1][0]) if f is not None else 0
+
+    # a mixture of experts reads its chosen experts only: used / count of each expert stack
+    share = field("expert_used_count") / field("expert_count") if field("expert_count") else 1.0
+    total = sum(
+        int(t.n_bytes) * (share if "_exps." in name else 1.0) for name, t in tensors.items()
+    )
     tied = "output.weight" not in tensors
     embd = tensors["token_embd.weight"]
-    per_token = total - (0 if tied else int(embd.n_bytes))
+    per_token = int(total - (0 if tied else int(embd.n_bytes)))
     types: dict[str, int] = {}
     for t in tensors.values():
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
@@ -231,6 +241,7 @@ def gguf_facts(path: Path) -> dict[str, Any]:
     return {
         "vocab_size": vocab,
         "hidden_size": hidden,
+        "moe": share < 1.0,
         "tied": tied,
         "bytes_per_token": per_token,
         "types": types,
@@ -520,7 +531,8 @@ def bench_model(
             per_token -= w.get("bfloat16_prefill_copy", 0)
             if "LM head int" in worker.info["startup"]:
                 per_token -= facts["vocab_size"] * facts["hidden_size"] * 2
-            info["radixserve_bytes_per_token"] = per_token
+            if not facts["moe"]:  # (the worker's bytes are every expert's: no bound)
+                info["radixserve_bytes_per_token"] = per_token
             print(f"{name}: radixserve {worker.info['startup']}", flush=True)
             worker.run("prefill", random_ids(seed - 1, 1, 512, vocab)[0], 1)  # warm-up
             worker.run("decode", random_ids(seed - 2, 1, 1, vocab)[0], 17)
@@ -531,6 +543,11 @@ def bench_model(
                 if memory:
                     raw.setdefault("memory", {"radixserve": [], "llamacpp": []})
                     raw["memory"]["llamacpp"].extend(got["peak_rss_gb"])
+                    print(
+                        f"round {rnd + 1} {name} memory   llama.cpp peak RSS "
+                        f"{got['peak_rss_gb'][0]:.2f} GB (llama-bench pp512 + tg128)",
+                        flush=True,
+                    )
                 ours = {
                     "prefill": worker.run("prefill", random_ids(seed + rnd, 1, 512, vocab)[0], 1),
                     "decode": worker.run("decode", random_ids(seed + rnd, 1, 1, vocab)[0], 129),
@@ -549,6 +566,11 @@ def bench_model(
                 peak = worker.run("memory")["peak_rss_gb"]
                 raw["memory"]["radixserve"] = [peak] * len(raw["memory"]["llamacpp"])
                 info["radixserve_offline_load_s"] = round(worker.load_s, 2)
+                print(
+                    f"{name} memory   radixserve peak RSS {peak:.2f} GB (its worker, all rounds; "
+                    f"loaded in {worker.load_s:.1f} s)",
+                    flush=True,
+                )
         finally:
             worker.close()
     if "online" in args.measures:
@@ -577,6 +599,9 @@ def bench_model(
                 sides[engine].append(r["output_tok_s"])
                 raw.setdefault("load", {"radixserve": [], "llamacpp": []})[engine].append(
                     server.load_s
+                )
+                print(
+                    f"round {rnd + 1} {name} load     {engine:<10} {server.load_s:.1f} s to /health"
                 )
                 print(
                     f"round {rnd + 1} {name} online   {engine:<10} {r['output_tok_s']:8.1f} "
