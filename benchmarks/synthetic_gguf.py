@@ -243,6 +243,8 @@ def _add_vocab(w, vocab: int) -> None:
     tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
     types = list(reader.fields["tokenizer.ggml.token_type"].contents())
     merges = list(reader.fields["tokenizer.ggml.merges"].contents())
+    if len(tokens) > vocab:
+        raise ValueError("the borrowed vocabulary is larger than the shape's")
     pad = vocab - len(tokens)
     tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab)]
     types += [gguf.TokenType.USER_DEFINED] * pad
@@ -266,16 +268,6 @@ def write_f16(shape: str, path: Path, seed: int = 0) -> None:
     import gguf
 
     s = SHAPES[shape]
-    reader = gguf.GGUFReader(str(smollm2_file()))
-    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
-    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
-    merges = list(reader.fields["tokenizer.ggml.merges"].contents())
-    if len(tokens) > s["vocab"]:
-        raise ValueError("the borrowed vocabulary is larger than the shape's")
-    pad = s["vocab"] - len(tokens)
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), s["vocab"])]
-    types += [gguf.TokenType.USER_DEFINED] * pad
-
     arch = s["arch"]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"{shape} (random weights)")
@@ -288,13 +280,7 @@ def write_f16(shape: str, path: Path, seed: int = 0) -> None:
     w.add_rope_freq_base(s["rope_theta"])
     w.add_layer_norm_rms_eps(s["eps"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    _add_vocab(w, s["vocab"])
 
     rng = np.random.default_rng(seed)
     hidden, inter = s["hidden"], s["intermediate"]

@@ -51,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -278,7 +279,12 @@ def run_llama_bench(
     cmd += ["-p", str(prompt), "-n", str(gen), "--repack", "1" if repack else "0"]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak resident set
+        timer = threading.Timer(1800, proc.kill)  # as a run's timeout
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak resident set
+        finally:
+            timer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0), err.seek(0)
         if proc.returncode != 0:

@@ -304,10 +304,14 @@ class TorchNativeAttention:
         if spec.sinks is not None:  # explicit scores, sequence by sequence
             assert meta.sequences is not None
             out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
+            page_size = k_cache.shape[2]
             for start, end, kv_len, pages in meta.sequences:
-                keys = self._gather_sequence(k_cache, pages, kv_len)
-                values = self._gather_sequence(v_cache, pages, kv_len)
-                out[start:end] = self._explicit(q[start:end], keys, values, spec)
+                # a window reads its own pages only
+                first = spec.lowest_key(kv_len - (end - start)) // page_size
+                offset = first * page_size
+                keys = self._gather_sequence(k_cache, pages[first:], kv_len - offset)
+                values = self._gather_sequence(v_cache, pages[first:], kv_len - offset)
+                out[start:end] = _sink_attention(q[start:end], keys, values, spec, offset)
             return out.view(meta.num_tokens, -1)
         if meta.decode is not None and meta.decode.whole_batch:  # a pure decode step
             return self._decode(meta.decode, q, k_cache, v_cache, spec).view(meta.num_tokens, -1)
@@ -398,13 +402,7 @@ class TorchNativeAttention:
         else:
             scores = torch.bmm(queries, k.transpose(1, 2)) * spec.scale
             scores = torch.tanh(scores / spec.softcap) * spec.softcap + mask
-        if spec.sinks is not None:  # one more logit per query head, with no value
-            sink = spec.sinks.float().view(kv_heads, group, 1, 1)
-            sink = sink.expand(kv_heads, group, length, 1).reshape(kv_heads, group * length, 1)
-            scores = torch.cat([scores.float(), sink], dim=-1)  # the softmax in float32
-            probs = torch.softmax(scores, dim=-1)[..., :-1].to(v.dtype)
-        else:
-            probs = torch.softmax(scores, dim=-1)
+        probs = torch.softmax(scores, dim=-1)
         out = torch.bmm(probs, v)  # [kv_heads, group * L, d]
         return out.view(heads, length, d).transpose(0, 1)
 
@@ -503,6 +501,50 @@ class TorchNativeAttention:
             mask = mask & _allowed(g.q_pos, kv_pos[None, :], spec)[:, None]
         out = _masked_attention(queries, contiguous_kv(k_cache), contiguous_kv(v_cache), mask, spec)
         return out.transpose(1, 2)
+
+
+# float32 scores one block of a layer with sinks holds at most (256 MiB): queries go in
+# blocks of as many rows as keep [heads, rows, keys] under it
+_SINK_SCORES = 1 << 26
+
+
+def _sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec, offset: int
+) -> torch.Tensor:
+    """Attention with sinks (gpt-oss): q [L, heads, d] are the last L positions of a
+    sequence whose keys/values from position ``offset`` on are k/v [kv_heads, S, d] →
+    [L, heads, d]. Each head's sink is one more logit in the softmax, with no value; scores
+    and softmax in float32; the queries in blocks (``_SINK_SCORES``), each over the keys
+    its window reaches."""
+    assert spec.sinks is not None
+    length, heads, d = q.shape
+    kv_heads, keys_len = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    kv_len = offset + keys_len
+    first_pos = kv_len - length
+    block = max(1, min(length, _SINK_SCORES // max(1, heads * keys_len)))
+    sink = spec.sinks.float().view(kv_heads, group, 1, 1)
+    out = q.new_empty(length, heads, d)
+    for start in range(0, length, block):
+        end = min(length, start + block)
+        rows = end - start
+        lo = spec.lowest_key(first_pos + start) - offset  # first key any row here sees
+        hi = first_pos + end - offset
+        q_pos = torch.arange(first_pos + start, first_pos + end)[:, None]
+        k_pos = torch.arange(offset + lo, offset + hi)[None, :]
+        allowed = k_pos <= q_pos
+        if spec.sliding_window is not None:
+            allowed &= k_pos > q_pos - spec.sliding_window
+        queries = q[start:end].transpose(0, 1).reshape(kv_heads, group * rows, d)
+        scores = torch.bmm(queries, k[:, lo:hi].transpose(1, 2)).float() * spec.scale
+        if spec.softcap is not None:
+            scores = torch.tanh(scores / spec.softcap) * spec.softcap
+        scores = scores.view(kv_heads, group, rows, hi - lo).masked_fill(~allowed, float("-inf"))
+        scores = torch.cat([scores, sink.expand(kv_heads, group, rows, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :-1].to(v.dtype)
+        o = torch.matmul(probs, v[:, None, lo:hi])  # [kv_heads, group, rows, d]
+        out[start:end] = o.reshape(heads, rows, d).transpose(0, 1)
+    return out
 
 
 def _allowed(q_pos: torch.Tensor, kv_pos: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:

@@ -300,6 +300,8 @@ def _sliding_layers(
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
         types = tuple(str(t) for t in types)
+    elif arch == "GptOssForCausalLM":  # transformers: even-indexed layers slide
+        types = tuple(_SLIDING if (i + 1) % 2 else "full_attention" for i in range(num_layers))
     elif arch == "Qwen3MoeForCausalLM":  # every layer
         types = (_SLIDING,) * num_layers
     elif arch == "Qwen2MoeForCausalLM":  # transformers: odd-numbered layers below the bound

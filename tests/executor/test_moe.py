@@ -502,11 +502,18 @@ def test_qwen_moe_sliding_layers_as_transformers(kind, extra):
     cfg = {k: v for k, v in cfg.items() if v is not None}
     ours = ModelConfig.from_hf_dict(cfg)
     window = [ours.is_sliding(i) for i in range(4)]
-    if kind == "qwen3moe":
+    if kind == "qwen3moe":  # (its config keeps no layer_types: its attention reads the flag)
         assert window == [True] * 4 and ours.sliding_window == 8
-    else:
-        want = [(i + 1) % 2 == 1 and i < 3 for i in range(4)]
-        assert window == want
+    else:  # the layer types transformers itself computed for this config
+        hf_limited = cls(
+            num_hidden_layers=4,
+            use_sliding_window=True,
+            sliding_window=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            max_window_layers=3,
+        )
+        assert window == [t == "sliding_attention" for t in hf_limited.layer_types]
 
 
 def test_qwen2_moe_reads_qkv_bias():
@@ -643,3 +650,55 @@ def test_gpt_oss_gguf_equals_transformers_on_its_weights(moe_models, tmp_path):
     got_lp, got_top = _prompt_logprobs(auto, LONG_PROMPTS)
     err, agree = float(np.abs(got_lp - want_lp).mean()), float((got_top == want_top).mean())
     assert err < 0.02 and agree >= 0.95, (err, agree)  # measured: 0 and 1
+
+
+def test_gpt_oss_config_without_layer_types_alternates():
+    from transformers import GptOssConfig
+
+    hf = GptOssConfig(num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2)
+    cfg = {**hf.to_dict(), "architectures": ["GptOssForCausalLM"]}
+    cfg.pop("layer_types")
+    ours = ModelConfig.from_hf_dict(cfg)
+    assert [ours.is_sliding(i) for i in range(4)] == [
+        t == "sliding_attention" for t in hf.layer_types
+    ]
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_refused_with_the_reason():
+    from radixserve.executor.models.llama import canonical_moe_names
+
+    blocks = {"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(1, dtype=torch.uint8)}
+    with pytest.raises(ValueError, match="MXFP4 blocks"):
+        canonical_moe_names(blocks)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize(("length", "kv_len", "offset"), [(1, 23, 0), (9, 23, 0), (9, 23, 8)])
+def test_sink_attention_equals_float64(monkeypatch, window, length, kv_len, offset):
+    """Attention with sinks in query blocks (forced to 2 rows), over keys from ``offset``
+    on (a window's own pages), against every score written out in float64 with the sink as
+    one more logit."""
+    from radixserve.executor import attention as attn
+    from radixserve.executor.layers.attention import AttentionSpec
+
+    if window is None and offset:
+        return  # only a window skips pages
+    gen = torch.Generator().manual_seed(length + kv_len)
+    heads, kv_heads, d = 4, 2, 8
+    sinks = torch.randn(heads, generator=gen)
+    spec = AttentionSpec(d**-0.5, window, sinks=sinks)
+    q = torch.randn(length, heads, d, generator=gen)
+    k_all = torch.randn(kv_heads, kv_len, d, generator=gen)
+    v_all = torch.randn(kv_heads, kv_len, d, generator=gen)
+    monkeypatch.setattr(attn, "_SINK_SCORES", 2 * heads * kv_len)
+    got = attn._sink_attention(q, k_all[:, offset:], v_all[:, offset:], spec, offset)
+    want = torch.empty(length, heads, d, dtype=torch.float64)
+    for i in range(length):
+        pos = kv_len - length + i
+        for h in range(heads):
+            kh = h // (heads // kv_heads)
+            keys = [j for j in range(kv_len) if j <= pos and (window is None or j > pos - window)]
+            s = torch.stack([(q[i, h].double() @ k_all[kh, j].double()) * d**-0.5 for j in keys])
+            p = torch.softmax(torch.cat([s, sinks[h : h + 1].double()]), dim=0)[:-1]
+            want[i, h] = sum(pj * v_all[kh, j].double() for pj, j in zip(p, keys, strict=True))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

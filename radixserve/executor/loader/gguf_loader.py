@@ -92,7 +92,11 @@ _LAYER_TABLES = {
 # the sliding layers' rotary base 10000
 _GEMMA3_PATTERN, _GEMMA3_LOCAL_BASE = 6, 10000.0
 # end-of-turn tokens llama.cpp stops at besides the file's EOS, by architecture
-_END_OF_TURN = {"gemma3": "<end_of_turn>", "phi3": "<|end|>"}
+_END_OF_TURN = {
+    "gemma3": ("<end_of_turn>",),
+    "phi3": ("<|end|>",),
+    "gpt-oss": ("<|return|>", "<|call|>"),  # a reply's end, and a tool call's
+}
 
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # one expert's matrix: old Mixtral files store them so, and ``_expert_slices`` names the
@@ -303,6 +307,8 @@ def _build_groups_in_parallel(
 
     from radixserve.executor.native import load_int4_panels, load_int8_panels
 
+    if not groups:
+        return
     load_int4_panels(), load_int8_panels()  # built and loaded once, here, not in two threads
     workers = max(1, min(torch.get_num_threads(), 8))
     if workers == 1 or len(groups) < 2:
@@ -431,9 +437,9 @@ def gguf_hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> 
     elif window:
         hf_config["sliding_window"] = int(window)
         hf_config["use_sliding_window"] = True
-    eot = _END_OF_TURN.get(arch)
-    if eot is not None and eot in tokens and hf_config["eos_token_id"] is not None:
-        hf_config["eos_token_id"] = sorted({int(hf_config["eos_token_id"]), tokens.index(eot)})
+    ends = [tokens.index(t) for t in _END_OF_TURN.get(arch, ()) if t in tokens]
+    if ends and hf_config["eos_token_id"] is not None:
+        hf_config["eos_token_id"] = sorted({int(hf_config["eos_token_id"]), *ends})
     return hf_config
 
 
@@ -479,12 +485,13 @@ def _moe_hf_config(
     if arch == "gpt-oss":
         hf_config["intermediate_size"] = int(expert_size)
         hf_config["attention_bias"] = True
-        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
-        period = int(pattern) if isinstance(pattern, int) and pattern else 2
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2)
         if isinstance(pattern, list):
             sliding = [bool(p) for p in pattern]
+        elif int(pattern) == 0:  # llama.cpp: a period of 0 slides every layer
+            sliding = [True] * layers
         else:  # llama.cpp's rule: every layer but each period-th slides
-            sliding = [(i + 1) % period != 0 for i in range(layers)]
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
         hf_config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     if arch == "llama":
         hf_config["architectures"] = [_LLAMA_MOE]

@@ -48,7 +48,16 @@ def canonical_moe_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     """``weights`` with Mixtral's MoE names (``block_sparse_moe``, ``w1/w2/w3``) and
     gpt-oss's stacked experts as Qwen-MoE's (``mlp.gate``, ``mlp.experts.E.gate/up/
     down_proj``)."""
-    if any(name.endswith(".mlp.experts.gate_up_proj") for name in weights):
+    if any(
+        name.endswith((".mlp.experts.gate_up_proj_blocks", ".mlp.experts.down_proj_blocks"))
+        for name in weights
+    ):
+        raise ValueError(
+            "this gpt-oss checkpoint keeps its experts as MXFP4 blocks (quantization_config "
+            "mxfp4), which the Hugging Face loader here does not read: run its GGUF file "
+            "(MXFP4 experts run from their codes) or a bfloat16 export"
+        )
+    if any(".mlp.router." in name for name in weights):
         return _split_gpt_oss_experts(weights)
     if not any(".block_sparse_moe." in name for name in weights):
         return weights
