@@ -265,7 +265,7 @@ def _load_model(config: EngineConfig, source: ModelSource) -> ModelParts:
         f"embeddings{'' if getattr(scheme, 'head', None) else ' and LM head'} "
         f"{str(dtype).removeprefix('torch.')}; KV cache "
         f"{num_pages * page_bytes / 2**30:.3f} GiB ({num_pages} pages of {config.page_size}); "
-        f"weights and tokenizer loaded in {time.perf_counter() - start:.2f} s"
+        f"weights and tokenizer loaded in {time.perf_counter() - start:.2f} s" + _peak_rss_note()
     )
     logger.info("%s", startup_line)
     return ModelParts(
@@ -288,6 +288,14 @@ def _load_model(config: EngineConfig, source: ModelSource) -> ModelParts:
         threads_before=threads_before,
         startup_line=startup_line,
     )
+
+
+def _peak_rss_note() -> str:
+    """``; peak RSS X GiB`` of this process so far (loading included), where known."""
+    from radixserve.executor.weights import peak_rss_bytes
+
+    peak = peak_rss_bytes()
+    return "" if peak is None else f"; peak RSS {peak / 2**30:.2f} GiB"
 
 
 def _start_tensor_parallel(

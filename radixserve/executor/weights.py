@@ -157,6 +157,19 @@ def load_model(
 PREFILL_COPY_AUTO_SHARE = 0.25
 
 
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set so far (VmHWM of /proc/self/status; None where
+    there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def available_memory_bytes() -> int | None:
     """MemAvailable of /proc/meminfo (None where there is none)."""
     try:

@@ -56,6 +56,7 @@ def test_family_greedy_equals_transformers(moe_models, arch):
     expected = hf_greedy(folder, prompts, NEW_TOKENS)
     llm = LLM(str(folder), dtype="float32", page_size=4, max_num_batched_tokens=32)
     assert llm.engine.model_config.moe is not None
+    assert "; peak RSS " in llm.engine.startup_line  # the load's peak resident set
     assert generate_ids(llm, prompts + prompts, greedy(NEW_TOKENS)) == expected + expected
 
 
