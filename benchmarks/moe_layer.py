@@ -27,6 +27,7 @@ from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.layers.moe import ExpertMLP, SparseMoE
 from radixserve.executor.model_config import MoEConfig
 from radixserve.executor.quant import Int4Linear
+from radixserve.executor.routed_experts import routed_experts_for
 
 # (hidden, experts, expert intermediate, top_k): the published config.json of each model
 SHAPES = {
@@ -71,20 +72,37 @@ def main() -> None:
 
     expert_bytes = parts[0].gate_up.nbytes + parts[0].down.nbytes
     print(f"{args.shape}: {experts} experts of {inter}, top {top_k}, hidden {hidden}, int4 g32")
-    print(f"{'rows':>5} {'moe_us':>10} {'dense_us':>10} {'ratio':>7}")
-    ratios = {}
-    moe_bs1_us = None
+    print(
+        f"{'rows':>5} {'moe_us':>10} {'native_us':>10} {'dense_us':>10} {'ratio':>7} {'native':>7}"
+    )
+    native = routed_experts_for(moe)  # executor/routed_experts.py: the one-op form
+    ratios: dict[int, float] = {}
+    native_ratios: dict[int, float] = {}
+    moe_bs1_us = native_bs1_us = None
     for rows in [int(r) for r in args.rows.split(",")]:
         x = (torch.randn(rows, hidden, generator=gen)).to(torch.bfloat16)
         moe_us = _time(moe, x, args.iters)
+        fast = native is not None and native.accepts(x)
+        native_us = _time(native.run, x, args.iters) if fast else float("nan")
         dense_us = _time(dense_mlp, x, args.iters)
         ratios[rows] = round(moe_us / dense_us, 3)
+        if fast:
+            native_ratios[rows] = round(native_us / dense_us, 3)
         if rows == 1:
-            moe_bs1_us = moe_us
-        print(f"{rows:>5} {moe_us:>10.1f} {dense_us:>10.1f} {ratios[rows]:>7.3f}")
-    out = {"shape": args.shape, "threads": torch.get_num_threads(), "moe_over_dense": ratios}
+            moe_bs1_us, native_bs1_us = moe_us, native_us
+        print(
+            f"{rows:>5} {moe_us:>10.1f} {native_us:>10.1f} {dense_us:>10.1f} "
+            f"{ratios[rows]:>7.3f} {native_us / dense_us:>7.3f}"
+        )
+    out = {
+        "shape": args.shape,
+        "threads": torch.get_num_threads(),
+        "moe_over_dense": ratios,
+        "native_moe_over_dense": native_ratios,
+    }
     if moe_bs1_us is not None:
         out["moe_bs1_weight_gb_per_s"] = round(top_k * expert_bytes / moe_bs1_us / 1e3, 2)
+        out["native_moe_bs1_weight_gb_per_s"] = round(top_k * expert_bytes / native_bs1_us / 1e3, 2)
     print(json.dumps(out))
 
 

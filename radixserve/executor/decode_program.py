@@ -34,40 +34,29 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.executor import program_ops as po
 from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetadata
 from radixserve.executor.layer_ops import LayerOps
-from radixserve.executor.native import (
-    address,
-    load_decode_program,
-    load_elementwise,
-    load_int4_panels,
-    load_int8_panels,
+from radixserve.executor.native import address, load_decode_program, load_elementwise
+from radixserve.executor.program_ops import (
+    ACT,
+    COPY_ROWS,
+    DECODE,
+    EMBED,
+    KV_WRITE,
+    MAX_ROWS,
+    NORM,
+    NORM_HEADS,
+    ROTARY,
+    ROTARY_ROWS,
+    bits,
+    linear_ok,
+    linear_ops,
+    panel_rows,
+    ptr,
 )
-from radixserve.executor.quant import (
-    PANEL_COPY_ROWS,
-    PANEL_DEQUANT_ROWS,
-    Int4Linear,
-    Int8GroupLinear,
-    in_long_prompt_step,
-    int8_panel_rows,
-)
-
-# op kinds and the row width of native/decode_program.c
-(
-    _EMBED,
-    _NORM,
-    _INT4,
-    _INT8,
-    _ROTARY_ROWS,
-    _ROTARY,
-    _KV_WRITE,
-    _DECODE,
-    _ACT,
-    _COPY_ROWS,
-    _NORM_HEADS,
-    _BIAS,
-) = range(1, 13)
-_OP_WIDTH = 20
+from radixserve.executor.quant import in_long_prompt_step
+from radixserve.executor.routed_experts import RoutedExperts, routed_experts_for
 
 # None: RADIXSERVE_DECODE_PROGRAM decides, read when a model's program is built (at engine
 # start, not at import); a benchmark sets True or False to compare both paths
@@ -78,15 +67,6 @@ def enabled() -> bool:
     if ENABLED is not None:
         return ENABLED
     return os.environ.get("RADIXSERVE_DECODE_PROGRAM", "1") != "0"
-
-
-# the most rows a program is built for (its buffers are this many rows of every activation)
-MAX_ROWS = 64
-
-
-def _bits(value: float) -> int:
-    """A float as the int64 bits of a double (how an op carries it)."""
-    return int(np.array(value, dtype=np.float64).view(np.int64))
 
 
 class DecodeProgram:
@@ -116,16 +96,13 @@ class DecodeProgram:
         )
         self.q_size, self.kv_size = self.heads * self.d, self.kv_heads * self.d
         self.qkv_size = self.q_size + 2 * self.kv_size
-        self.eps = _bits(c.rms_norm_eps)
+        self.eps = bits(c.rms_norm_eps)
         ew = load_elementwise()
         self._norm_fn, self._rotary_fn, self._silu_fn = (
             address(getattr(ew, f"{n}_bf16")) for n in ("add_rms_norm", "rotary", "silu_and_mul")
         )
         self._gelu_fn = address(ew.gelu_tanh_and_mul_bf16) if ew.has_gelu_tanh_and_mul() else 0
         self._kv_write_fn = address(ew.kv_write)
-        int4, int8 = load_int4_panels(), load_int8_panels()
-        self._int4_fn = 0 if int4 is None else address(int4.int4_panels_gemm_bf16)
-        self._int8_fn = 0 if int8 is None else address(int8.int8_panels_gemm_bf16)
         self._decode_fn = address(attention.native.paged_decode_bf16)
         bf16 = torch.bfloat16
         hidden, rows = self.hidden, capacity
@@ -147,23 +124,18 @@ class DecodeProgram:
         self.down = rows_of(hidden)
         self.down_normed = rows_of(hidden)
         self.out = rows_of(hidden)
-        k_max = max(int(w.in_features) for w in self.linears)
         # per-call scratch of the GEMM kernels (sized for the widest input)
-        self.xs = torch.empty(rows * k_max, dtype=torch.float32)  # group sums (>= k / group)
-        self.xp = torch.empty(rows * k_max, dtype=torch.int32)  # int4: x as bf16 pairs (k / 2)
-        self.xt = torch.empty(rows * k_max, dtype=torch.float32)  # int8: x as float32 (k)
+        self.scratch = po.GemmScratch.sized(rows, max(int(w.in_features) for w in self.linears))
         self._ops: list[list[int]] = []
         # every tensor the table points into, alive as long as the program
         self._keep: list[torch.Tensor] = [model.embed, model.norm]
+        self._experts: list[RoutedExperts] = []  # the MoE layers' ops (their tables, scratch)
         self._embed_hook: Callable[[torch.Tensor], None] | None = None
         if _is_gemma3(model):
             self._gemma3(model, attention)
         else:
             self._llama(model, attention)
-        table = np.zeros((len(self._ops), _OP_WIDTH), dtype=np.int64)
-        for row, op in zip(table, self._ops, strict=True):
-            row[: len(op)] = op
-        self.ops = table
+        self.ops = po.table(self._ops)
         self.step = np.zeros(7, dtype=np.int64)
         self._keep += [attention.kv_cache.k, attention.kv_cache.v]
 
@@ -174,35 +146,14 @@ class DecodeProgram:
         """``LayerOps.add_rms_norm(add, residual, w)`` into ``out``."""
         self._keep.append(w)
         self._ops.append(
-            [_NORM, self._norm_fn, _ptr(add), _ptr(residual), _ptr(w), _ptr(out), self.hidden,
+            [NORM, self._norm_fn, ptr(add), ptr(residual), ptr(w), ptr(out), self.hidden,
              self.eps, self.threads]
         )  # fmt: skip
 
     def _linear(self, w: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-        nt = self.threads
-        if isinstance(w, Int4Linear):
-            op = [
-                _INT4,
-                self._int4_fn,
-                _ptr(x),
-                w.in_features,
-                _ptr(w.panels),
-                _ptr(w.psz),
-                w.out_features,
-                w.group_size,
-                _ptr(self.xs),
-                _ptr(self.xp),
-                _ptr(y),
-                nt,
-            ]
-        else:
-            op = [_INT8, self._int8_fn, _ptr(x), w.in_features, _ptr(w.panels), _ptr(w.scale),
-                  _ptr(w.zero), w.out_features, w.group_size, _ptr(self.xt), _ptr(self.xs),
-                  _ptr(y), nt]  # fmt: skip
-        self._ops.append(op)
-        if w.bias is not None:  # Qwen2's q/k/v
+        if w.bias is not None:
             self._keep.append(w.bias)
-            self._ops.append([_BIAS, 0, _ptr(y), _ptr(w.bias), w.out_features])
+        self._ops += linear_ops(w, x, y, self.scratch, self.threads)
 
     def _rotary_rows(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathers ``table``'s (a RotaryEmbedding) rows of the step's positions; returns
@@ -211,8 +162,8 @@ class DecodeProgram:
         sin = torch.empty_like(cos)
         self._keep += [table.cos, table.sin_signed, cos, sin]
         self._ops.append(
-            [_ROTARY_ROWS, 0, _ptr(table.cos), _ptr(table.sin_signed), table.cos.shape[0],
-             self.d, _ptr(cos), _ptr(sin)]
+            [ROTARY_ROWS, 0, ptr(table.cos), ptr(table.sin_signed), table.cos.shape[0],
+             self.d, ptr(cos), ptr(sin)]
         )  # fmt: skip
         return cos, sin
 
@@ -222,8 +173,8 @@ class DecodeProgram:
         """``LayerOps.rotary`` of the first ``heads`` heads of each row of ``x`` (rows
         ``stride`` elements apart) by the gathered table rows ``rows``."""
         self._ops.append(
-            [_ROTARY, self._rotary_fn, _ptr(x), heads, self.d, stride, _ptr(rows[0]),
-             _ptr(rows[1]), self.threads]
+            [ROTARY, self._rotary_fn, ptr(x), heads, self.d, stride, ptr(rows[0]),
+             ptr(rows[1]), self.threads]
         )  # fmt: skip
 
     def _attention(
@@ -232,62 +183,85 @@ class DecodeProgram:
         """The KV write of the step's k (rows ``k_stride`` elements apart) and v (in qkv),
         then the paged decode of ``self.q`` into ``attn``."""
         cache = attention.kv_cache
-        k_layer, v_layer = _ptr(cache._k_layers[layer]), _ptr(cache._v_layers[layer])
-        v_ptr = _ptr(self.qkv) + 2 * (self.q_size + self.kv_size)
+        k_layer, v_layer = ptr(cache._k_layers[layer]), ptr(cache._v_layers[layer])
+        v_ptr = ptr(self.qkv) + 2 * (self.q_size + self.kv_size)
         self._ops.append(
-            [_KV_WRITE, self._kv_write_fn, _ptr(k), v_ptr, 2 * k_stride, 2 * self.qkv_size,
+            [KV_WRITE, self._kv_write_fn, ptr(k), v_ptr, 2 * k_stride, 2 * self.qkv_size,
              k_layer, v_layer, self.kv_heads, cache.page_size, self.d * 2]
         )  # fmt: skip
         spec = attention.default_spec if attention.specs is None else attention.specs[layer]
         self._ops.append(
-            [_DECODE, self._decode_fn, _ptr(self.q), k_layer, v_layer, self.kv_heads,
-             self.heads // self.kv_heads, cache.page_size, self.d, _bits(spec.scale),
-             spec.sliding_window or 0, _bits(spec.softcap or 0.0), self.threads,
-             _ptr(self.attn)]
+            [DECODE, self._decode_fn, ptr(self.q), k_layer, v_layer, self.kv_heads,
+             self.heads // self.kv_heads, cache.page_size, self.d, bits(spec.scale),
+             spec.sliding_window or 0, bits(spec.softcap or 0.0), self.threads,
+             ptr(self.attn)]
         )  # fmt: skip
 
     def _copy_q(self) -> None:
         """Each row's q out of its qkv row, contiguous (``q.contiguous()`` of the
         attention backend)."""
         self._ops.append(
-            [_COPY_ROWS, 0, _ptr(self.qkv), 2 * self.qkv_size, _ptr(self.q), 2 * self.q_size]
+            [COPY_ROWS, 0, ptr(self.qkv), 2 * self.qkv_size, ptr(self.q), 2 * self.q_size]
         )
 
     def _norm_heads(
-        self, src: torch.Tensor, offset: int, heads: int, w: torch.Tensor, dst: torch.Tensor
+        self,
+        src: torch.Tensor,
+        offset: int,
+        heads: int,
+        w: torch.Tensor,
+        dst: torch.Tensor,
+        d: int | None = None,
     ) -> None:
-        """``LayerOps.rms_norm_heads`` of the ``heads`` heads at ``offset`` in each qkv row
-        into ``dst`` [n, heads, d]."""
+        """``LayerOps.rms_norm_heads`` of the ``heads`` heads of ``d`` (default: the head
+        dim) at ``offset`` in each qkv row into ``dst`` [n, heads, d]."""
         self._keep.append(w)
         self._ops.append(
-            [_NORM_HEADS, self._norm_fn, _ptr(src) + 2 * offset, self.qkv_size, heads, self.d,
-             _ptr(w), _ptr(dst), self.eps]
+            [NORM_HEADS, self._norm_fn, ptr(src) + 2 * offset, self.qkv_size, heads,
+             d or self.d, ptr(w), ptr(dst), self.eps]
         )  # fmt: skip
 
     def _llama(self, model: Any, attention: TorchNativeAttention) -> None:
         """``LlamaForCausalLM.forward`` of a decode step: all native."""
         embed = model.embed
         self._ops.append(
-            [_EMBED, 0, _ptr(self.residual), _ptr(embed), self.hidden * 2, embed.shape[0]]
+            [EMBED, 0, ptr(self.residual), ptr(embed), self.hidden * 2, embed.shape[0]]
         )
         rows = self._rotary_rows(model.rotary)
         add: torch.Tensor | None = None
+        whole = model.config.qk_norm_whole
+        heads, kv_heads = self.heads, self.kv_heads
         for i, lay in enumerate(model.layers):
             self._add_norm(add, self.residual, lay.input_norm, self.normed)
             self._linear(lay.qkv, self.normed, self.qkv)
-            # q and k rotate together in place, as one [n, heads + kv_heads, d] view
-            self._rotary(self.qkv, self.heads + self.kv_heads, self.qkv_size, rows)
-            self._copy_q()
-            k = self.qkv[:, self.q_size :]  # a view: the kv write reads it at qkv's stride
-            self._attention(attention, i, k, self.qkv_size)
+            if lay.q_norm is None:
+                # q and k rotate together in place, as one [n, heads + kv_heads, d] view
+                self._rotary(self.qkv, heads + kv_heads, self.qkv_size, rows)
+                self._copy_q()
+                k = self.qkv[:, self.q_size :]  # a view: the kv write reads it at qkv's stride
+                self._attention(attention, i, k, self.qkv_size)
+            else:  # Qwen3's norm per head, OLMoE's over the whole projection
+                self._norm_heads(self.qkv, 0, 1 if whole else heads, lay.q_norm, self.q,
+                                 self.q_size if whole else self.d)  # fmt: skip
+                self._norm_heads(self.qkv, self.q_size, 1 if whole else kv_heads, lay.k_norm,
+                                 self.k, self.kv_size if whole else self.d)  # fmt: skip
+                self._rotary(self.q, heads, self.q_size, rows)
+                self._rotary(self.k, kv_heads, self.kv_size, rows)
+                self._attention(attention, i, self.k, self.kv_size)
             self._linear(lay.o, self.attn, self.o)
             self._add_norm(self.o, self.residual, lay.post_norm, self.normed)
-            self._linear(lay.gate_up, self.normed, self.gate_up)
-            self._ops.append(
-                [_ACT, self._silu_fn, _ptr(self.gate_up), _ptr(self.act), self.act.shape[1],
-                 self.threads]
-            )  # fmt: skip
-            self._linear(lay.down, self.act, self.down)
+            if lay.moe is not None:
+                experts = routed_experts_for(lay.moe)
+                assert experts is not None  # (build checked)
+                self._experts.append(experts)
+                self._ops.append(experts.op(self.normed, self.down))
+            else:
+                self._linear(lay.gate_up, self.normed, self.gate_up)
+                self._ops.append(
+                    [ACT, self._silu_fn, ptr(self.gate_up), ptr(self.act), self.act.shape[1],
+                     self.threads]
+                )  # fmt: skip
+                self._linear(lay.down, self.act, self.down)
             add = self.down
         self._add_norm(add, self.residual, model.norm, self.out)
 
@@ -324,7 +298,7 @@ class DecodeProgram:
             self._add_norm(self.o_normed, self.residual, lay.pre_ffn_norm, self.normed)
             self._linear(lay.gate_up, self.normed, self.gate_up)
             self._ops.append(
-                [_ACT, self._gelu_fn, _ptr(self.gate_up), _ptr(self.act), self.act.shape[1],
+                [ACT, self._gelu_fn, ptr(self.gate_up), ptr(self.act), self.act.shape[1],
                  self.threads]
             )  # fmt: skip
             self._linear(lay.down, self.act, self.down)
@@ -380,46 +354,20 @@ class DecodeProgram:
         return self.out[:n].clone()
 
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
 def _is_gemma3(model: Any) -> bool:
     return bool(model.layers) and hasattr(model.layers[0], "post_ffn_norm")
 
 
 def _linears(model: Any) -> list[Any]:
-    return [w for lay in model.layers for w in (lay.qkv, lay.o, lay.gate_up, lay.down)]
-
-
-def _linear_ok(w: Any) -> bool:
-    """Whether ``w`` is a layer the program multiplies: int4 or int8 group panels with a
-    native kernel, and a bias (if any) it can add."""
-    if isinstance(w, Int4Linear):
-        panels = w.panels is not None and load_int4_panels() is not None
-    elif isinstance(w, Int8GroupLinear):
-        panels = load_int8_panels() is not None
-    else:
-        return False
-    b = w.bias
-    return panels and (
-        b is None
-        or (
-            b.dtype == torch.bfloat16
-            and b.device.type == "cpu"
-            and b.is_contiguous()
-            and tuple(b.shape) == (w.out_features,)
-        )
-    )
-
-
-def _panel_rows(w: Any) -> int:
-    """The rows below which ``w`` multiplies with its panel kernel in a decode step (from
-    there on, its prefill copy or dequantize + GEMM: see ``Int4Linear.__call__`` and
-    ``Int8GroupLinear.__call__``)."""
-    if isinstance(w, Int4Linear):
-        return PANEL_COPY_ROWS if w.prefill is not None else PANEL_DEQUANT_ROWS
-    return int8_panel_rows(load_int8_panels())
+    """Every layer the program multiplies (a sparse layer's: its experts')."""
+    out = []
+    for lay in model.layers:
+        out += (lay.qkv, lay.o)
+        if getattr(lay, "moe", None) is not None:
+            out += [w for e in lay.moe.experts for w in (e.gate_up, e.down)]
+        else:
+            out += (lay.gate_up, lay.down)
+    return out
 
 
 def _gelu_ok(model: Any) -> bool:
@@ -449,8 +397,8 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
         or model.dtype != torch.bfloat16
         or model.embed.device.type != "cpu"
         or model.embed.dtype != torch.bfloat16
-        or (c.qk_norm and not gemma)
-        or c.moe is not None  # experts run op by op: the program has no routed MLP
+        or c.clip_qkv is not None
+        or c.attention_sinks
         or (gemma and not _gelu_ok(model))
     ):
         return None
@@ -468,11 +416,19 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
         if gemma:
             norms = (lay.input_norm, lay.q_norm, lay.k_norm, lay.post_attn_norm,
                      lay.pre_ffn_norm, lay.post_ffn_norm)  # fmt: skip
-        elif lay.q_norm is not None or lay.k_norm is not None:
-            return None
         else:
             norms = (lay.input_norm, lay.post_norm)
-        if not all(_linear_ok(w) for w in (lay.qkv, lay.o, lay.gate_up, lay.down)):
+            if lay.q_norm is not None:
+                norms += (lay.q_norm, lay.k_norm)
+        if (
+            getattr(lay, "moe", None) is not None
+        ):  # the routed experts' own op, and no shared expert
+            experts = routed_experts_for(lay.moe)
+            if experts is None or lay.moe.shared is not None:
+                return None
+            if not all(linear_ok(w) for w in (lay.qkv, lay.o)):
+                return None
+        elif not all(linear_ok(w) for w in (lay.qkv, lay.o, lay.gate_up, lay.down)):
             return None
         if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in norms):
             return None
@@ -485,7 +441,10 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
         for t in tables
     ):
         return None
-    capacity = min(_panel_rows(w) - 1 for w in _linears(model))
+    capacity = min(panel_rows(w) - 1 for w in _linears(model))
+    for lay in model.layers:
+        if getattr(lay, "moe", None) is not None:
+            capacity = min(capacity, lay.moe.native.capacity)
     if model.mlp_block_rows is not None:
         capacity = min(capacity, model.mlp_block_rows)
     capacity = min(capacity, MAX_ROWS)

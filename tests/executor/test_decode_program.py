@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from radixserve import LLM
-from radixserve.executor import decode_program
+from radixserve.executor import decode_program, native
 from radixserve.executor.models.llama import LlamaForCausalLM
+from radixserve.executor.routed_experts import routed_experts_for
+from tests.conftest import build_tiny_model
 from tests.executor.test_gguf_codes import (
     LAYER_TENSORS,
     MIXED,
@@ -82,14 +84,27 @@ def test_program_equals_op_by_op_on_requantized_int4(tiny_models, monkeypatch, a
     _check_both_ways(monkeypatch, LLM(str(tiny_models[arch]), quantization="int4"))
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", "mixtral", "olmoe"])
+def test_program_equals_op_by_op_with_qk_norms_and_experts(tmp_path, monkeypatch, arch):
+    """Requantized to int4: Qwen3's per-head q/k norms, OLMoE's over the whole projection,
+    and the routed experts of Qwen3-MoE (a dense layer among sparse ones), Mixtral and
+    OLMoE run in the program (one ``OP_MOE`` a sparse layer) and equal the op-by-op
+    forward exactly, which runs the same op through ``RoutedExperts``."""
+    overrides = {"clip_qkv": None} if arch == "olmoe" else {}  # (a clamp the program lacks)
+    folder = build_tiny_model(tmp_path / arch, arch, **overrides)
+    llm = LLM(str(folder), quantization="int4")
+    model = llm.engine.runner.model
+    if model.config.moe is not None:
+        sparse = [lay.moe for lay in model.layers if lay.moe is not None]
+        assert sparse and all(routed_experts_for(moe) is not None for moe in sparse)
+    _check_both_ways(monkeypatch, llm)
+
+
 def _check_both_ways(monkeypatch, llm: LLM) -> None:
     """Every decode step of ``llm``, of one row and of several, goes through the program
     and equals the op-by-op forward (``_run_both``); the engine is closed after."""
     try:
-        if (
-            decode_program.load_decode_program() is None
-            or decode_program.load_int4_panels() is None
-        ):
+        if decode_program.load_decode_program() is None or native.load_int4_panels() is None:
             pytest.skip("the native kernels are not built on this machine")
         alone = _run_both(monkeypatch, llm)
         together = _run_both(monkeypatch, llm, together=True)

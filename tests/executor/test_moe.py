@@ -29,6 +29,7 @@ from radixserve.executor.quant import (
     quantize_model,
     weight_memory,
 )
+from radixserve.executor.routed_experts import routed_experts_for
 from tests.conftest import build_tiny_model
 from tests.helpers import generate_ids, greedy, hf_greedy, write_gguf_vocab
 
@@ -220,6 +221,32 @@ def test_quantized_experts_equal_their_dequantized_weights(kind, rows):
     want = _reference(moe, x)
     got = moe(x).double()
     assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 5, 30])
+@pytest.mark.parametrize(("shared", "norm"), [(False, True), (True, False)])
+def test_native_routed_experts_equal_float64(rows, shared, norm):
+    """``RoutedExperts`` (one native op: router, top-k, the experts' int4 panel GEMMs over
+    their rows, the weighted sum in float32) equals the float64 reference on the experts'
+    dequantized weights to bfloat16's rounding (its float32 router logits can pick another
+    expert than the Python path's bfloat16 ones where two nearly tie, so the reference is
+    the judge); the shared expert is added after it."""
+    moe = _block(3, shared, norm, dtype=torch.bfloat16, experts=16)
+    for expert in moe.experts:
+        expert.gate_up, expert.down = expert.gate_up.layer, expert.down.layer
+    layer = type("Layer", (), {})()
+    layer.moe = moe
+    quantize_model(type("M", (), {"layers": [layer]})(), QuantScheme("int4", 32, True))
+    native = routed_experts_for(moe)
+    if native is None:
+        pytest.skip("the native panel kernels are not built on this machine")
+    assert native.accepts(torch.empty(rows, 64, dtype=torch.bfloat16))
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    want = _reference(moe, x)
+    got = moe.add_shared(x, native.run(x)).double()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3
+    # a float32 layer, or more rows than the panels take, stays in Python
+    assert not native.accepts(x.float()) and not native.accepts(x.repeat(native.capacity + 1, 1))
 
 
 # -- GGUF files of the families --------------------------------------------------------------

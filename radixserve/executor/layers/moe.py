@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +68,8 @@ class SparseMoE:
         self.shared = shared
         self.shared_gate = shared_gate
         self.act_and_mul = act_and_mul if config.activation == "silu" else self._swiglu_oai
+        # the native form of ``routed`` (executor/routed_experts.py keeps it here)
+        self.native: Any = None
 
     def parts(self) -> Iterator[tuple[str, ExpertMLP]]:
         """Every expert with the Hugging Face prefix of its weights (relative to the
@@ -90,6 +93,10 @@ class SparseMoE:
         return (weights if self.config.float32_weights else weights.to(x.dtype)), ids
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_shared(x, self.routed(x))
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weighted outputs, summed per token (no shared expert)."""
         rows = x.shape[0]
         weights, ids = self.route(x)
         k = self.config.top_k
@@ -115,6 +122,11 @@ class SparseMoE:
                     0, tokens, (y * weight_of[start : start + count, None]).to(out.dtype)
                 )
                 start += count
+        return out
+
+    def add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the routed experts' sum for ``x``) plus the gated shared expert's output,
+        in place, when the layer has one."""
         if self.shared is not None:
             gate = torch.sigmoid(F.linear(x, self.shared_gate))
             out.add_(gate * self._expert(self.shared, x))

@@ -23,6 +23,7 @@
  * -(1 + i) when op i refused (a kernel's error or an id or position out of range): the
  * caller raises.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -39,6 +40,7 @@ enum {
     OP_COPY_ROWS,
     OP_NORM_HEADS,
     OP_BIAS,
+    OP_MOE,
 };
 #define OP_WIDTH 20
 /* a row-wise kernel's threads: no more than rows, as LayerOps' (one row: no thread woken to
@@ -86,88 +88,185 @@ static inline uint16_t f32_bf16(float f) {
 #define P(i) ((void *)(intptr_t)op[i])
 #define BF16(i) ((uint16_t *)(intptr_t)op[i])
 
-int decode_program_run(const int64_t *ops, int64_t count, const int64_t *step) {
+static int routed_experts(const int64_t *op, int64_t n, const int64_t *step);
+
+/* One op over the step's n rows: 0, or nonzero when it refused. */
+static int run_op(const int64_t *op, int64_t n, const int64_t *step) {
     const int64_t *tokens = (const int64_t *)(intptr_t)step[0];
     const int64_t *positions = (const int64_t *)(intptr_t)step[1];
     const int64_t *slots = (const int64_t *)(intptr_t)step[2];
     const int32_t *page_tables = (const int32_t *)(intptr_t)step[3];
     const int32_t *seq_lens = (const int32_t *)(intptr_t)step[4];
     const int max_pages = (int)step[5];
-    const int64_t n = step[6];
-    for (int64_t i = 0; i < count; i++) {
-        const int64_t *op = ops + i * OP_WIDTH;
-        int rc = 0;
-        switch (op[0]) {
-        case OP_EMBED: /* dst, table, row bytes, table rows */
-            for (int64_t r = 0; r < n; r++) {
-                if (tokens[r] < 0 || tokens[r] >= op[5]) return (int)-(1 + i);
-                memcpy((char *)P(2) + r * op[4], (const char *)P(3) + tokens[r] * op[4],
-                       (size_t)op[4]);
-            }
-            break;
-        case OP_NORM: /* add (0: none), residual, weight, out, d, eps, threads */
-            ((norm_fn)P(1))(P(2), P(3), P(4), P(5), n, op[6], (float)as_double(op[7]),
-                            ROW_THREADS(op[8]));
-            break;
-        case OP_INT4: /* x, k, panels, sz, n, group, xs, xp, y, threads */
-            rc = ((int4_fn)P(1))(P(2), n, op[3], P(4), P(5), op[6], op[7], P(8), P(9), P(10),
-                                 op[6], (int)op[11]);
-            break;
-        case OP_INT8: /* x, k, panels, scale, zero, n, group, xt, xs, y, threads */
-            rc = ((int8_fn)P(1))(P(2), n, op[3], P(4), P(5), P(6), op[7], op[8], P(9), P(10),
-                                 P(11), op[7], (int)op[12]);
-            break;
-        case OP_ROTARY_ROWS: /* cos table, sin table, table rows, d, cos rows, sin rows:
-                                each row's position's table rows, gathered */
-            for (int64_t r = 0; r < n; r++) {
-                if (positions[r] < 0 || positions[r] >= op[4]) return (int)-(1 + i);
-                const size_t bytes = (size_t)op[5] * sizeof(uint16_t);
-                memcpy(BF16(6) + r * op[5], BF16(2) + positions[r] * op[5], bytes);
-                memcpy(BF16(7) + r * op[5], BF16(3) + positions[r] * op[5], bytes);
-            }
-            break;
-        case OP_ROTARY: /* x, heads, d, row stride, cos rows, sin rows, threads */
-            ((rotary_fn)P(1))(P(2), n, op[3], op[4], op[5], P(6), P(7),
-                              ROW_THREADS(op[8]));
-            break;
-        case OP_KV_WRITE: /* k, v, k and v row strides in bytes, k cache, v cache, kv heads,
-                             page size, head bytes */
-            ((kv_write_fn)P(1))(P(2), P(3), op[4], op[5], P(6), P(7), slots, n, op[8], op[9],
-                                op[10], 1);
-            break;
-        case OP_DECODE: /* q, k cache, v cache, kv heads, group, page size, d, scale, window,
-                           softcap, threads, out */
-            rc = ((decode_fn)P(1))(P(2), P(3), P(4), page_tables, seq_lens, (int)n, max_pages,
-                                   (int)op[5], (int)op[6], (int)op[7], (int)op[8],
-                                   (float)as_double(op[9]), (int)op[10],
-                                   (float)as_double(op[11]), (int)op[12], P(13), NULL, 0);
-            break;
-        case OP_SILU: /* x, out, d, threads (SiLU- or GELU-and-mul) */
-            ((act_fn)P(1))(P(2), P(3), n, op[4],
-                           ROW_THREADS(op[5]));
-            break;
-        case OP_COPY_ROWS: /* src, src row stride in bytes, dst, row bytes */
-            for (int64_t r = 0; r < n; r++)
-                memcpy((char *)P(4) + r * op[5], (const char *)P(2) + r * op[3], (size_t)op[5]);
-            break;
-        case OP_NORM_HEADS: /* norm, src, src row stride, heads, d, weight, dst, eps: each
-                               row's heads RMS-normed into dst [n, heads, d] */
-            for (int64_t r = 0; r < n; r++)
-                ((norm_fn)P(1))(NULL, BF16(2) + r * op[3], P(6), BF16(7) + r * op[4] * op[5],
-                                op[4], op[5], (float)as_double(op[8]), 1);
-            break;
-        case OP_BIAS: /* y [n, width], bias [width]: y += bias (a linear's bias, after its
-                         GEMM: ``y + bias`` in bfloat16, as the op-by-op path adds it) */
-            for (int64_t r = 0; r < n; r++) {
-                uint16_t *y = BF16(2) + r * op[4];
-                const uint16_t *b = BF16(3);
-                for (int64_t j = 0; j < op[4]; j++) y[j] = f32_bf16(bf16_f32(y[j]) + bf16_f32(b[j]));
-            }
-            break;
-        default:
-            return (int)-(1 + i);
+    int rc = 0;
+    switch (op[0]) {
+    case OP_EMBED: /* dst, table, row bytes, table rows */
+        for (int64_t r = 0; r < n; r++) {
+            if (tokens[r] < 0 || tokens[r] >= op[5]) return 1;
+            memcpy((char *)P(2) + r * op[4], (const char *)P(3) + tokens[r] * op[4],
+                   (size_t)op[4]);
         }
-        if (rc != 0) return (int)-(1 + i);
+        break;
+    case OP_NORM: /* add (0: none), residual, weight, out, d, eps, threads */
+        ((norm_fn)P(1))(P(2), P(3), P(4), P(5), n, op[6], (float)as_double(op[7]),
+                        ROW_THREADS(op[8]));
+        break;
+    case OP_INT4: /* x, k, panels, sz, n, group, xs, xp, y, threads */
+        rc = ((int4_fn)P(1))(P(2), n, op[3], P(4), P(5), op[6], op[7], P(8), P(9), P(10),
+                             op[6], (int)op[11]);
+        break;
+    case OP_INT8: /* x, k, panels, scale, zero, n, group, xt, xs, y, threads */
+        rc = ((int8_fn)P(1))(P(2), n, op[3], P(4), P(5), P(6), op[7], op[8], P(9), P(10),
+                             P(11), op[7], (int)op[12]);
+        break;
+    case OP_ROTARY_ROWS: /* cos table, sin table, table rows, d, cos rows, sin rows:
+                            each row's position's table rows, gathered */
+        for (int64_t r = 0; r < n; r++) {
+            if (positions[r] < 0 || positions[r] >= op[4]) return 1;
+            const size_t bytes = (size_t)op[5] * sizeof(uint16_t);
+            memcpy(BF16(6) + r * op[5], BF16(2) + positions[r] * op[5], bytes);
+            memcpy(BF16(7) + r * op[5], BF16(3) + positions[r] * op[5], bytes);
+        }
+        break;
+    case OP_ROTARY: /* x, heads, d, row stride, cos rows, sin rows, threads */
+        ((rotary_fn)P(1))(P(2), n, op[3], op[4], op[5], P(6), P(7),
+                          ROW_THREADS(op[8]));
+        break;
+    case OP_KV_WRITE: /* k, v, k and v row strides in bytes, k cache, v cache, kv heads,
+                         page size, head bytes */
+        ((kv_write_fn)P(1))(P(2), P(3), op[4], op[5], P(6), P(7), slots, n, op[8], op[9],
+                            op[10], 1);
+        break;
+    case OP_DECODE: /* q, k cache, v cache, kv heads, group, page size, d, scale, window,
+                       softcap, threads, out */
+        rc = ((decode_fn)P(1))(P(2), P(3), P(4), page_tables, seq_lens, (int)n, max_pages,
+                               (int)op[5], (int)op[6], (int)op[7], (int)op[8],
+                               (float)as_double(op[9]), (int)op[10],
+                               (float)as_double(op[11]), (int)op[12], P(13), NULL, 0);
+        break;
+    case OP_SILU: /* x, out, d, threads (SiLU- or GELU-and-mul) */
+        ((act_fn)P(1))(P(2), P(3), n, op[4],
+                       ROW_THREADS(op[5]));
+        break;
+    case OP_COPY_ROWS: /* src, src row stride in bytes, dst, row bytes */
+        for (int64_t r = 0; r < n; r++)
+            memcpy((char *)P(4) + r * op[5], (const char *)P(2) + r * op[3], (size_t)op[5]);
+        break;
+    case OP_NORM_HEADS: /* norm, src, src row stride, heads, d, weight, dst, eps: each
+                           row's heads RMS-normed into dst [n, heads, d] */
+        for (int64_t r = 0; r < n; r++)
+            ((norm_fn)P(1))(NULL, BF16(2) + r * op[3], P(6), BF16(7) + r * op[4] * op[5],
+                            op[4], op[5], (float)as_double(op[8]), 1);
+        break;
+    case OP_BIAS: /* y [n, width], bias [width]: y += bias (a linear's bias, after its
+                     GEMM: ``y + bias`` in bfloat16, as the op-by-op path adds it) */
+        for (int64_t r = 0; r < n; r++) {
+            uint16_t *y = BF16(2) + r * op[4];
+            const uint16_t *b = BF16(3);
+            for (int64_t j = 0; j < op[4]; j++) y[j] = f32_bf16(bf16_f32(y[j]) + bf16_f32(b[j]));
+        }
+        break;
+    case OP_MOE:
+        rc = routed_experts(op, n, step);
+        break;
+    default:
+        return 1;
     }
+    return rc;
+}
+
+int decode_program_run(const int64_t *ops, int64_t count, const int64_t *step) {
+    for (int64_t i = 0; i < count; i++)
+        if (run_op(ops + i * OP_WIDTH, step[6], step) != 0) return (int)-(1 + i);
+    return 0;
+}
+
+
+/* A mixture-of-experts MLP over the step's n rows (executor/routed_experts.py):
+ *   route: each row's logits over the E experts (float32 dot products of its bfloat16
+ *     values with the router's rows), their softmax, the top k (the first of equal ones),
+ *     renormalised to sum to 1 when flags & 1, rounded to bfloat16 unless flags & 2;
+ *   run: the rows grouped by expert (in row order), each chosen expert's ops run once
+ *     over its rows gathered into `xg` (the expert's ops read `xg` and leave its output in
+ *     `yd`: gate/up GEMM, activation, down GEMM, each one of this file's ops);
+ *   combine: each row's chosen outputs times their weights summed in float32, rounded to
+ *     bfloat16 once, into `out`.
+ * Only the chosen experts' weights are read. op: x, hidden, router [E, hidden], E, k,
+ * flags, expert ops [E][per][OP_WIDTH], per, xg [cap, hidden], yd [cap, hidden],
+ * acc (float) [cap, hidden], out [n, hidden], ids (int64) [cap * k], weights (float)
+ * [cap * k], logits (float) [E], order (int64) [cap * k], capacity, counts (int64) [E + 1],
+ * threads. Refuses (1) more rows than the capacity or an expert op that refuses. */
+static int routed_experts(const int64_t *op, int64_t n, const int64_t *step) {
+    const uint16_t *x = BF16(2), *router = BF16(4);
+    const int64_t hidden = op[3], n_experts = op[5], k = op[6], flags = op[7];
+    const int64_t *expert_ops = (const int64_t *)(intptr_t)op[8];
+    const int64_t per = op[9];
+    uint16_t *xg = BF16(10), *yd = BF16(11), *out = BF16(13);
+    float *acc = (float *)P(12), *weights = (float *)P(15), *logits = (float *)P(16);
+    int64_t *ids = (int64_t *)P(14), *order = (int64_t *)P(17), *counts = (int64_t *)P(19);
+    if (n > op[18] || k > n_experts) return 1;
+    for (int64_t r = 0; r < n; r++) {
+        const uint16_t *xr = x + r * hidden;
+        float top = -INFINITY;
+        for (int64_t e = 0; e < n_experts; e++) {
+            const uint16_t *w = router + e * hidden;
+            /* 16 independent partial sums (the compiler keeps them in one vector: a single
+             * chain of float adds may not be reordered, and would run at its latency) */
+            float part[16] = {0};
+            int64_t h = 0;
+            for (; h + 16 <= hidden; h += 16)
+                for (int l = 0; l < 16; l++) part[l] += bf16_f32(xr[h + l]) * bf16_f32(w[h + l]);
+            for (; h < hidden; h++) part[0] += bf16_f32(xr[h]) * bf16_f32(w[h]);
+            float s = 0.0f;
+            for (int l = 0; l < 16; l++) s += part[l];
+            logits[e] = s;
+            if (s > top) top = s;
+        }
+        float total = 0.0f;
+        for (int64_t e = 0; e < n_experts; e++) total += (logits[e] = expf(logits[e] - top));
+        float chosen = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < n_experts; e++)
+                if (logits[e] >= 0.0f && (best < 0 || logits[e] > logits[best])) best = e;
+            if (best < 0) return 1; /* a NaN row */
+            ids[r * k + j] = best;
+            weights[r * k + j] = logits[best] / total;
+            chosen += weights[r * k + j];
+            logits[best] = -1.0f; /* taken */
+        }
+        for (int64_t j = 0; j < k; j++) {
+            float w = weights[r * k + j];
+            if (flags & 1) w /= chosen;
+            if (!(flags & 2)) w = bf16_f32(f32_bf16(w));
+            weights[r * k + j] = w;
+        }
+    }
+    /* the (row, slot) pairs grouped by expert, in row order within each */
+    memset(counts, 0, (size_t)(n_experts + 1) * sizeof *counts);
+    for (int64_t p = 0; p < n * k; p++) counts[ids[p] + 1]++;
+    for (int64_t e = 0; e < n_experts; e++) counts[e + 1] += counts[e];
+    for (int64_t p = 0; p < n * k; p++) order[counts[ids[p]]++] = p;
+    /* counts[e] is now the end of expert e's pairs (the start of e + 1's) */
+    memset(acc, 0, (size_t)(n * hidden) * sizeof *acc);
+    int64_t start = 0;
+    for (int64_t e = 0; e < n_experts; e++) {
+        const int64_t rows = counts[e] - start;
+        if (rows == 0) continue;
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(xg + i * hidden, x + (order[start + i] / k) * hidden,
+                   (size_t)hidden * sizeof *x);
+        for (int64_t j = 0; j < per; j++)
+            if (run_op(expert_ops + (e * per + j) * OP_WIDTH, rows, step) != 0) return 1;
+        for (int64_t i = 0; i < rows; i++) {
+            const int64_t p = order[start + i];
+            const float w = weights[p];
+            float *a = acc + (p / k) * hidden;
+            const uint16_t *y = yd + i * hidden;
+            for (int64_t h = 0; h < hidden; h++) a[h] += w * bf16_f32(y[h]);
+        }
+        start = counts[e];
+    }
+    for (int64_t i = 0; i < n * hidden; i++) out[i] = f32_bf16(acc[i]);
     return 0;
 }

@@ -222,15 +222,16 @@ static int int4_panels_gemm_amx(const uint16_t *x, int64_t m, int64_t k, const u
 }
 #endif
 
-/* Row tiles: 12 rows at a time, then one tile of 8, 4, 2 and 1 as needed (the same order
- * for packing x and for the products). Returns the tile size starting at row m0. */
-static inline int tile_at(int64_t m, int64_t m0) {
-    const int64_t left = m - m0;
-    if (left >= 12) return 12;
-    if (left >= 8) return 8;
-    if (left >= 4) return 4;
-    if (left >= 2) return 2;
-    return 1;
+/* Row tiles: as few as hold at most 12 rows each, their sizes differing by at most one (the
+ * same for packing x and for the products), so each tile reads and expands the panels once:
+ * 3 rows are one tile of 3, not a tile of 2 then one of 1 (which read every weight twice:
+ * an expert's few rows in an MoE decode step). Tile i starts at tile_start(m, i). */
+#define MAX_TILE 12
+static inline int64_t tile_count(int64_t m) { return (m + MAX_TILE - 1) / MAX_TILE; }
+
+static inline int64_t tile_start(int64_t m, int64_t i) {
+    const int64_t t = tile_count(m), base = m / t, extra = m % t;
+    return i * base + (i < extra ? i : extra);
 }
 
 /* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart. xs is
@@ -257,13 +258,10 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
             xs[r * groups + g] = s;
         }
         if (amx) continue; /* the tiles read x as it lies */
-        const int64_t m0 = r < 12 * (m / 12) ? r / 12 * 12 : 12 * (m / 12);
-        int64_t t0 = m0; /* the tile holding row r starts at t0 (tiles after the 12s: 8, 4, 2, 1) */
-        int mt = tile_at(m, t0);
-        while (t0 + mt <= r) {
-            t0 += mt;
-            mt = tile_at(m, t0);
-        }
+        int64_t i = r * tile_count(m) / m; /* the tile holding row r: i or the next */
+        while (tile_start(m, i + 1) <= r) i++;
+        while (tile_start(m, i) > r) i--;
+        const int64_t t0 = tile_start(m, i), mt = tile_start(m, i + 1) - t0;
         int32_t *t = xp + t0 * pairs + (r - t0);
         for (int64_t p = 0; p < pairs; p++) memcpy(t + p * mt, row + 2 * p, sizeof(int32_t));
     }
@@ -281,16 +279,16 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
             block_row1(xp, pb, szb, group, xs, groups, y + 16 * b, mask);
             continue;
         }
-        for (int64_t m0 = 0; m0 < m;) {
-            const int mt = tile_at(m, m0);
-            switch (mt) { /* constant tile sizes: the accumulators stay in registers */
-            case 12: block_rows(xp, k, m0, 12, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            case 8: block_rows(xp, k, m0, 8, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            case 4: block_rows(xp, k, m0, 4, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            case 2: block_rows(xp, k, m0, 2, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
-            default: block_rows(xp, k, m0, 1, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+        for (int64_t i = 0; i < tile_count(m); i++) {
+            const int64_t m0 = tile_start(m, i);
+#define TILE(MT) \
+    case MT: block_rows(xp, k, m0, MT, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+            switch (tile_start(m, i + 1) - m0) { /* constant tile sizes: accumulators in registers */
+            TILE(12) TILE(11) TILE(10) TILE(9) TILE(8) TILE(7) TILE(6) TILE(5) TILE(4) TILE(3)
+            TILE(2) default: block_rows(xp, k, m0, 1, pb, szb, group, xs, groups, y, y_stride,
+                                        16 * b, mask);
             }
-            m0 += mt;
+#undef TILE
         }
     }
     return 0;

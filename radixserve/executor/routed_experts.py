@@ -1,0 +1,173 @@
+"""A sparse MoE layer's routed experts as one native call, at the few rows of a decode step.
+
+``SparseMoE`` in Python pays, per chosen expert, two kernel calls through ctypes, their
+argument checks and fresh output tensors, plus the router, the top-k and the sort between
+them: at batch 1 on OLMoE's shapes (8 of 64 experts) that was 1.7-1.9x the time of a dense
+MLP of the same active size reading the same bytes (``benchmarks/moe_layer.py``).
+``RoutedExperts`` lays out every expert's ops once (``program_ops.linear_ops`` over
+scratch rows it owns) and runs routing, the grouped expert GEMMs and the weighted sum
+as one ``OP_MOE`` of ``native/decode_program.c``; the decode program embeds the same op
+in its table, so a decode step of an MoE model is still one call.
+
+It applies to the softmax routers of Qwen2/3-MoE, Mixtral and OLMoE (not gpt-oss's biased
+top-k softmax and clamped SwiGLU), on bfloat16 CPU activations, when every expert's two
+layers are int4 or int8 group panels without biases (what ``--quantization auto`` makes
+of a GGUF file's codes), for steps of fewer rows than any expert leaves its panel kernel
+at (``RADIXSERVE_NATIVE_MOE=0`` keeps the Python path). Its numbers differ from the Python path's only in rounding: the weighted sum is taken
+in float32 and rounded to bfloat16 once (the Python path rounds each weighted output),
+and the router's logits are float32 dot products (not oneDNN's bfloat16 GEMM).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixserve.executor import program_ops as po
+from radixserve.executor.layers.moe import SparseMoE
+from radixserve.executor.native import address, load_decode_program, load_elementwise
+
+# None: RADIXSERVE_NATIVE_MOE decides ("0": the Python path), read when a layer's native
+# form is built; a benchmark sets True or False to compare both paths
+ENABLED: bool | None = None
+
+
+def enabled() -> bool:
+    if ENABLED is not None:
+        return ENABLED
+    return os.environ.get("RADIXSERVE_NATIVE_MOE", "1") != "0"
+
+
+class RoutedExperts:
+    """The routed experts of one ``SparseMoE`` (its shared expert, if any, stays in
+    Python) for up to ``capacity`` rows.
+
+    Invariant: ``run(x)`` is ``OP_MOE`` over the expert layers listed in ``linears`` (the
+    objects the layer held when this was built; ``matches`` says whether it still does),
+    with the router, scratch and threads fixed at build; ``op(x, out)`` is that op reading
+    ``x`` and writing ``out`` (both [rows, hidden] bfloat16, alive while the op is used)."""
+
+    def __init__(self, moe: SparseMoE, capacity: int, threads: int) -> None:
+        c = moe.config
+        self.moe = moe
+        self.capacity, self.threads = capacity, threads
+        self.linears = _expert_linears(moe)
+        self.lib = load_decode_program()
+        hidden = moe.router.shape[1]
+        inter = moe.experts[0].down.in_features
+        self.hidden = hidden
+        bf16 = torch.bfloat16
+        self.xg = torch.empty(capacity, hidden, dtype=bf16)
+        self.yd = torch.empty(capacity, hidden, dtype=bf16)
+        self.gate_up = torch.empty(capacity, 2 * inter, dtype=bf16)
+        self.act = torch.empty(capacity, inter, dtype=bf16)
+        self.acc = torch.empty(capacity, hidden, dtype=torch.float32)
+        k, experts = c.top_k, c.num_experts
+        self.ids = torch.empty(capacity * k, dtype=torch.int64)
+        self.order = torch.empty(capacity * k, dtype=torch.int64)
+        self.weights = torch.empty(capacity * k, dtype=torch.float32)
+        self.logits = torch.empty(experts, dtype=torch.float32)
+        self.counts = torch.empty(experts + 1, dtype=torch.int64)
+        width = max(int(w.in_features) for w in self.linears)
+        self.scratch = po.GemmScratch.sized(capacity, width)
+        silu = address(load_elementwise().silu_and_mul_bf16)
+        per_expert: list[list[list[int]]] = []
+        for expert in moe.experts:
+            ops = po.linear_ops(expert.gate_up, self.xg, self.gate_up, self.scratch, threads)
+            ops.append([po.ACT, silu, po.ptr(self.gate_up), po.ptr(self.act), inter, threads])
+            ops += po.linear_ops(expert.down, self.act, self.yd, self.scratch, threads)
+            per_expert.append(ops)
+        self.per = len(per_expert[0])
+        self.expert_ops = po.table([op for ops in per_expert for op in ops])
+        self.flags = int(c.norm_topk_prob) | 2 * int(c.float32_weights)
+        self._op = po.table([self.op(self.xg, self.yd)])  # pointers set per call
+        self._step = np.zeros(7, dtype=np.int64)
+
+    def op(self, x: torch.Tensor, out: torch.Tensor) -> list[int]:
+        """The ``OP_MOE`` row reading ``x`` and writing ``out``."""
+        c = self.moe.config
+        return [po.MOE, 0, po.ptr(x), self.hidden, po.ptr(self.moe.router), c.num_experts,
+                c.top_k, self.flags, self.expert_ops.ctypes.data, self.per, po.ptr(self.xg),
+                po.ptr(self.yd), po.ptr(self.acc), po.ptr(out), po.ptr(self.ids),
+                po.ptr(self.weights), po.ptr(self.logits), po.ptr(self.order), self.capacity,
+                po.ptr(self.counts)]  # fmt: skip
+
+    def matches(self, moe: SparseMoE) -> bool:
+        """Whether ``moe`` still holds the layers this was built from."""
+        return moe is self.moe and _expert_linears(moe) == self.linears
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return (
+            x.dim() == 2
+            and 0 < x.shape[0] <= self.capacity
+            and x.shape[1] == self.hidden
+            and x.dtype == torch.bfloat16
+            and x.device.type == "cpu"
+            and x.is_contiguous()
+        )
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [rows, hidden] for ``x`` (``accepts(x)``)."""
+        out = torch.empty_like(x)
+        self._op[0, 2], self._op[0, 13] = x.data_ptr(), out.data_ptr()
+        self._step[6] = x.shape[0]
+        if self.lib.decode_program_run(self._op.ctypes.data, 1, self._step.ctypes.data) != 0:
+            raise RuntimeError("routed experts: a row's router scores are not numbers")
+        return out
+
+
+def _expert_linears(moe: SparseMoE) -> list[Any]:
+    return [w for e in moe.experts for w in (e.gate_up, e.down)]
+
+
+def build(moe: SparseMoE) -> RoutedExperts | None:
+    """A ``RoutedExperts`` for ``moe``, or None where it does not apply (the module
+    docstring says where)."""
+    c = moe.config
+    router = moe.router
+    if (
+        not enabled()
+        or load_decode_program() is None
+        or load_elementwise() is None
+        or c.scoring != "softmax"
+        or c.activation != "silu"
+        or moe.router_bias is not None
+        or router.dtype != torch.bfloat16
+        or router.device.type != "cpu"
+        or not router.is_contiguous()
+    ):
+        return None
+    linears = _expert_linears(moe)
+    if not all(po.linear_ok(w) and w.bias is None for w in linears):
+        return None
+    capacity = min(min(po.panel_rows(w) - 1 for w in linears), po.MAX_ROWS)
+    if capacity < 1:
+        return None
+    return RoutedExperts(moe, capacity, torch.get_num_threads())
+
+
+@dataclass
+class _Refused:
+    """``build`` refused ``moe`` with these layers and threads (asked again if they change)."""
+
+    moe: SparseMoE
+    linears: list[Any]
+    threads: int
+
+    def matches(self, moe: SparseMoE) -> bool:
+        return moe is self.moe and _expert_linears(moe) == self.linears
+
+
+def routed_experts_for(moe: SparseMoE) -> RoutedExperts | None:
+    """``moe``'s native routed experts (built at its first use, again when its layers or
+    the thread count changed since; None: the Python path), kept on ``moe.native``."""
+    native = moe.native
+    threads = torch.get_num_threads()
+    if native is None or native.threads != threads or not native.matches(moe):
+        native = build(moe) or _Refused(moe, _expert_linears(moe), threads)
+        moe.native = native
+    return native if isinstance(native, RoutedExperts) else None
