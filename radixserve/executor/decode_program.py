@@ -14,14 +14,17 @@ q/k RMSNorm and GeGLU are the ``LayerOps`` kernels.
 
 It applies where every op of the step has its native kernel: bfloat16 on the CPU, one
 rank, the native ``LayerOps``, the native KV write and paged decode (no shared prefix
-attended once), no per-head q/k norm in the Llama family (Qwen3's is PyTorch's), and
-every dense layer held as int4 panels or int8 group panels, with a bfloat16 bias (Qwen2's
-q/k/v) or none (what ``--quantization auto`` makes of a GGUF file of Q4_0/Q4_1/Q4_K/Q5_x/
-Q6_K/Q8_0 tensors; a bfloat16 ``Linear`` goes through oneDNN, which has no entry point
-here), for steps of fewer rows than any layer leaves its panel kernel at (``_panel_rows``;
-at most ``MAX_ROWS``). Elsewhere ``build`` returns None, or ``accepts`` refuses the step, and the
-model keeps its op-by-op forward; ``RADIXSERVE_DECODE_PROGRAM=0`` (or ``ENABLED = False``
-before a model's first step) keeps it everywhere.
+attended once, no attention sinks), q/k norms per head (Qwen3, Gemma 3) or over the whole
+projection (OLMoE) through ``LayerOps``' kernel but no ``clip_qkv``, every dense layer
+held as int4 panels or int8 group panels, with a bfloat16 bias (Qwen2's q/k/v) or none
+(what ``--quantization auto`` makes of a GGUF file of Q4_0/Q4_1/Q4_K/Q5_x/Q6_K/Q8_0
+tensors; a bfloat16 ``Linear`` goes through oneDNN, which has no entry point here), and
+every sparse layer's routed experts as one ``OP_MOE`` (``routed_experts.py``; no shared
+expert), for steps of fewer rows than any layer leaves its panel kernel at
+(``program_ops.panel_rows``; at most ``MAX_ROWS``). Elsewhere ``build`` returns None, or
+``accepts`` refuses the step, and the model keeps its op-by-op forward;
+``RADIXSERVE_DECODE_PROGRAM=0`` (or ``ENABLED = False`` before a model's first step) keeps
+it everywhere, and ``RADIXSERVE_NATIVE_MOE=0`` for MoE models.
 """
 
 from __future__ import annotations

@@ -2,20 +2,24 @@
 
 ``SparseMoE`` in Python pays, per chosen expert, two kernel calls through ctypes, their
 argument checks and fresh output tensors, plus the router, the top-k and the sort between
-them: at batch 1 on OLMoE's shapes (8 of 64 experts) that was 1.7-1.9x the time of a dense
+them: at batch 1 on OLMoE's shapes (8 of 64 experts) that was 1.7-2.2x the time of a dense
 MLP of the same active size reading the same bytes (``benchmarks/moe_layer.py``).
 ``RoutedExperts`` lays out every expert's ops once (``program_ops.linear_ops`` over
 scratch rows it owns) and runs routing, the grouped expert GEMMs and the weighted sum
 as one ``OP_MOE`` of ``native/decode_program.c``; the decode program embeds the same op
-in its table, so a decode step of an MoE model is still one call.
+in its table, so a decode step of such a model is one native call (Qwen2-MoE's shared
+expert keeps its steps op by op, with this op for the routed part).
 
 It applies to the softmax routers of Qwen2/3-MoE, Mixtral and OLMoE (not gpt-oss's biased
-top-k softmax and clamped SwiGLU), on bfloat16 CPU activations, when every expert's two
-layers are int4 or int8 group panels without biases (what ``--quantization auto`` makes
-of a GGUF file's codes), for steps of fewer rows than any expert leaves its panel kernel
-at (``RADIXSERVE_NATIVE_MOE=0`` keeps the Python path). Its numbers differ from the Python path's only in rounding: the weighted sum is taken
-in float32 and rounded to bfloat16 once (the Python path rounds each weighted output),
-and the router's logits are float32 dot products (not oneDNN's bfloat16 GEMM).
+top-k softmax and clamped SwiGLU), on bfloat16 CPU activations through the native
+``LayerOps``, when every expert's two layers are int4 or int8 group panels without biases
+(what ``--quantization auto`` makes of a GGUF file's codes), for steps of fewer rows than
+any expert leaves its panel kernel at, and at most ``program_ops.MAX_ROWS``
+(``RADIXSERVE_NATIVE_MOE=0`` keeps the Python path). Its numbers differ from the Python
+path's in rounding only: the router's logits are float32 dot products rounded to bfloat16
+(oneDNN's bfloat16 GEMM sums in another order, so where two logits nearly tie the two
+paths may choose differently), and the weighted sum is taken in float32 and rounded once
+(the Python path rounds each weighted output).
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ class RoutedExperts:
 
     def __init__(self, moe: SparseMoE, capacity: int, threads: int) -> None:
         c = moe.config
-        self.moe = moe
+        # what the op reads, fixed here (the buffers below are sized for them); ``matches``
+        # checks the layer still holds them
+        self.config, self.router = c, moe.router
         self.capacity, self.threads = capacity, threads
         self.linears = _expert_linears(moe)
         self.lib = load_decode_program()
@@ -70,7 +76,7 @@ class RoutedExperts:
         self.ids = torch.empty(capacity * k, dtype=torch.int64)
         self.order = torch.empty(capacity * k, dtype=torch.int64)
         self.weights = torch.empty(capacity * k, dtype=torch.float32)
-        self.logits = torch.empty(experts, dtype=torch.float32)
+        self.logits = torch.empty(capacity * experts, dtype=torch.float32)
         self.counts = torch.empty(experts + 1, dtype=torch.int64)
         width = max(int(w.in_features) for w in self.linears)
         self.scratch = po.GemmScratch.sized(capacity, width)
@@ -89,8 +95,8 @@ class RoutedExperts:
 
     def op(self, x: torch.Tensor, out: torch.Tensor) -> list[int]:
         """The ``OP_MOE`` row reading ``x`` and writing ``out``."""
-        c = self.moe.config
-        return [po.MOE, 0, po.ptr(x), self.hidden, po.ptr(self.moe.router), c.num_experts,
+        c = self.config
+        return [po.MOE, self.threads, po.ptr(x), self.hidden, po.ptr(self.router), c.num_experts,
                 c.top_k, self.flags, self.expert_ops.ctypes.data, self.per, po.ptr(self.xg),
                 po.ptr(self.yd), po.ptr(self.acc), po.ptr(out), po.ptr(self.ids),
                 po.ptr(self.weights), po.ptr(self.logits), po.ptr(self.order), self.capacity,
@@ -98,7 +104,11 @@ class RoutedExperts:
 
     def matches(self, moe: SparseMoE) -> bool:
         """Whether ``moe`` still holds the layers this was built from."""
-        return moe is self.moe and _expert_linears(moe) == self.linears
+        return (
+            moe.config is self.config
+            and moe.router is self.router
+            and _expert_linears(moe) == self.linears
+        )
 
     def accepts(self, x: torch.Tensor) -> bool:
         return (
@@ -116,7 +126,7 @@ class RoutedExperts:
         self._op[0, 2], self._op[0, 13] = x.data_ptr(), out.data_ptr()
         self._step[6] = x.shape[0]
         if self.lib.decode_program_run(self._op.ctypes.data, 1, self._step.ctypes.data) != 0:
-            raise RuntimeError("routed experts: a row's router scores are not numbers")
+            raise RuntimeError("routed experts: the native op refused its arguments")
         return out
 
 
@@ -144,6 +154,13 @@ def build(moe: SparseMoE) -> RoutedExperts | None:
     linears = _expert_linears(moe)
     if not all(po.linear_ok(w) and w.bias is None for w in linears):
         return None
+    hidden, inter = router.shape[1], moe.experts[0].down.in_features
+    if any(  # the shapes the op's buffers are sized for
+        (e.gate_up.in_features, e.gate_up.out_features, e.down.in_features, e.down.out_features)
+        != (hidden, 2 * inter, inter, hidden)
+        for e in moe.experts
+    ):
+        return None
     capacity = min(min(po.panel_rows(w) - 1 for w in linears), po.MAX_ROWS)
     if capacity < 1:
         return None
@@ -152,14 +169,20 @@ def build(moe: SparseMoE) -> RoutedExperts | None:
 
 @dataclass
 class _Refused:
-    """``build`` refused ``moe`` with these layers and threads (asked again if they change)."""
+    """``build`` refused a layer with this config, router, experts and threads (asked again
+    if any of them changes)."""
 
-    moe: SparseMoE
+    config: Any
+    router: torch.Tensor
     linears: list[Any]
     threads: int
 
     def matches(self, moe: SparseMoE) -> bool:
-        return moe is self.moe and _expert_linears(moe) == self.linears
+        return (
+            moe.config is self.config
+            and moe.router is self.router
+            and _expert_linears(moe) == self.linears
+        )
 
 
 def routed_experts_for(moe: SparseMoE) -> RoutedExperts | None:
@@ -168,6 +191,6 @@ def routed_experts_for(moe: SparseMoE) -> RoutedExperts | None:
     native = moe.native
     threads = torch.get_num_threads()
     if native is None or native.threads != threads or not native.matches(moe):
-        native = build(moe) or _Refused(moe, _expert_linears(moe), threads)
+        native = build(moe) or _Refused(moe.config, moe.router, _expert_linears(moe), threads)
         moe.native = native
     return native if isinstance(native, RoutedExperts) else None

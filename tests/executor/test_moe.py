@@ -8,6 +8,7 @@ included."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +18,9 @@ import torch
 from radixserve import LLM
 from radixserve.executor.layers.moe import ExpertMLP, SparseMoE
 from radixserve.executor.linear import Linear
-from radixserve.executor.loader.gguf_codes import CODE_TYPES
+from radixserve.executor.loader.gguf_codes import CODE_TYPES, GroupCodes
 from radixserve.executor.model_config import ModelConfig, MoEConfig
+from radixserve.executor.native import load_decode_program, load_int4_panels
 from radixserve.executor.quant import (
     Int4Linear,
     Int8GroupLinear,
@@ -223,23 +225,42 @@ def test_quantized_experts_equal_their_dequantized_weights(kind, rows):
     assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3
 
 
+def _int8_groups(layer: Linear) -> Int8GroupLinear:
+    """``layer``'s weight as int8 codes in groups of 16 with float scales (what a GGUF file's
+    Q6_K/Q8_0 tensors become)."""
+    w = layer.weight.float()
+    n, k = w.shape
+    groups = w.view(n, k // 16, 16)
+    scale = groups.abs().amax(dim=-1) / 127
+    q = torch.round(groups / scale[..., None]).to(torch.int8).view(n, k)
+    return Int8GroupLinear.from_codes(GroupCodes(q, scale, None, 16, 8, ("Q8_0",)))
+
+
 @pytest.mark.parametrize("rows", [1, 5, 30])
-@pytest.mark.parametrize(("shared", "norm"), [(False, True), (True, False)])
-def test_native_routed_experts_equal_float64(rows, shared, norm):
-    """``RoutedExperts`` (one native op: router, top-k, the experts' int4 panel GEMMs over
-    their rows, the weighted sum in float32) equals the float64 reference on the experts'
-    dequantized weights to bfloat16's rounding (its float32 router logits can pick another
-    expert than the Python path's bfloat16 ones where two nearly tie, so the reference is
-    the judge); the shared expert is added after it."""
+@pytest.mark.parametrize(
+    ("kind", "shared", "norm", "f32"),
+    [("int4", False, True, False), ("int4", True, False, False), ("int8", False, True, True)],
+)
+def test_native_routed_experts_equal_float64(rows, kind, shared, norm, f32):
+    """``RoutedExperts`` (one native op: router, top-k, the experts' int4 or int8 panel
+    GEMMs over their rows, the weighted sum in float32; Mixtral's weights unrounded) equals
+    the float64 reference on the experts' dequantized weights to bfloat16's rounding; the
+    shared expert is added after it. Where the kernels are built it must apply."""
+    if load_decode_program() is None or load_int4_panels() is None:
+        pytest.skip("the native panel kernels are not built on this machine")
     moe = _block(3, shared, norm, dtype=torch.bfloat16, experts=16)
+    moe.config = dataclasses.replace(moe.config, float32_weights=f32)
     for expert in moe.experts:
         expert.gate_up, expert.down = expert.gate_up.layer, expert.down.layer
-    layer = type("Layer", (), {})()
-    layer.moe = moe
-    quantize_model(type("M", (), {"layers": [layer]})(), QuantScheme("int4", 32, True))
+    if kind == "int4":
+        layer = type("Layer", (), {})()
+        layer.moe = moe
+        quantize_model(type("M", (), {"layers": [layer]})(), QuantScheme("int4", 32, True))
+    else:
+        for expert in moe.experts:
+            expert.gate_up, expert.down = _int8_groups(expert.gate_up), _int8_groups(expert.down)
     native = routed_experts_for(moe)
-    if native is None:
-        pytest.skip("the native panel kernels are not built on this machine")
+    assert native is not None
     assert native.accepts(torch.empty(rows, 64, dtype=torch.bfloat16))
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     want = _reference(moe, x)
@@ -247,6 +268,35 @@ def test_native_routed_experts_equal_float64(rows, shared, norm):
     assert (got - want).abs().max() <= 0.02 * want.abs().max() + 1e-3
     # a float32 layer, or more rows than the panels take, stays in Python
     assert not native.accepts(x.float()) and not native.accepts(x.repeat(native.capacity + 1, 1))
+
+
+def test_native_routed_experts_follow_the_python_path():
+    """Where the router's bfloat16 logits do not nearly tie, the native op picks the same
+    experts as ``SparseMoE.route`` and its sum equals the Python path's to rounding; a
+    layer replaced after the first call is rebuilt, a NaN row stays NaN (not an error)."""
+    if load_decode_program() is None or load_int4_panels() is None:
+        pytest.skip("the native panel kernels are not built on this machine")
+    moe = _block(4, False, True, dtype=torch.bfloat16, experts=8)
+    for expert in moe.experts:
+        expert.gate_up, expert.down = (
+            _int8_groups(expert.gate_up.layer),
+            _int8_groups(expert.down.layer),
+        )
+    native = routed_experts_for(moe)
+    assert native is not None
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    got = native.run(x)
+    _, ids = moe.route(x)
+    top = torch.nn.functional.linear(x, moe.router).float().sort(dim=-1, descending=True).values
+    clear = (top[:, :2] - top[:, 1:3]).min(dim=-1).values > 0  # no tie in the top 3
+    assert clear.sum() >= 6
+    assert torch.equal(native.ids[: 12 * 2].view(12, 2)[clear], ids[clear])
+    torch.testing.assert_close(got[clear], moe.routed(x)[clear], atol=0.02, rtol=0.02)
+    moe.experts[0].down = _int8_groups(Linear(moe.experts[0].down.dequantized()))
+    assert routed_experts_for(moe) is not native  # rebuilt over the new layer
+    x[3] = float("nan")
+    out = routed_experts_for(moe).run(x)
+    assert out[3].isnan().all() and not out[[0, 1, 2, 4]].isnan().any()
 
 
 # -- GGUF files of the families --------------------------------------------------------------

@@ -61,9 +61,10 @@ def test_int8_matmul_matches_float64(rows):
     assert torch.all(err <= scale / 2 + 1e-7)
 
 
-# rows: the panel kernel's row tiles (1; 8 + 1; 8 x 8 + 2 + 1) and its dequantize + GEMM
-# path (200); PyTorch's kernel (9) and its dequantize + GEMM (200) for the other layout
-@pytest.mark.parametrize("rows", [1, 9, 67, 200])
+# rows: the panel kernel's row tiles (1 row alone; one tile of 3 and of 9; 67 as 12 + 5 x 11)
+# and its dequantize + GEMM path (200); PyTorch's kernel (9) and its dequantize + GEMM
+# (200) for the other layout
+@pytest.mark.parametrize("rows", [1, 3, 9, 67, 200])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_matmul_matches_float64(rows, group, symmetric):

@@ -184,18 +184,22 @@ int decode_program_run(const int64_t *ops, int64_t count, const int64_t *step) {
 
 /* A mixture-of-experts MLP over the step's n rows (executor/routed_experts.py):
  *   route: each row's logits over the E experts (float32 dot products of its bfloat16
- *     values with the router's rows), their softmax, the top k (the first of equal ones),
- *     renormalised to sum to 1 when flags & 1, rounded to bfloat16 unless flags & 2;
+ *     values with the router's rows, rounded to bfloat16 as a bfloat16 GEMM's output is),
+ *     their softmax in float32, the top k (the first of equal ones), renormalised to sum
+ *     to 1 when flags & 1, rounded to bfloat16 unless flags & 2 (Mixtral); a row whose
+ *     logits are not all numbers takes experts 0..k-1 with NaN weights (NaN out, as the
+ *     Python path gives, not an error);
  *   run: the rows grouped by expert (in row order), each chosen expert's ops run once
  *     over its rows gathered into `xg` (the expert's ops read `xg` and leave its output in
  *     `yd`: gate/up GEMM, activation, down GEMM, each one of this file's ops);
  *   combine: each row's chosen outputs times their weights summed in float32, rounded to
  *     bfloat16 once, into `out`.
- * Only the chosen experts' weights are read. op: x, hidden, router [E, hidden], E, k,
- * flags, expert ops [E][per][OP_WIDTH], per, xg [cap, hidden], yd [cap, hidden],
- * acc (float) [cap, hidden], out [n, hidden], ids (int64) [cap * k], weights (float)
- * [cap * k], logits (float) [E], order (int64) [cap * k], capacity, counts (int64) [E + 1],
- * threads. Refuses (1) more rows than the capacity or an expert op that refuses. */
+ * Only the chosen experts' weights are read. op: threads (in the kernel's place), x,
+ * hidden, router [E, hidden], E, k, flags, expert ops [E][per][OP_WIDTH], per,
+ * xg [cap, hidden], yd [cap, hidden], acc (float) [cap, hidden], out [n, hidden],
+ * ids (int64) [cap * k], weights (float) [cap * k], logits (float) [cap * E],
+ * order (int64) [cap * k], capacity, counts (int64) [E + 1]. Refuses (1) more rows than
+ * the capacity, k > E, or an expert op that refuses. */
 static int routed_experts(const int64_t *op, int64_t n, const int64_t *step) {
     const uint16_t *x = BF16(2), *router = BF16(4);
     const int64_t hidden = op[3], n_experts = op[5], k = op[6], flags = op[7];
@@ -204,36 +208,47 @@ static int routed_experts(const int64_t *op, int64_t n, const int64_t *step) {
     uint16_t *xg = BF16(10), *yd = BF16(11), *out = BF16(13);
     float *acc = (float *)P(12), *weights = (float *)P(15), *logits = (float *)P(16);
     int64_t *ids = (int64_t *)P(14), *order = (int64_t *)P(17), *counts = (int64_t *)P(19);
+    const int threads = (int)op[1];
     if (n > op[18] || k > n_experts) return 1;
+    /* every row's logits, on the threads when there are enough of them to share */
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (n * n_experts * hidden >= (1 << 20))")
+    for (int64_t re = 0; re < n * n_experts; re++) {
+        const uint16_t *xr = x + (re / n_experts) * hidden;
+        const uint16_t *w = router + (re % n_experts) * hidden;
+        /* 16 independent partial sums (the compiler keeps them in one vector: a single
+         * chain of float adds may not be reordered, and would run at its latency) */
+        float part[16] = {0};
+        int64_t h = 0;
+        for (; h + 16 <= hidden; h += 16)
+            for (int l = 0; l < 16; l++) part[l] += bf16_f32(xr[h + l]) * bf16_f32(w[h + l]);
+        for (; h < hidden; h++) part[0] += bf16_f32(xr[h]) * bf16_f32(w[h]);
+        float s = 0.0f;
+        for (int l = 0; l < 16; l++) s += part[l];
+        logits[re] = bf16_f32(f32_bf16(s));
+    }
     for (int64_t r = 0; r < n; r++) {
-        const uint16_t *xr = x + r * hidden;
+        float *lr = logits + r * n_experts;
         float top = -INFINITY;
-        for (int64_t e = 0; e < n_experts; e++) {
-            const uint16_t *w = router + e * hidden;
-            /* 16 independent partial sums (the compiler keeps them in one vector: a single
-             * chain of float adds may not be reordered, and would run at its latency) */
-            float part[16] = {0};
-            int64_t h = 0;
-            for (; h + 16 <= hidden; h += 16)
-                for (int l = 0; l < 16; l++) part[l] += bf16_f32(xr[h + l]) * bf16_f32(w[h + l]);
-            for (; h < hidden; h++) part[0] += bf16_f32(xr[h]) * bf16_f32(w[h]);
-            float s = 0.0f;
-            for (int l = 0; l < 16; l++) s += part[l];
-            logits[e] = s;
-            if (s > top) top = s;
-        }
+        for (int64_t e = 0; e < n_experts; e++)
+            if (lr[e] > top) top = lr[e];
         float total = 0.0f;
-        for (int64_t e = 0; e < n_experts; e++) total += (logits[e] = expf(logits[e] - top));
+        for (int64_t e = 0; e < n_experts; e++) total += (lr[e] = expf(lr[e] - top));
+        if (!(total > 0.0f) || total != total || top == INFINITY) { /* NaN or inf logits */
+            for (int64_t j = 0; j < k; j++) {
+                ids[r * k + j] = j;
+                weights[r * k + j] = NAN;
+            }
+            continue;
+        }
         float chosen = 0.0f;
         for (int64_t j = 0; j < k; j++) {
             int64_t best = -1;
             for (int64_t e = 0; e < n_experts; e++)
-                if (logits[e] >= 0.0f && (best < 0 || logits[e] > logits[best])) best = e;
-            if (best < 0) return 1; /* a NaN row */
+                if (lr[e] >= 0.0f && (best < 0 || lr[e] > lr[best])) best = e;
             ids[r * k + j] = best;
-            weights[r * k + j] = logits[best] / total;
+            weights[r * k + j] = lr[best] / total;
             chosen += weights[r * k + j];
-            logits[best] = -1.0f; /* taken */
+            lr[best] = -1.0f; /* taken */
         }
         for (int64_t j = 0; j < k; j++) {
             float w = weights[r * k + j];
