@@ -256,15 +256,22 @@ def _load_model(config: EngineConfig, source: ModelSource) -> ModelParts:
     del checkpoint, loaded
     max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
     sizing = size_kv_cache(
-        model, config.page_size, config.kv_cache_memory_gb, config.memory_budget_gb
+        model,
+        config.page_size,
+        config.kv_cache_memory_gb,
+        config.memory_budget_gb,
+        max_model_len=max_model_len,
+        requests=config.kv_cache_requests,
     )
     num_pages, page_bytes = sizing.num_pages, sizing.page_bytes
+    basis = f"; {sizing.basis}" if sizing.basis else ""
     startup_line = (
         f"weights {format_weight_memory(sizing.weight_bytes)}; dense layers "
         f"{scheme.describe() if scheme else str(dtype).removeprefix('torch.')}, "
         f"embeddings{'' if getattr(scheme, 'head', None) else ' and LM head'} "
         f"{str(dtype).removeprefix('torch.')}; KV cache "
-        f"{num_pages * page_bytes / 2**30:.3f} GiB ({num_pages} pages of {config.page_size}); "
+        f"{num_pages * page_bytes / 2**30:.3f} GiB ({num_pages} pages of {config.page_size}"
+        f"{basis}); "
         f"weights and tokenizer loaded in {time.perf_counter() - start:.2f} s" + _peak_rss_note()
     )
     logger.info("%s", startup_line)

@@ -51,7 +51,17 @@ class EngineConfig:
         None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     dtype: str = setting("auto", choices=("auto", *DTYPES))
-    kv_cache_memory_gb: float = setting(1.0, name="--kv-cache-memory", help="KV cache size in GiB")
+    kv_cache_memory_gb: float | None = setting(
+        None,
+        name="--kv-cache-memory",
+        help="KV cache size in GiB (default: enough for --kv-cache-requests requests of "
+        "--max-model-len tokens, at most half the memory the weights leave)",
+    )
+    kv_cache_requests: int = setting(
+        4,
+        help="without --kv-cache-memory: how many requests of --max-model-len tokens the KV "
+        "cache holds at once",
+    )
     page_size: int = setting(16, help="tokens per KV page")
     max_num_batched_tokens: int = setting(2048, help="prompt + decode tokens in one step")
     max_num_seqs: int = setting(
@@ -299,8 +309,10 @@ class EngineConfig:
         self.simulated_device_cost = cost  # type: ignore[assignment]
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        if not self.kv_cache_memory_gb > 0:
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_requests < 1:
+            raise ValueError(f"kv_cache_requests must be >= 1, got {self.kv_cache_requests}")
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -463,7 +475,8 @@ class EngineConfig:
         ``KV_DISK_AUTO_SHARE`` of the folder's free disk, at most ``KV_DISK_AUTO_MAX_GB``."""
         chosen = []
         if self.kv_host_gb == 0:
-            host = KV_HOST_AUTO_KV_MULTIPLE * self.kv_cache_memory_gb
+            # (relative to 1 GiB when the KV cache is sized at load, after this)
+            host = KV_HOST_AUTO_KV_MULTIPLE * (self.kv_cache_memory_gb or 1.0)
             available = available_memory_bytes()
             if available is not None:
                 host = min(host, KV_HOST_AUTO_MEMORY_SHARE * available / 2**30)

@@ -17,6 +17,7 @@ from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.models.base import CausalLM
 from radixserve.executor.quant import weight_memory
 from radixserve.executor.sampler import Sampler
+from radixserve.executor.weights import available_memory_bytes
 
 if TYPE_CHECKING:
     from radixserve.executor.distributed import TensorParallelGroup
@@ -24,28 +25,49 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class KVSizing:
-    """How many pages of ``page_bytes`` the KV cache gets, and the weights' bytes by
-    precision. Invariant: ``num_pages >= 1``."""
+    """How many pages of ``page_bytes`` the KV cache gets, why (``basis``, for the start-up
+    line: empty when a size was given), and the weights' bytes by precision. Invariant:
+    ``num_pages >= 1``."""
 
     num_pages: int
     page_bytes: int
     weight_bytes: dict[str, int]
+    basis: str = ""
+
+
+# without a size: at most this share of the memory free once the weights are in
+KV_AUTO_MEMORY_SHARE = 0.5
 
 
 def size_kv_cache(
     model: CausalLM,
     page_size: int,
-    kv_cache_memory_gb: float,
+    kv_cache_memory_gb: float | None,
     memory_budget_gb: float | None = None,
+    *,
+    max_model_len: int = 0,
+    requests: int = 1,
+    free_bytes: int | None = None,
 ) -> KVSizing:
-    """Pages for ``kv_cache_memory_gb``, or for what ``memory_budget_gb`` leaves after the
-    weights (``ValueError`` when that is not one page). Counts this rank's kv heads."""
+    """Pages for ``kv_cache_memory_gb``; or for what ``memory_budget_gb`` leaves after the
+    weights (``ValueError`` when that is not one page); or, with neither, for ``requests``
+    requests of ``max_model_len`` tokens, at most ``KV_AUTO_MEMORY_SHARE`` of
+    ``free_bytes`` (default: what the model's device has free now, the weights loaded).
+    Counts this rank's kv heads."""
     c = model.config
     page_bytes = bytes_per_page(
         c.num_hidden_layers, c.num_key_value_heads, c.head_dim, page_size, model.dtype
     )
     weights = weight_memory(model)
-    kv_bytes = int(kv_cache_memory_gb * 2**30)
+    if kv_cache_memory_gb is None and memory_budget_gb is None:
+        pages = requests * -(-max_model_len // page_size)
+        basis = f"{requests} requests of {max_model_len} tokens"
+        free = _free_bytes(model) if free_bytes is None else free_bytes
+        if free is not None and pages * page_bytes > KV_AUTO_MEMORY_SHARE * free:
+            pages = int(KV_AUTO_MEMORY_SHARE * free) // page_bytes
+            basis = f"half the {free / 2**30:.1f} GiB free; {basis} asked for more"
+        return KVSizing(max(1, pages), page_bytes, weights, basis)
+    kv_bytes = int((kv_cache_memory_gb or 0) * 2**30)
     if memory_budget_gb is not None:
         kv_bytes = int(memory_budget_gb * 2**30) - sum(weights.values())
         if kv_bytes < page_bytes:
@@ -54,6 +76,14 @@ def size_kv_cache(
                 f" after {sum(weights.values()) / 2**30:.3f} GiB of weights"
             )
     return KVSizing(max(1, kv_bytes // page_bytes), page_bytes, weights)
+
+
+def _free_bytes(model: CausalLM) -> int | None:
+    """Memory free now where the model's KV cache will live (None: unknown)."""
+    device = model.embed.device
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return available_memory_bytes() if device.type == "cpu" else None
 
 
 def build_runner(

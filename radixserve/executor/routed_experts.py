@@ -53,7 +53,10 @@ class RoutedExperts:
     Invariant: ``run(x)`` is ``OP_MOE`` over the expert layers listed in ``linears`` (the
     objects the layer held when this was built; ``matches`` says whether it still does),
     with the router, scratch and threads fixed at build; ``op(x, out)`` is that op reading
-    ``x`` and writing ``out`` (both [rows, hidden] bfloat16, alive while the op is used)."""
+    ``x`` and writing ``out`` (both [rows, hidden] bfloat16, alive while the op is used).
+    With at least two chosen experts a thread, each thread runs whole experts alone over
+    its own scratch set (one parallel region a layer); with fewer, each expert's GEMMs
+    run on all the threads in turn."""
 
     def __init__(self, moe: SparseMoE, capacity: int, threads: int) -> None:
         c = moe.config
@@ -66,12 +69,14 @@ class RoutedExperts:
         hidden = moe.router.shape[1]
         inter = moe.experts[0].down.in_features
         self.hidden = hidden
-        bf16 = torch.bfloat16
-        self.xg = torch.empty(capacity, hidden, dtype=bf16)
-        self.yd = torch.empty(capacity, hidden, dtype=bf16)
-        self.gate_up = torch.empty(capacity, 2 * inter, dtype=bf16)
-        self.act = torch.empty(capacity, inter, dtype=bf16)
-        self.acc = torch.empty(capacity, hidden, dtype=torch.float32)
+        bf16, sets = torch.bfloat16, threads
+        # a scratch set per thread (set t: the rows of the experts thread t runs alone; set
+        # 0 also when every expert runs on all the threads)
+        self.xg = torch.empty(sets, capacity, hidden, dtype=bf16)
+        self.yd = torch.empty(sets, capacity, hidden, dtype=bf16)
+        self.gate_up = torch.empty(sets, capacity, 2 * inter, dtype=bf16)
+        self.act = torch.empty(sets, capacity, inter, dtype=bf16)
+        self.acc = torch.empty(sets, capacity, hidden, dtype=torch.float32)
         k, experts = c.top_k, c.num_experts
         self.ids = torch.empty(capacity * k, dtype=torch.int64)
         self.order = torch.empty(capacity * k, dtype=torch.int64)
@@ -79,16 +84,21 @@ class RoutedExperts:
         self.logits = torch.empty(capacity * experts, dtype=torch.float32)
         self.counts = torch.empty(experts + 1, dtype=torch.int64)
         width = max(int(w.in_features) for w in self.linears)
-        self.scratch = po.GemmScratch.sized(capacity, width)
+        self.scratch = [po.GemmScratch.sized(capacity, width) for _ in range(sets)]
         silu = address(load_elementwise().silu_and_mul_bf16)
-        per_expert: list[list[list[int]]] = []
-        for expert in moe.experts:
-            ops = po.linear_ops(expert.gate_up, self.xg, self.gate_up, self.scratch, threads)
-            ops.append([po.ACT, silu, po.ptr(self.gate_up), po.ptr(self.act), inter, threads])
-            ops += po.linear_ops(expert.down, self.act, self.yd, self.scratch, threads)
-            per_expert.append(ops)
-        self.per = len(per_expert[0])
-        self.expert_ops = po.table([op for ops in per_expert for op in ops])
+        # table 0: each op on all the threads over set 0; table 1 + t: on one thread, set t
+        tables = [(0, threads)] + [(t, 1) for t in range(sets)]
+        ops: list[list[int]] = []
+        for t, nt in tables:
+            xg, gate_up, act, yd, scratch = (self.xg[t], self.gate_up[t], self.act[t],
+                                             self.yd[t], self.scratch[t])  # fmt: skip
+            for expert in moe.experts:
+                per = po.linear_ops(expert.gate_up, xg, gate_up, scratch, nt)
+                per.append([po.ACT, silu, po.ptr(gate_up), po.ptr(act), inter, nt])
+                per += po.linear_ops(expert.down, act, yd, scratch, nt)
+                ops += per
+        self.per = len(ops) // (len(tables) * experts)
+        self.expert_ops = po.table(ops)
         self.flags = int(c.norm_topk_prob) | 2 * int(c.float32_weights)
         self._op = po.table([self.op(self.xg, self.yd)])  # pointers set per call
         self._step = np.zeros(7, dtype=np.int64)

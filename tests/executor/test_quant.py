@@ -16,6 +16,7 @@ from radixserve import LLM
 from radixserve.cli import build_parser, engine_kwargs
 from radixserve.engine.config import EngineConfig
 from radixserve.executor import quant
+from radixserve.executor.builder import size_kv_cache
 from radixserve.executor.linear import Linear
 from radixserve.executor.quant import (
     Int4Linear,
@@ -350,6 +351,25 @@ def test_bf16_int8_int4_memory_and_kv_budget(tiny_llama):
     assert sizes["int4", "on"] > sizes["int4", "off"]
     with pytest.raises(ValueError, match="no room for the KV cache"):
         LLM(str(tiny_llama), quantization="int8", memory_budget_gb=1e-6)
+
+
+def test_default_kv_cache_holds_the_requests_asked_for_within_free_memory(tiny_llama):
+    """Without --kv-cache-memory the KV cache holds --kv-cache-requests requests of
+    --max-model-len tokens (the start-up line says so), at most half the memory free once
+    the weights are in; a size given is kept (today's 1 GiB with ``--kv-cache-memory 1``)."""
+    llm = LLM(str(tiny_llama), dtype="float32", page_size=4, max_model_len=96,
+              kv_cache_requests=3)  # fmt: skip
+    e = llm.engine
+    assert e.pool.num_pages == 3 * 96 // 4
+    assert "(72 pages of 4; 3 requests of 96 tokens)" in e.startup_line
+    page = _page_bytes(e)
+    small = size_kv_cache(e.model, 4, None, max_model_len=96, requests=3, free_bytes=20 * page)
+    assert small.num_pages == 10 and "half the" in small.basis  # capped
+    given = size_kv_cache(e.model, 4, 1.0, max_model_len=96, requests=3, free_bytes=page)
+    assert given.num_pages == 2**30 // page and given.basis == ""
+    llm.engine.close()
+    with pytest.raises(ValueError, match="kv_cache_requests"):
+        EngineConfig(kv_cache_requests=0)
 
 
 def _int8_group_rows() -> int:

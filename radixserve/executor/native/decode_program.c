@@ -24,6 +24,7 @@
  * caller raises.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -195,8 +196,10 @@ int decode_program_run(const int64_t *ops, int64_t count, const int64_t *step) {
  *   combine: each row's chosen outputs times their weights summed in float32, rounded to
  *     bfloat16 once, into `out`.
  * Only the chosen experts' weights are read. op: threads (in the kernel's place), x,
- * hidden, router [E, hidden], E, k, flags, expert ops [E][per][OP_WIDTH], per,
- * xg [cap, hidden], yd [cap, hidden], acc (float) [cap, hidden], out [n, hidden],
+ * hidden, router [E, hidden], E, k, flags, expert ops [1 + threads][E][per][OP_WIDTH]
+ * (table 0: each op on all the threads over scratch set 0; table 1 + t: on one thread over
+ * set t), per, xg [threads][cap, hidden], yd [threads][cap, hidden], acc (float)
+ * [threads][cap, hidden] (the scratch sets), out [n, hidden],
  * ids (int64) [cap * k], weights (float) [cap * k], logits (float) [cap * E],
  * order (int64) [cap * k], capacity, counts (int64) [E + 1]. Refuses (1) more rows than
  * the capacity, k > E, or an expert op that refuses. */
@@ -263,25 +266,49 @@ static int routed_experts(const int64_t *op, int64_t n, const int64_t *step) {
     for (int64_t e = 0; e < n_experts; e++) counts[e + 1] += counts[e];
     for (int64_t p = 0; p < n * k; p++) order[counts[ids[p]]++] = p;
     /* counts[e] is now the end of expert e's pairs (the start of e + 1's) */
-    memset(acc, 0, (size_t)(n * hidden) * sizeof *acc);
-    int64_t start = 0;
-    for (int64_t e = 0; e < n_experts; e++) {
-        const int64_t rows = counts[e] - start;
-        if (rows == 0) continue;
-        for (int64_t i = 0; i < rows; i++)
-            memcpy(xg + i * hidden, x + (order[start + i] / k) * hidden,
-                   (size_t)hidden * sizeof *x);
-        for (int64_t j = 0; j < per; j++)
-            if (run_op(expert_ops + (e * per + j) * OP_WIDTH, rows, step) != 0) return 1;
-        for (int64_t i = 0; i < rows; i++) {
-            const int64_t p = order[start + i];
-            const float w = weights[p];
-            float *a = acc + (p / k) * hidden;
-            const uint16_t *y = yd + i * hidden;
-            for (int64_t h = 0; h < hidden; h++) a[h] += w * bf16_f32(y[h]);
+    int64_t active = 0; /* experts with rows this step */
+    for (int64_t e = 0; e < n_experts; e++) active += counts[e] > (e ? counts[e - 1] : 0);
+    const int64_t cap = op[18], table = n_experts * per * OP_WIDTH;
+    /* Enough experts to share: each thread runs whole experts, single-threaded, over its
+     * own scratch (table 1 + t, the t-th xg / yd / acc) and sums into its own acc; else
+     * every expert's ops run on all the threads in turn (table 0, scratch 0). One parallel
+     * region a layer instead of three per expert, and each thread streams its experts'
+     * weights whole. */
+    const int sets = threads > 1 && active >= 2 * threads ? threads : 1;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(sets) if (sets > 1) reduction(|:failed)")
+    {
+        const int t = sets > 1 ? omp_get_thread_num() : 0;
+        const int64_t lo = t * active / sets, hi = (t + 1) * active / sets;
+        const int64_t *ops_t = expert_ops + (sets > 1 ? 1 + t : 0) * table;
+        uint16_t *xg_t = xg + t * cap * hidden, *yd_t = yd + t * cap * hidden;
+        float *acc_t = acc + t * cap * hidden;
+        memset(acc_t, 0, (size_t)(n * hidden) * sizeof *acc_t);
+        int64_t start = 0, index = 0;
+        for (int64_t e = 0; e < n_experts && !failed; e++) {
+            const int64_t rows = counts[e] - start;
+            if (rows == 0) continue;
+            if (index >= lo && index < hi) {
+                for (int64_t i = 0; i < rows; i++)
+                    memcpy(xg_t + i * hidden, x + (order[start + i] / k) * hidden,
+                           (size_t)hidden * sizeof *x);
+                for (int64_t j = 0; j < per && !failed; j++)
+                    failed = run_op(ops_t + (e * per + j) * OP_WIDTH, rows, step) != 0;
+                for (int64_t i = 0; i < rows; i++) {
+                    const int64_t p = order[start + i];
+                    const float w = weights[p];
+                    float *a = acc_t + (p / k) * hidden;
+                    const uint16_t *y = yd_t + i * hidden;
+                    for (int64_t h = 0; h < hidden; h++) a[h] += w * bf16_f32(y[h]);
+                }
+            }
+            index++;
+            start = counts[e];
         }
-        start = counts[e];
     }
+    if (failed) return 1;
+    for (int t = 1; t < sets; t++) /* the threads' sums, in thread order */
+        for (int64_t i = 0; i < n * hidden; i++) acc[i] += acc[t * cap * hidden + i];
     for (int64_t i = 0; i < n * hidden; i++) out[i] = f32_bf16(acc[i]);
     return 0;
 }
