@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.executor.test_gguf_codes import _hf_top
 from tests.helpers import generate_ids, greedy, hf_greedy
 
 pytestmark = [pytest.mark.gemma3_file, pytest.mark.slow]
@@ -106,6 +107,10 @@ def test_tokenizer_equals_transformers(gemma3_file):
     assert ours.convert_tokens_to_ids("<end_of_turn>") == 106
 
 
+# nats between the float32 model's two best tokens under which bfloat16 may take either
+NEAR_TIE = 0.05
+
+
 def test_greedy_tokens_equal_transformers_float32_and_auto(gemma3_file):
     from radixserve import LLM
 
@@ -122,16 +127,24 @@ def test_greedy_tokens_equal_transformers_float32_and_auto(gemma3_file):
     expected = hf_greedy(gemma3_file.parent, prompts, 16, gguf_file=gemma3_file.name)
     assert ours == expected
     # auto: bfloat16 activations, each tensor from its own codes (Q4_K in int4, Q5_0 /
-    # Q6_K / Q8_0 in int8 groups): the same continuations, the chat one up to its 9th
-    # token, where the float32 model's best two tokens (" " and "\n") are 0.025 nats
-    # apart (measured) and bfloat16 takes the other
+    # Q6_K / Q8_0 in int8 groups): the same continuations up to the first token where the
+    # float32 model's best two are nearly tied (measured: 0.025 nats at the chat prompt's
+    # 9th token, 0.014 at the first prompt's 12th), where bfloat16 may take either
     auto = LLM(str(gemma3_file))
     assert "per tensor:" in auto.engine.startup_line
     mine = generate_ids(auto, prompts, greedy(16))
-    assert mine[:2] == expected[:2]
-    assert mine[2][:8] == expected[2][:8]
     auto.engine.check_idle()
     auto.engine.close()
+    tops = _hf_top(
+        gemma3_file.parent,
+        gemma3_file.name,
+        [p + e for p, e in zip(prompts, expected, strict=True)],
+    )
+    for prompt, want, got, (_, lead) in zip(prompts, expected, mine, tops, strict=True):
+        leads = lead[len(prompt) - 1 : len(prompt) - 1 + len(want)].tolist()
+        tie = next((j for j, gap in enumerate(leads) if gap < NEAR_TIE), len(want))
+        assert tie >= 8, leads  # at least half of each continuation is compared
+        assert got[:tie] == want[:tie]
 
 
 def test_generate_runs_the_file_through_its_chat_template(gemma3_file):
