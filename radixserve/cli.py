@@ -17,6 +17,7 @@ ENGINE_FLAG_GROUPS = {
     "scheduler": "scheduler",
     "speculative": "speculative decoding (docs/speculative.md)",
     "parallel": "tensor parallelism (gloo on CPU, NCCL on cuda; torchrun's conventions)",
+    "lora": "LoRA adapters (docs/lora.md)",
 }
 
 

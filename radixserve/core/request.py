@@ -100,18 +100,24 @@ DEFAULT_TENANT = Tenant("default")
 PREFIX_CACHE_SCOPES = ("tenant", "global")
 
 
-def cache_namespace(cache_salt: str | None, tenant: Tenant | None, scope: str) -> Hashable:
+def cache_namespace(
+    cache_salt: str | None, tenant: Tenant | None, scope: str, lora: str | None = None
+) -> Hashable:
     """The radix-cache namespace of a request: requests share cached KV exactly when their
     namespaces are equal. Under scope ``tenant`` a named tenant's namespace is a tuple
     ``("tenant", name, cache_salt)``, which no client-chosen salt (a string) can equal, so
     no tenant reaches another's pages whatever it sends; tenant ``default`` (a server
     without tenants, or a ``--api-key`` key) keeps the bare salt, as before. Sub-tenants
-    (``NAME/SUB``) are tenants of their own here."""
+    (``NAME/SUB``) are tenants of their own here. ``lora`` (the key of the LoRA adapter
+    that computes the request's KV) makes a namespace of its own, ``("lora", key, base)``:
+    a page one adapter computed never serves another adapter or the base model."""
     if scope not in PREFIX_CACHE_SCOPES:
         raise ValueError(f"prefix cache scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}")
     if scope == "global" or tenant is None or tenant.name == DEFAULT_TENANT.name:
-        return cache_salt
-    return ("tenant", tenant.name, cache_salt)
+        base: Hashable = cache_salt
+    else:
+        base = ("tenant", tenant.name, cache_salt)
+    return base if lora is None else ("lora", lora, base)
 
 
 @dataclass(frozen=True)
@@ -134,6 +140,8 @@ class EngineRequest:
     tenant: Tenant | None = None  # who it is served for (None: "default")
     # a pooling request (an embedding): "last" or "mean"; nothing is sampled
     pooling: str | None = None
+    # the LoRA adapter it runs on, by name (None: the base model)
+    lora: str | None = None
 
 
 # what a pooling request "samples": its prompt's last position, greedily, then it ends
@@ -172,6 +180,7 @@ class Request:
         "grammar",
         "group_id",
         "last_step",
+        "lora",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_pages",
@@ -205,6 +214,7 @@ class Request:
         deadline: float | None = None,
         tenant: Tenant | None = None,
         pooling: str | None = None,
+        lora: object | None = None,
     ) -> None:
         prompt = np.asarray(prompt_token_ids, dtype=np.int32)
         if prompt.ndim != 1 or prompt.size == 0:
@@ -215,6 +225,7 @@ class Request:
             if sampling_params.max_tokens != 1 or sampling_params.n != 1:
                 raise ValueError("a pooling request has max_tokens = 1 and n = 1")
         self.pooling = pooling
+        self.lora = lora  # the executor's LoRA adapter it runs on (None: the base model)
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
         self.sampling_params = sampling_params

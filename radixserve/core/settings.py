@@ -38,6 +38,7 @@ class Flag:
     group: str | None = None  # the help's section (None: the config's own)
     off: str | None = None
     repeat: bool = False  # a tuple field: the flag is given once per item
+    many: bool = False  # with ``repeat``: each flag may give several items (``--x A B``)
     required: bool = False  # the command refuses to run without it
 
 
@@ -116,7 +117,8 @@ def add_flags(
         if fl.repeat:
             g.add_argument(
                 *names,
-                action="append",
+                action="extend" if fl.many else "append",
+                nargs="+" if fl.many else None,
                 default=[],
                 metavar=fl.metavar,
                 required=fl.required,

@@ -49,6 +49,7 @@ from radixserve.executor.distributed import TensorParallelGroup, default_threads
 from radixserve.executor.kv_tiers import DiskKVStore, HostKVStore, TierTransfer, model_identity
 from radixserve.executor.loader.gguf_loader import read_metadata
 from radixserve.executor.loader.safetensors_loader import read_json
+from radixserve.executor.lora import LoRARegistry, LoRAShapes
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.quant import format_weight_memory
@@ -127,6 +128,7 @@ class EngineParts:
     faults: FaultInjector | None
     kv_transfer: TierTransfer | None
     loaded: ModelParts
+    loras: LoRARegistry | None = None  # None: a simulated device (no model to adapt)
     startup_line: str = ""
 
 
@@ -185,6 +187,9 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
     speculation, line = _build_speculation(config, runner, pool, page_table, m)
     if line:
         startup_line += "; " + line
+    loras, line = _build_loras(config, m, runner)
+    if line:
+        startup_line += "; " + line
     return EngineParts(
         config=config,
         source=source,
@@ -202,8 +207,37 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
         faults=faults,
         kv_transfer=kv_transfer,
         loaded=m,
+        loras=loras,
         startup_line=startup_line,
     )
+
+
+def _build_loras(
+    config: EngineConfig, m: ModelParts, runner: Any
+) -> tuple[LoRARegistry | None, str]:
+    """The LoRA registry of a real model, with ``--lora-modules`` loaded (a bad adapter
+    fails the start, naming it); adapters are refused where their products do not run yet
+    (tensor parallelism, the CUDA runner), which a load then says."""
+    if m.model_config is None:
+        return None, ""
+    refusal = None
+    if m.tp is not None:
+        refusal = "LoRA adapters are not served under tensor parallelism yet"
+    elif not isinstance(runner, ModelRunner) or type(runner) is not ModelRunner:
+        refusal = "LoRA adapters are served on the CPU runner only (not yet on CUDA)"
+    loras = LoRARegistry(
+        LoRAShapes.of(m.model_config),
+        m.dtype or torch.float32,
+        max_rank=config.max_lora_rank,
+        max_cpu_loras=config.max_cpu_loras,
+        refusal=refusal,
+    )
+    for item in config.lora_modules:
+        name, _, path = item.partition("=")
+        loras.load(name, path)
+    if not config.lora_modules:
+        return loras, ""
+    return loras, f"LoRA adapters: {', '.join(loras.names())}"
 
 
 def scheduler_config(config: EngineConfig) -> SchedulerConfig:
@@ -211,6 +245,7 @@ def scheduler_config(config: EngineConfig) -> SchedulerConfig:
     return SchedulerConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
+        max_loras=config.max_loras,
         long_prefill_threshold=config.long_prefill_threshold,
         policy=config.schedule_policy,
         max_waiting_requests=config.max_waiting_requests,

@@ -298,6 +298,27 @@ class EngineConfig:
         "disk: the start-up line says how big)",
     )
 
+    # LoRA adapters (executor/lora.py; docs/lora.md): served beside the base model, named
+    # by the request's ``model``
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        group="lora",
+        repeat=True,
+        many=True,
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve, as NAME=PATH (a PEFT folder); repeatable, several "
+        "per flag; more can be loaded at run time (POST /v1/load_lora_adapter)",
+    )
+    max_loras: int = setting(8, group="lora", help="different adapters in one batch at most")
+    max_lora_rank: int = setting(64, group="lora", help="the highest adapter rank accepted")
+    max_cpu_loras: int | None = setting(
+        None,
+        group="lora",
+        parse=zero_is_none(int),
+        help="adapters kept in memory (the least recently used beyond are read again from "
+        "their folder when next asked for); 0: no limit",
+    )
+
     def __post_init__(self) -> None:
         if self.simulated_device_time:
             self.simulated_device = True
@@ -311,6 +332,15 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError("max_cpu_loras must be >= 1 (None: no limit)")
+        self.lora_modules = tuple(self.lora_modules)
+        for item in self.lora_modules:
+            name, eq, path = item.partition("=")
+            if not eq or not name or not path:
+                raise ValueError(f"a LoRA module is NAME=PATH, got {item!r}")
         if self.kv_cache_requests < 1:
             raise ValueError(f"kv_cache_requests must be >= 1, got {self.kv_cache_requests}")
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):

@@ -36,6 +36,7 @@ from radixserve.executor.device import StepHandle, StepResult
 from radixserve.executor.distributed import DeviceLost, TensorParallelGroup
 from radixserve.executor.grammar import GrammarService
 from radixserve.executor.kv_tiers import TierTransfer
+from radixserve.executor.lora import LoRAAdapter, LoRAError, LoRANotFound, LoRARegistry
 from radixserve.executor.sampler import TokenLogprobs
 from radixserve.scheduler.scheduler import EngineOverloaded
 
@@ -111,6 +112,7 @@ class Engine:
         self.prefix_cache, self.kv_manager = parts.prefix_cache, parts.kv_manager
         self.scheduler, self.sampler, self.runner = parts.scheduler, parts.sampler, parts.runner
         self.kv_transfer: TierTransfer | None = parts.kv_transfer
+        self.loras: LoRARegistry | None = parts.loras  # the LoRA adapters it serves
         self.overlap = config.overlap
         self.faults = parts.faults
         self.device = make_device(config, lambda step: self.runner.run(step), parts.faults)
@@ -242,6 +244,7 @@ class Engine:
         priority: int = 0,
         timeout_s: float | None = None,
         tenant: Tenant | None = None,
+        lora: str | None = None,
     ) -> list[int]:
         """Check and queue ``params.n`` samples of ``prompt`` (the offline entry point:
         ``validate_prompt``, then ``submit``); returns the prompt's token ids.
@@ -249,12 +252,15 @@ class Engine:
         Requests with different ``cache_salt`` never share cached KV, nor do different
         tenants' under ``prefix_cache_scope`` ``tenant`` (``core.request.cache_namespace``);
         lower ``priority`` values run first under the ``priority`` policy; ``tenant`` is who
-        it is served for (the ``fair`` policy shares the engine between tenants); a request
+        it is served for (the ``fair`` policy shares the engine between tenants); ``lora``
+        names the LoRA adapter it runs on (``load_lora``; None: the base model); a request
         still unfinished ``timeout_s`` seconds from now fails with an error. Raises
         ``EngineOverloaded`` when the waiting queue is full."""
         self._check_open(request_id)
         token_ids = self.validate_prompt(prompt, params)
-        request = EngineRequest(request_id, token_ids, params, cache_salt, priority, tenant)
+        request = EngineRequest(
+            request_id, token_ids, params, cache_salt, priority, tenant, lora=lora
+        )
         self.submit(request, timeout_s)
         return token_ids
 
@@ -311,10 +317,14 @@ class Engine:
             raise ValueError("pooling requests need a model (not a simulated device)")
         if self.config.simulated_device and params.grammar_key() is not None:
             raise ValueError("structured_output needs a model (not a simulated device)")
+        adapter = None if request.lora is None else self.lora(request.lora)
         n = 1 if pooling is not None else params.n
         seq_ids = [rid] if n == 1 else [f"{rid}\x1f{i}" for i in range(n)]
         namespace = cache_namespace(
-            request.cache_salt, request.tenant, self.config.prefix_cache_scope
+            request.cache_salt,
+            request.tenant,
+            self.config.prefix_cache_scope,
+            None if adapter is None else adapter.key,
         )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         requests = [
@@ -328,6 +338,7 @@ class Engine:
                 deadline=deadline,
                 tenant=request.tenant,
                 pooling=pooling,
+                lora=adapter,
             )
             for i, sid in enumerate(seq_ids)
         ]
@@ -801,6 +812,32 @@ class Engine:
         if self.prefix_cache is None:
             return RadixSummaryData(page_size=self.pool.page_size)
         return summarize(self.prefix_cache, max_nodes=max_nodes, max_depth=max_depth)
+
+    # -- LoRA adapters -------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Serve the PEFT adapter at ``path`` as model ``name`` from now on (``LoRAError``
+        naming the problem if it cannot be served: nothing changes then). A name loaded
+        again is replaced: requests in flight finish on the old weights."""
+        if self.loras is None:
+            raise LoRAError("LoRA adapters need a model (not a simulated device)")
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (``LoRANotFound`` if it is not loaded): new
+        requests naming it are refused; those in flight hold its weights and finish."""
+        if self.loras is None:
+            raise LoRANotFound(name)
+        self.loras.unload(name)
+
+    def lora(self, name: str) -> LoRAAdapter:
+        """Adapter ``name`` as requests get it (``LoRANotFound`` if it is not served)."""
+        if self.loras is None:
+            raise LoRANotFound(name)
+        return self.loras.get(name)
+
+    def lora_names(self) -> list[str]:
+        """The adapters served, in load order."""
+        return [] if self.loras is None else self.loras.names()
 
     def flush_cache(self) -> CacheFlushResult:
         """The debug flush: at idle, check the page accounting, then empty the radix tree

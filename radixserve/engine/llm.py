@@ -44,9 +44,16 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
+        """Generate for every prompt (in input order). ``lora``: the LoRA adapter the
+        prompts run on (``load_lora`` or ``lora_modules``), one for all or one per prompt
+        (None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_list(sampling_params, len(prompt_list))
+        loras = _lora_list(lora, len(prompt_list))
+        for name in {a for a in loras if a is not None}:
+            self.engine.lora(name)  # (LoRANotFound before anything is queued)
         # Validate everything before anything reaches the engine.
         token_ids = [
             self.engine.validate_prompt(p, sp)
@@ -54,9 +61,11 @@ class LLM:
         ]
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, ids, params in zip(prompt_list, token_ids, params_list, strict=True):
+        for prompt, ids, params, adapter in zip(
+            prompt_list, token_ids, params_list, loras, strict=True
+        ):
             rid = f"offline-{next(self._ids)}"
-            self.engine.submit(EngineRequest(rid, ids, params))  # (checked above)
+            self.engine.submit(EngineRequest(rid, ids, params, lora=adapter))  # (checked above)
             results[rid] = RequestOutput(
                 request_id=rid,
                 prompt=prompt if isinstance(prompt, str) else None,
@@ -142,10 +151,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if _is_conversation(messages) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora=lora)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter in folder ``path`` as ``name`` (``Engine.load_lora``)."""
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (``Engine.unload_lora``)."""
+        self.engine.unload_lora(name)
 
     def apply_chat_template(
         self, messages: Messages, add_generation_prompt: bool = True
@@ -160,9 +178,10 @@ class LLM:
         prompt: Prompt | Messages,
         sampling_params: SamplingParams | None = None,
         chat: bool = False,
+        lora: str | None = None,
     ) -> Iterator[str]:
         """Yield text deltas of one completion as they are generated (n must be 1)."""
-        for delta in self.stream_deltas(prompt, sampling_params, chat):
+        for delta in self.stream_deltas(prompt, sampling_params, chat, lora):
             if delta.text:
                 yield delta.text
 
@@ -171,6 +190,7 @@ class LLM:
         prompt: Prompt | Messages,
         sampling_params: SamplingParams | None = None,
         chat: bool = False,
+        lora: str | None = None,
     ) -> Iterator[SequenceDelta]:
         """Like ``stream``, but yields the engine's deltas (new token ids, text, finish)."""
         params = sampling_params or self.get_default_sampling_params()
@@ -179,7 +199,7 @@ class LLM:
         ids = self.apply_chat_template(prompt) if chat else prompt  # type: ignore[arg-type]
         ids = self.engine.validate_prompt(ids, params)  # type: ignore[arg-type]
         rid = f"stream-{next(self._ids)}"
-        self.engine.submit(EngineRequest(rid, ids, params))
+        self.engine.submit(EngineRequest(rid, ids, params, lora=lora))
         finished = False
         try:
             while not finished:
@@ -224,3 +244,13 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if not isinstance(p, str | list):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p)}")
     return prompts
+
+
+def _lora_list(lora: str | Sequence[str | None] | None, count: int) -> list[str | None]:
+    """One adapter name (or None) per prompt."""
+    if lora is None or isinstance(lora, str):
+        return [lora] * count
+    names = list(lora)
+    if len(names) != count:
+        raise ValueError(f"lora: {len(names)} adapters for {count} prompts")
+    return names

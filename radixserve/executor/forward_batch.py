@@ -9,6 +9,7 @@ import numpy as np
 from radixserve.core.page_table import PageTable
 from radixserve.core.request import Request
 from radixserve.core.step import ScheduledBatch
+from radixserve.executor.lora import LoRAStep
 from radixserve.executor.quant import PANEL_COPY_ROWS
 
 
@@ -43,6 +44,8 @@ class ForwardBatch:
     # the step computes prompt tokens of a prompt with at least PANEL_COPY_ROWS of them to
     # compute (quantized layers then multiply their prefill copy: quant.long_prompt_step)
     long_prompt: bool = False
+    # the LoRA adapters of the step's rows (None: every request is on the base model)
+    lora: LoRAStep | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -123,4 +126,7 @@ class ForwardBatch:
             logits_indices=logits_indices,
             page_size=page_size,
             long_prompt=long_prompt,
+            lora=LoRAStep.build([r.lora for r in reqs], query_start_loc)
+            if any(r.lora is not None for r in reqs)
+            else None,
         )

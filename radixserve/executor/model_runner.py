@@ -302,10 +302,17 @@ class ModelRunner:
         replay a graph)."""
         if copies is not None:
             self.kv_cache.copy_pages(*copies)
-        with long_prompt_step(fb.long_prompt):
-            hidden = self.model.forward(
-                torch.from_numpy(input_ids), torch.from_numpy(fb.positions), self.attention, meta
-            )
+        self.model.lora_step = fb.lora
+        try:
+            with long_prompt_step(fb.long_prompt):
+                hidden = self.model.forward(
+                    torch.from_numpy(input_ids),
+                    torch.from_numpy(fb.positions),
+                    self.attention,
+                    meta,
+                )
+        finally:
+            self.model.lora_step = None
         out = None
         if logits:
             out = self.model.compute_logits(

@@ -55,6 +55,7 @@ class SchedulerConfig:
     priority_preemption: bool = True  # policy "priority": preempt lower-priority runners
     max_waiting_requests: int | None = None
     max_queue_time_s: float | None = None
+    max_loras: int = 8  # different LoRA adapters among the running requests at most
     batch_wait_s: float = 0.0
     # Decode reserve per running request: min(remaining max_tokens, clip) x ratio tokens.
     reserve_clip_tokens: int = 4096
@@ -83,6 +84,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
         if self.long_prefill_threshold is not None and self.long_prefill_threshold < 1:
             raise ValueError("long_prefill_threshold must be >= 1")
         if self.policy not in POLICIES:
@@ -466,6 +469,9 @@ class Scheduler:
         committed = self._committed_pages()
         prefilling = self._prefilling_keys()
         deferrals_left = _MAX_DEFERRALS_PER_STEP
+        # the LoRA adapters running (at most max_loras: one on none of them waits its turn,
+        # passed over, not blocking those behind it)
+        adapters = {id(r.lora) for r in self.running if r.lora is not None}
         for req in self.policy.order(self.waiting):
             if budget <= 0:
                 break
@@ -479,6 +485,12 @@ class Scheduler:
             if not self.kv.can_fit(req.num_tokens + 1):
                 self.waiting.remove(req)
                 self._fail(req, "the prompt needs more KV pages than the whole cache holds", failed)
+                continue
+            if (
+                req.lora is not None
+                and id(req.lora) not in adapters
+                and len(adapters) >= self.config.max_loras
+            ):
                 continue
             if prefilling and self._shares_running_prefill(req, prefilling):
                 self.stats.num_deferred_for_sharing += 1
@@ -513,6 +525,8 @@ class Scheduler:
             if n == 0:
                 break  # head-of-line: later requests wait too (no starvation of this one)
             self.waiting.remove(req)
+            if req.lora is not None:
+                adapters.add(id(req.lora))
             committed += pages
             scheduled.append(req)
             counts.append(n)

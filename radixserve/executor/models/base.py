@@ -15,6 +15,7 @@ from radixserve.executor.attention import AttentionBackend
 from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.layers.attention import AttentionSpec
 from radixserve.executor.layers.parallel import TensorParallel
+from radixserve.executor.lora import LoRAStep
 from radixserve.executor.model_config import ModelConfig
 
 __all__ = ["AttentionSpec", "CausalLM", "Weights"]
@@ -37,6 +38,9 @@ class CausalLM(Protocol):
     * ``use_layer_ops(ops)`` routes the row-wise ops through ``ops`` (Triton on CUDA);
       ``to_device(device)`` moves what the loader did not (rotary tables).
     * ``mlp_block_rows``: the CPU runner's MLP row blocking (None: whole chunks).
+    * ``lora_step``: the LoRA adapters of the rows of the forward about to run (the runner
+      sets it around each step; None: the base model for every row). ``forward`` adds
+      each adapter's product to its rows of every projection it targets.
     """
 
     config: ModelConfig
@@ -44,6 +48,7 @@ class CausalLM(Protocol):
     embed: torch.Tensor
     layers: list
     mlp_block_rows: int | None
+    lora_step: LoRAStep | None
 
     def forward(
         self,

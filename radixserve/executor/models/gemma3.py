@@ -15,6 +15,7 @@ from radixserve.executor.layers.linear import Linear, fused
 from radixserve.executor.layers.norms import fold_one_plus
 from radixserve.executor.layers.parallel import TensorParallel
 from radixserve.executor.layers.rotary import RotaryEmbedding
+from radixserve.executor.lora import LoRAStep
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.models.base import Weights, parallel_of
 
@@ -48,6 +49,9 @@ class Gemma3ForCausalLM:
     tensor parallelism); the KV cache and attention backends see an ordinary decoder whose
     layers carry their own ``AttentionSpec``.
     """
+
+    # the LoRA adapters of the step's rows (the runner sets it around each step; None: base)
+    lora_step: LoRAStep | None = None
 
     def __init__(
         self,
@@ -146,9 +150,11 @@ class Gemma3ForCausalLM:
         attn_meta: object,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        program = decode_program.program_for(self, attention, attn_meta)
-        if program is not None and program.accepts(input_ids, positions, attn_meta):
-            return program.run(input_ids, positions, attn_meta)
+        lora = self.lora_step
+        if lora is None:  # (the decode program has no LoRA op: adapters' steps go op by op)
+            program = decode_program.program_for(self, attention, attn_meta)
+            if program is not None and program.accepts(input_ids, positions, attn_meta):
+                return program.run(input_ids, positions, attn_meta)
         c = self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
@@ -164,6 +170,8 @@ class Gemma3ForCausalLM:
             cos, sin = tables[c.is_sliding(layer_idx)]
             x = ops.add_rms_norm(sublayer_out, residual, w.input_norm, eps)
             qkv = w.qkv(x)
+            if lora is not None:
+                lora.add(qkv, x, layer_idx, "qkv")
             q = qkv[:, : self.q_size].view(num_tokens, heads, head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(
                 num_tokens, kv_heads, head_dim
@@ -172,27 +180,43 @@ class Gemma3ForCausalLM:
             q = ops.rotary(ops.rms_norm_heads(q, w.q_norm, eps), cos, sin)
             k = ops.rotary(ops.rms_norm_heads(k, w.k_norm, eps), cos, sin)
             attn = attention.forward(layer_idx, q, k, v, attn_meta)
-            attn_out = self.tp.reduce(w.o(attn))  # row-parallel
+            o = w.o(attn)
+            if lora is not None:
+                lora.add(o, attn, layer_idx, "o")
+            attn_out = self.tp.reduce(o)  # row-parallel
             x = ops.add_rms_norm(
                 ops.add_rms_norm(None, attn_out, w.post_attn_norm, eps),
                 residual,
                 w.pre_ffn_norm,
                 eps,
             )
-            mlp_out = self.tp.reduce(self._mlp(w, x))  # row-parallel
+            mlp_out = self.tp.reduce(self._mlp(w, x, layer_idx))  # row-parallel
             sublayer_out = ops.add_rms_norm(None, mlp_out, w.post_ffn_norm, eps)
         return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
 
-    def _mlp(self, w: Gemma3LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, w: Gemma3LayerWeights, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """down(gelu_tanh(gate) * up), over row blocks of ``mlp_block_rows`` when set."""
         rows, block = x.shape[0], self.mlp_block_rows
         if block is None or rows <= block:
-            return w.down(self.act(w.gate_up(x)))
+            return self._block_mlp(w, x, layer, 0)
         out = x.new_empty(rows, x.shape[1])
         for start in range(0, rows, block):
-            part = x[start : start + block]
-            out[start : start + block] = w.down(self.act(w.gate_up(part)))
+            out[start : start + block] = self._block_mlp(w, x[start : start + block], layer, start)
         return out
+
+    def _block_mlp(
+        self, w: Gemma3LayerWeights, x: torch.Tensor, layer: int, first_row: int
+    ) -> torch.Tensor:
+        """The MLP of rows ``first_row ..`` of the step, with their adapters'."""
+        lora = self.lora_step
+        gate_up = w.gate_up(x)
+        if lora is not None:
+            lora.add(gate_up, x, layer, "gate_up", first_row)
+        act = self.act(gate_up)
+        down = w.down(act)
+        if lora is not None:
+            lora.add(down, act, layer, "down", first_row)
+        return down
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Scaled embedding rows, a fresh [T, hidden] tensor (vocabulary-parallel under TP)."""

@@ -14,6 +14,7 @@ from radixserve.executor.layers.linear import Linear, fused
 from radixserve.executor.layers.moe import ExpertMLP, SparseMoE
 from radixserve.executor.layers.parallel import TensorParallel
 from radixserve.executor.layers.rotary import RotaryEmbedding
+from radixserve.executor.lora import LoRAStep
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.models.base import Weights, parallel_of
 from radixserve.executor.routed_experts import routed_experts_for
@@ -112,6 +113,9 @@ class LlamaForCausalLM:
     config on the same weights (on every rank under tensor parallelism); hidden states of
     all tokens come out, logits only for the rows asked for (``compute_logits``).
     """
+
+    # the LoRA adapters of the step's rows (the runner sets it around each step; None: base)
+    lora_step: LoRAStep | None = None
 
     def __init__(
         self,
@@ -245,9 +249,11 @@ class LlamaForCausalLM:
         attn_meta: object,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        program = decode_program.program_for(self, attention, attn_meta)
-        if program is not None and program.accepts(input_ids, positions, attn_meta):
-            return program.run(input_ids, positions, attn_meta)
+        lora = self.lora_step
+        if lora is None:  # (the decode program has no LoRA op: adapters' steps go op by op)
+            program = decode_program.program_for(self, attention, attn_meta)
+            if program is not None and program.accepts(input_ids, positions, attn_meta):
+                return program.run(input_ids, positions, attn_meta)
         c = self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
@@ -261,6 +267,8 @@ class LlamaForCausalLM:
         for layer_idx, w in enumerate(self.layers):
             x = ops.add_rms_norm(sublayer_out, residual, w.input_norm, eps)
             qkv = w.qkv(x)
+            if lora is not None:
+                lora.add(qkv, x, layer_idx, "qkv")
             if c.qk_norm_whole:  # OLMoE: q and k normed over all their heads at once
                 qkv = self._norm_whole_qk(qkv, w)
             if c.clip_qkv is not None:  # (after the norms, as OLMoE does)
@@ -282,8 +290,11 @@ class LlamaForCausalLM:
                 k = ops.rotary(ops.rms_norm_heads(k, w.k_norm, eps), cos, sin)
             attn = attention.forward(layer_idx, q, k, v, attn_meta)
             # o and down are row-parallel: tp.reduce makes their partial sums whole
-            x = ops.add_rms_norm(self.tp.reduce(w.o(attn)), residual, w.post_norm, eps)
-            sublayer_out = self.tp.reduce(self._mlp(w, x))
+            o = w.o(attn)
+            if lora is not None:
+                lora.add(o, attn, layer_idx, "o")
+            x = ops.add_rms_norm(self.tp.reduce(o), residual, w.post_norm, eps)
+            sublayer_out = self.tp.reduce(self._mlp(w, x, layer_idx))
         return ops.add_rms_norm(sublayer_out, residual, self.norm, eps)
 
     def _norm_whole_qk(self, qkv: torch.Tensor, w: DecoderLayerWeights) -> torch.Tensor:
@@ -315,7 +326,7 @@ class LlamaForCausalLM:
         place); vocabulary-parallel under tensor parallelism."""
         return self.tp.embedding(input_ids, self.embed)
 
-    def _mlp(self, w: DecoderLayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, w: DecoderLayerWeights, x: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """down(silu(gate) * up), over row blocks of ``mlp_block_rows`` when set: on CPU the
         [T, 2 * intermediate] activations of a long prompt chunk fall out of cache between
         the three ops, and GEMMs with fewer rows each run ~6% faster here (measured at
@@ -330,12 +341,26 @@ class LlamaForCausalLM:
         rows = x.shape[0]
         block = self.mlp_block_rows
         if block is None or rows <= block:
-            return w.down(self.ops.silu_and_mul(w.gate_up(x)))
+            return self._dense_mlp(w, x, layer, 0)
         out = x.new_empty(rows, x.shape[1])
         for start in range(0, rows, block):
-            part = x[start : start + block]
-            out[start : start + block] = w.down(self.ops.silu_and_mul(w.gate_up(part)))
+            out[start : start + block] = self._dense_mlp(w, x[start : start + block], layer, start)
         return out
+
+    def _dense_mlp(
+        self, w: DecoderLayerWeights, x: torch.Tensor, layer: int, first_row: int
+    ) -> torch.Tensor:
+        """down(silu(gate) * up) of rows ``first_row ..`` of the step, with their adapters'."""
+        assert w.gate_up is not None and w.down is not None
+        lora = self.lora_step
+        gate_up = w.gate_up(x)
+        if lora is not None:
+            lora.add(gate_up, x, layer, "gate_up", first_row)
+        act = self.ops.silu_and_mul(gate_up)
+        down = w.down(act)
+        if lora is not None:
+            lora.add(down, act, layer, "down", first_row)
+        return down
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Logits [S, vocab] for the given hidden rows, in float32 if ``upcast``."""

@@ -1,0 +1,394 @@
+"""LoRA adapters served over one base model: PEFT folders read into the projections the
+models here fuse (q/k/v, o, gate/up, down), and the low-rank products of one step applied
+to the rows of each adapter's requests (``LoRAStep``), after the base GEMM ran once for
+the whole batch. No adapter is ever merged into the base weights.
+
+A projection group of a layer (``qkv``, ``o``, ``gate_up``, ``down``) holds, per adapter,
+``A`` [R, in] (the group's targeted modules' ``lora_A`` stacked) and ``B`` [out, R] (their
+``lora_B`` block-diagonal at each module's output rows, the scaling folded in), so the
+group's delta is one shrink ``x @ A^T`` and one expand ``@ B^T`` whatever the modules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from radixserve.executor.model_config import ModelConfig
+
+# the fused projections of a decoder layer and the PEFT module names each one holds, with
+# the module's slice of the group's output: "q" .. "down" as ``LoRAShapes`` sizes them
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+# modules stored fused (Phi-3): the whole group's output
+FUSED_MODULES = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
+_MODULE_GROUP = {m: g for g, ms in GROUPS.items() for m in ms} | FUSED_MODULES
+
+_TENSOR = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"(q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj)"
+    r"\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$"
+)
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served here (a bad file, a module or option not
+    supported, a shape the base model does not have); the message names what."""
+
+
+class LoRANotFound(ValueError):
+    """A request named an adapter that is not loaded (404 ``model_not_found`` at the API)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"the model {name!r} does not exist (no base model or LoRA adapter)")
+        self.name = name
+
+
+@dataclass(frozen=True)
+class LoRAShapes:
+    """The base model's projection sizes a PEFT adapter must match."""
+
+    num_layers: int
+    hidden: int
+    q_size: int
+    kv_size: int
+    intermediate: int
+    # layers whose MLP is a mixture of experts (no gate/up/down LoRA there)
+    sparse_layers: frozenset[int] = frozenset()
+
+    def out_slices(self, group: str) -> dict[str, tuple[int, int]]:
+        """(first row, rows) of each module inside ``group``'s output."""
+        q, kv, inter = self.q_size, self.kv_size, self.intermediate
+        return (
+            {
+                "qkv": {"q_proj": (0, q), "k_proj": (q, kv), "v_proj": (q + kv, kv)},
+                "o": {"o_proj": (0, self.hidden)},
+                "gate_up": {"gate_proj": (0, inter), "up_proj": (inter, inter)},
+                "down": {"down_proj": (0, self.hidden)},
+            }[group]
+            | ({"qkv_proj": (0, q + 2 * kv)} if group == "qkv" else {})
+            | ({"gate_up_proj": (0, 2 * inter)} if group == "gate_up" else {})
+        )
+
+    @classmethod
+    def of(cls, c: ModelConfig) -> LoRAShapes:
+        """The projection sizes of a model of config ``c``."""
+        sparse = c.moe.sparse_layers if c.moe is not None else ()
+        return cls(
+            num_layers=c.num_hidden_layers,
+            hidden=c.hidden_size,
+            q_size=c.num_attention_heads * c.head_dim,
+            kv_size=c.num_key_value_heads * c.head_dim,
+            intermediate=c.intermediate_size,
+            sparse_layers=frozenset(i for i, s in enumerate(sparse) if s),
+        )
+
+    def in_size(self, group: str) -> int:
+        return {"qkv": self.hidden, "o": self.q_size, "gate_up": self.hidden}.get(
+            group, self.intermediate
+        )
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's weights, per layer and projection group: ``weights[layer][group]`` is
+    ``(A [R, in], B [out, R])`` with the scaling in ``B``; a group it does not target is
+    absent. ``key`` is unique to this load of the adapter (the prefix cache's partition:
+    a page one adapter computed never serves another, nor a later adapter of the same
+    name)."""
+
+    name: str
+    path: str
+    rank: int
+    key: str
+    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    nbytes: int = 0
+    modules: tuple[str, ...] = field(default_factory=tuple)
+
+
+_KEYS = itertools.count(1)
+
+
+def _scale(config: dict, module: str, rank: int) -> float:
+    """PEFT's scaling of ``module``: lora_alpha (or its ``alpha_pattern`` entry) over the
+    rank (its square root under rsLoRA)."""
+    alpha = float(config.get("lora_alpha", 8))
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", module):
+            alpha = float(value)
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def read_peft(
+    name: str, path: str | Path, shapes: LoRAShapes, dtype: torch.dtype, max_rank: int
+) -> LoRAAdapter:
+    """The PEFT adapter in folder ``path`` (``adapter_config.json`` and
+    ``adapter_model.safetensors``) as served weights; ``LoRAError`` naming the problem for
+    anything it cannot serve exactly."""
+    folder = Path(path)
+    config_file = folder / "adapter_config.json"
+    if not folder.is_dir():
+        raise LoRAError(f"LoRA adapter {name!r}: {path} is not a folder (a PEFT adapter)")
+    if not config_file.is_file():
+        raise LoRAError(f"LoRA adapter {name!r}: {path} has no adapter_config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json: {exc}") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_config.json is not an object")
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise LoRAError(f"LoRA adapter {name!r}: peft_type {kind!r} is not LoRA")
+    for option, bad in (
+        ("use_dora", lambda v: bool(v)),
+        ("fan_in_fan_out", lambda v: bool(v)),
+        ("bias", lambda v: v not in (None, "none")),
+        ("modules_to_save", lambda v: bool(v)),
+        ("rank_pattern", lambda v: False),
+    ):
+        if option in config and bad(config[option]):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: {option}={config[option]!r} is not supported "
+                "(plain LoRA on the attention and MLP projections only)"
+            )
+    weights_file = folder / "adapter_model.safetensors"
+    if not weights_file.is_file():
+        raise LoRAError(
+            f"LoRA adapter {name!r}: {path} has no adapter_model.safetensors "
+            "(a .bin adapter is not read: no pickle)"
+        )
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(weights_file))
+    except (SafetensorError, OSError) as exc:
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_model.safetensors: {exc}") from None
+    return _build(name, str(folder), config, tensors, shapes, dtype, max_rank)
+
+
+def _build(
+    name: str,
+    path: str,
+    config: dict,
+    tensors: dict[str, torch.Tensor],
+    shapes: LoRAShapes,
+    dtype: torch.dtype,
+    max_rank: int,
+) -> LoRAAdapter:
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tname, tensor in tensors.items():
+        m = _TENSOR.search(tname)
+        if m is None:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: tensor {tname} is not a LoRA weight of an attention "
+                "or MLP projection (embedding and LM-head adapters are not supported)"
+            )
+        layer, module, which = int(m[1]), m[2], m[3]
+        if layer >= shapes.num_layers:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: tensor {tname} is for layer {layer}; "
+                f"the base model has {shapes.num_layers}"
+            )
+        if _MODULE_GROUP[module] in ("gate_up", "down") and layer in shapes.sparse_layers:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: tensor {tname}: layer {layer}'s MLP is a mixture "
+                "of experts, whose LoRA is not supported"
+            )
+        pairs.setdefault((layer, module), {})[which] = tensor
+    if not pairs:
+        raise LoRAError(f"LoRA adapter {name!r}: adapter_model.safetensors has no LoRA weights")
+    per_group: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: layer {layer} {module} has lora_"
+                f"{next(iter(ab))} without lora_{'B' if 'A' in ab else 'A'}"
+            )
+        a, b = ab["A"], ab["B"]
+        group = _MODULE_GROUP[module]
+        first, rows = shapes.out_slices(group)[module]
+        r = a.shape[0] if a.dim() == 2 else -1
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or tuple(a.shape) != (r, shapes.in_size(group))
+            or tuple(b.shape) != (rows, r)
+        ):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: layer {layer} {module}: lora_A {tuple(a.shape)} and "
+                f"lora_B {tuple(b.shape)} do not fit the base model's "
+                f"[{rows}, {shapes.in_size(group)}] projection"
+            )
+        if r > max_rank:
+            raise LoRAError(
+                f"LoRA adapter {name!r}: rank {r} (layer {layer} {module}) is above "
+                f"--max-lora-rank {max_rank}"
+            )
+        rank = max(rank, r)
+        scale = _scale(config, f"layers.{layer}.{module}", r)
+        per_group.setdefault((layer, group), []).append((first, rows, a.float(), b.float() * scale))
+    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
+        {} for _ in range(shapes.num_layers)
+    ]
+    nbytes = 0
+    for (layer, group), parts in per_group.items():
+        total_r = sum(a.shape[0] for _, _, a, _ in parts)
+        out = sum(shapes.out_slices(group)[m][1] for m in GROUPS[group])
+        a_cat = torch.cat([a for _, _, a, _ in parts]).to(dtype).contiguous()
+        b_bd = torch.zeros(out, total_r, dtype=torch.float32)
+        col = 0
+        for first, rows, a, b in parts:
+            b_bd[first : first + rows, col : col + a.shape[0]] = b
+            col += a.shape[0]
+        b_bd = b_bd.to(dtype).contiguous()
+        weights[layer][group] = (a_cat, b_bd)
+        nbytes += a_cat.numel() * a_cat.element_size() + b_bd.numel() * b_bd.element_size()
+    modules = tuple(sorted({module for _, module in pairs}))
+    return LoRAAdapter(name, path, rank, f"{name}#{next(_KEYS)}", weights, nbytes, modules)
+
+
+class LoRAStep:
+    """The adapters of one step's rows: ``segments`` are (first row, end row, adapter) in
+    row order, rows of base-model requests in none. Invariant: segments do not overlap and
+    each lies inside the step's rows."""
+
+    __slots__ = ("segments",)
+
+    def __init__(self, segments: list[tuple[int, int, LoRAAdapter]]) -> None:
+        self.segments = segments
+
+    @classmethod
+    def build(
+        cls, adapters: Sequence[LoRAAdapter | None], query_start_loc: np.ndarray
+    ) -> LoRAStep | None:
+        """The step of requests ``adapters`` (one per request, None: the base) whose rows
+        are ``query_start_loc``'s; None when every request is on the base. Neighbouring
+        requests on one adapter become one segment."""
+        segments: list[tuple[int, int, LoRAAdapter]] = []
+        bounds = query_start_loc.tolist()
+        for i, adapter in enumerate(adapters):
+            if adapter is None:
+                continue
+            if segments and segments[-1][2] is adapter and segments[-1][1] == bounds[i]:
+                segments[-1] = (segments[-1][0], bounds[i + 1], adapter)
+            else:
+                segments.append((bounds[i], bounds[i + 1], adapter))
+        return cls(segments) if segments else None
+
+    def add(
+        self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str, offset: int = 0
+    ) -> torch.Tensor:
+        """``y`` (the base GEMM's output over rows ``offset ..`` of the step, [rows, out])
+        plus each adapter's low-rank product over its rows of ``x``, in place."""
+        rows = x.shape[0]
+        for first, end, adapter in self.segments:
+            lo, hi = max(first - offset, 0), min(end - offset, rows)
+            if lo >= hi:
+                continue
+            ab = adapter.weights[layer].get(group)
+            if ab is None:
+                continue
+            a, b = ab
+            part = x[lo:hi]
+            y[lo:hi] += ((part @ a.t()) @ b.t()).to(y.dtype)
+        return y
+
+
+class LoRARegistry:
+    """The adapters a server knows by name: ``paths`` every registered one, ``loaded`` those
+    in memory, at most ``max_cpu_loras`` of them (least recently used dropped first: it is
+    read again from its path when next asked for). A request holds its adapter object from
+    ``get`` on, so an adapter dropped or unloaded meanwhile keeps serving the requests
+    that have it. Thread-safe (the HTTP frontend loads while the engine steps)."""
+
+    def __init__(
+        self,
+        shapes: LoRAShapes,
+        dtype: torch.dtype,
+        max_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        refusal: str | None = None,
+    ) -> None:
+        if max_rank < 1:
+            raise ValueError("--max-lora-rank must be >= 1")
+        if max_cpu_loras is not None and max_cpu_loras < 1:
+            raise ValueError("--max-cpu-loras must be >= 1")
+        self.shapes = shapes
+        self.dtype = dtype
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.refusal = refusal  # why this engine serves no adapter (e.g. TP), or None
+        self.paths: dict[str, str] = {}
+        self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Read and register adapter ``name`` from ``path`` (``LoRAError`` if it cannot be
+        served; nothing registered then). Loading a name again replaces it (its requests in
+        flight finish on the old one; new ones get the new one, under a fresh cache key)."""
+        if self.refusal is not None:
+            raise LoRAError(self.refusal)
+        if not name:
+            raise LoRAError(f"a LoRA adapter needs a name, got {name!r}")
+        adapter = read_peft(name, path, self.shapes, self.dtype, self.max_rank)
+        with self._lock:
+            self.paths[name] = str(path)
+            self.loaded[name] = adapter
+            self.loaded.move_to_end(name)
+            self._trim()
+        return adapter
+
+    def unload(self, name: str) -> None:
+        """Forget adapter ``name`` (``LoRANotFound`` if unknown)."""
+        with self._lock:
+            if name not in self.paths:
+                raise LoRANotFound(name)
+            del self.paths[name]
+            self.loaded.pop(name, None)
+
+    def get(self, name: str) -> LoRAAdapter:
+        """Adapter ``name``, read again from its path if it was dropped from memory
+        (``LoRANotFound`` if never registered or unloaded)."""
+        with self._lock:
+            adapter = self.loaded.get(name)
+            if adapter is not None:
+                self.loaded.move_to_end(name)
+                return adapter
+            path = self.paths.get(name)
+        if path is None:
+            raise LoRANotFound(name)
+        adapter = read_peft(name, path, self.shapes, self.dtype, self.max_rank)
+        with self._lock:
+            if self.paths.get(name) != path:  # unloaded or replaced meanwhile
+                raise LoRANotFound(name)
+            current = self.loaded.get(name)
+            if current is not None:
+                return current
+            self.loaded[name] = adapter
+            self._trim()
+        return adapter
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self.paths)
+
+    def _trim(self) -> None:
+        while self.max_cpu_loras is not None and len(self.loaded) > self.max_cpu_loras:
+            self.loaded.popitem(last=False)

@@ -1,0 +1,360 @@
+"""LoRA adapters (executor/lora.py) against transformers + peft: adapters made by peft here,
+with random non-zero B so they change the output; a mixed batch of adapters equal to each
+request alone; the prefix cache partitioned by adapter; refusals that name the problem."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from radixserve import LLM, SamplingParams
+from radixserve.executor.lora import LoRAError, LoRANotFound
+from tests.helpers import generate_ids, greedy
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[5, 17, 33, 9, 100, 41], [7, 7, 300, 12], [90, 2 + 1, 44, 45, 46, 47, 48, 49, 50]]
+
+
+def _base(folder):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def make_adapter(model_folder, out, seed, **config):
+    """A peft LoRA of the model in ``model_folder``, saved to ``out``; returns the peft model."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    kwargs = {"r": 8, "lora_alpha": 16, "target_modules": ALL, "init_lora_weights": False}
+    kwargs.update(config)
+    model = get_peft_model(_base(model_folder), LoraConfig(**kwargs)).eval()
+    model.save_pretrained(str(out))
+    return model
+
+
+def hf_greedy_logprobs(model, ids, n):
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(ids) :].tolist()
+    logprobs = [
+        torch.log_softmax(s[0].float(), -1)[t].item()
+        for s, t in zip(out.scores, tokens, strict=True)
+    ]
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_models, tmp_path_factory):
+    """Three adapters of the tiny Llama: every projection; q and v with rsLoRA and an
+    alpha pattern; the MLP only at rank 4 on layer 1."""
+    root = tmp_path_factory.mktemp("lora")
+    folder = tiny_models["llama"]
+    made = {
+        "all": make_adapter(folder, root / "all", 1),
+        "qv": make_adapter(
+            folder,
+            root / "qv",
+            2,
+            target_modules=["q_proj", "v_proj"],
+            use_rslora=True,
+            alpha_pattern={"v_proj": 4},
+        ),
+        "mlp": make_adapter(
+            folder,
+            root / "mlp",
+            3,
+            r=4,
+            target_modules=["gate_proj", "down_proj"],
+            layers_to_transform=[1],
+        ),
+    }
+    return folder, root, made
+
+
+@pytest.fixture(scope="module")
+def lora_llm(adapters):
+    folder, root, _ = adapters
+    return LLM(
+        str(folder),
+        dtype="float32",
+        lora_modules=tuple(f"{n}={root / n}" for n in ("all", "qv", "mlp")),
+    )
+
+
+@pytest.mark.parametrize("name", ["all", "qv", "mlp"])
+def test_equals_peft_unmerged(adapters, lora_llm, name):
+    _, _, made = adapters
+    model = made[name]
+    params = greedy(10, logprobs=0)
+    for ids in PROMPTS:
+        want, want_lp = hf_greedy_logprobs(model, ids, 10)
+        out = lora_llm.generate([ids], params, use_tqdm=False, lora=name)[0].outputs[0]
+        assert out.token_ids == want
+        got_lp = [lp.logprob for lp in out.logprobs]
+        assert got_lp == pytest.approx(want_lp, abs=2e-4)
+
+
+@pytest.mark.parametrize("name", ["all", "mlp"])
+def test_equals_peft_merged(adapters, lora_llm, name):
+    """The adapter merged into the base by peft is the function radixserve computes
+    unmerged (it never merges)."""
+    from peft import PeftModel
+
+    folder, root, _ = adapters
+    merged = PeftModel.from_pretrained(_base(folder), str(root / name)).merge_and_unload()
+    merged.generation_config.eos_token_id = None
+    for ids in PROMPTS[:2]:
+        want, _ = hf_greedy_logprobs(merged, ids, 10)
+        out = lora_llm.generate([ids], greedy(10), use_tqdm=False, lora=name)
+        assert out[0].outputs[0].token_ids == want
+
+
+def test_the_adapters_change_the_output(adapters, lora_llm):
+    base = generate_ids(lora_llm, PROMPTS, greedy(10))
+    for name in ("all", "qv", "mlp"):
+        outs = lora_llm.generate(PROMPTS, greedy(10), use_tqdm=False, lora=name)
+        assert [o.outputs[0].token_ids for o in outs] != base, name
+
+
+def test_mixed_batch_equals_each_alone(lora_llm):
+    """Base and three adapters in one batch (prefill and decode steps together, the
+    requests of one adapter not neighbours) give what each gives alone."""
+    names = [None, "all", "qv", "mlp", "all", None, "mlp", "qv"]
+    prompts = [PROMPTS[i % 3] + [60 + i] for i in range(len(names))]
+    alone = [
+        lora_llm.generate([p], greedy(12), use_tqdm=False, lora=n)[0].outputs[0].token_ids
+        for p, n in zip(prompts, names, strict=True)
+    ]
+    lora_llm.engine.flush_cache()
+    together = lora_llm.generate(prompts, greedy(12), use_tqdm=False, lora=names)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    lora_llm.engine.check_idle()
+
+
+def test_mixed_batch_on_an_int4_base(adapters):
+    """The common case: adapters over a quantized base (int4 panels, bfloat16)."""
+    folder, root, _ = adapters
+    llm = LLM(
+        str(folder),
+        quantization="int4",
+        lora_modules=(f"all={root / 'all'}", f"qv={root / 'qv'}", f"mlp={root / 'mlp'}"),
+    )
+    names = ["all", None, "qv", "mlp"]
+    prompts = [PROMPTS[i % 3] + [70 + i] for i in range(len(names))]
+    alone = [
+        llm.generate([p], greedy(10), use_tqdm=False, lora=n)[0].outputs[0].token_ids
+        for p, n in zip(prompts, names, strict=True)
+    ]
+    together = llm.generate(prompts, greedy(10), use_tqdm=False, lora=names)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    assert len({tuple(a) for a in alone}) == 4  # each adapter (and the base) differs
+    llm.engine.check_idle()
+
+
+def test_prefix_cache_is_partitioned_by_adapter(lora_llm):
+    prompt = list(range(100, 164))  # four pages
+    lora_llm.engine.flush_cache()
+
+    def cached(name):
+        out = lora_llm.generate([prompt], greedy(2), use_tqdm=False, lora=name)[0]
+        return out.num_cached_tokens
+
+    assert cached("all") == 0
+    assert cached("all") > 0  # the same adapter reuses its pages
+    assert cached("qv") == 0  # another adapter never does
+    assert cached(None) == 0  # nor the base
+    assert cached(None) > 0
+    lora_llm.engine.check_idle()
+
+
+def test_unknown_adapter_is_refused_before_anything_runs(lora_llm):
+    with pytest.raises(LoRANotFound, match="nope"):
+        lora_llm.generate(PROMPTS, greedy(2), use_tqdm=False, lora=["all", "nope", None])
+    assert not lora_llm.engine.has_unfinished()
+
+
+def test_load_and_unload_at_run_time(adapters, tmp_path):
+    folder, root, made = adapters
+    llm = LLM(str(folder), dtype="float32")
+    want, _ = hf_greedy_logprobs(made["qv"], PROMPTS[0], 8)
+    llm.load_lora("late", str(root / "qv"))
+    engine = llm.engine
+    engine.add_request("r1", PROMPTS[0], greedy(8), lora="late")
+    tokens = [t for delta in engine.step() for t in delta.token_ids]  # in flight ...
+    llm.unload_lora("late")  # ... finishes on the adapter it started with
+    with pytest.raises(LoRANotFound):
+        engine.add_request("r2", PROMPTS[0], greedy(8), lora="late")
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens += delta.token_ids
+    assert tokens == want
+    engine.check_idle()
+
+
+def test_max_loras_bounds_the_adapters_running_at_once(adapters):
+    folder, root, _ = adapters
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_loras=1,
+        lora_modules=(f"all={root / 'all'}", f"qv={root / 'qv'}"),
+    )
+    engine = llm.engine
+    for i, name in enumerate(["all", "qv", "all", None]):
+        engine.add_request(f"r{i}", PROMPTS[0] + [i], greedy(20), lora=name)
+    seen = 0
+    while engine.has_unfinished():
+        engine.step()
+        running = {r.lora.name for r in engine.scheduler.running if r.lora is not None}
+        assert len(running) <= 1
+        seen += len(running)
+    assert seen > 0
+    engine.check_idle()
+
+
+def test_max_cpu_loras_reads_a_dropped_adapter_again(adapters):
+    folder, root, made = adapters
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_cpu_loras=1,
+        lora_modules=(f"all={root / 'all'}", f"qv={root / 'qv'}"),
+    )
+    assert list(llm.engine.loras.loaded) == ["qv"]
+    want, _ = hf_greedy_logprobs(made["all"], PROMPTS[1], 6)
+    out = llm.generate([PROMPTS[1]], greedy(6), use_tqdm=False, lora="all")
+    assert out[0].outputs[0].token_ids == want
+    assert list(llm.engine.loras.loaded) == ["all"]
+
+
+def _write(folder, config, tensors):
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("config", "tensors", "message"),
+    [
+        ({"use_dora": True}, None, "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+        ({"peft_type": "IA3"}, None, "not LoRA"),
+        (
+            {},
+            {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)},
+            "lm_head.lora_A.weight is not a LoRA weight",
+        ),
+        (
+            {},
+            {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 512)},
+            "embedding",
+        ),
+        (
+            {},
+            {
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(
+                    4, 64
+                ),
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(
+                    60, 4
+                ),
+            },
+            "do not fit",
+        ),
+        (
+            {},
+            {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64)},
+            "without lora_B",
+        ),
+        (
+            {},
+            {
+                "base_model.model.model.layers.9.self_attn.q_proj.lora_A.weight": torch.zeros(
+                    4, 64
+                ),
+                "base_model.model.model.layers.9.self_attn.q_proj.lora_B.weight": torch.zeros(
+                    64, 4
+                ),
+            },
+            "layer 9",
+        ),
+        (
+            {},
+            {
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(
+                    128, 64
+                ),
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(
+                    64, 128
+                ),
+            },
+            "max-lora-rank",
+        ),
+    ],
+)
+def test_bad_adapters_are_refused_naming_the_problem(lora_llm, tmp_path, config, tensors, message):
+    ok = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
+    }
+    folder = _write(
+        tmp_path / "bad", {"r": 4, "lora_alpha": 8, **config}, ok if tensors is None else tensors
+    )
+    names = lora_llm.engine.lora_names()
+    with pytest.raises(LoRAError, match=message):
+        lora_llm.load_lora("bad", str(folder))
+    assert lora_llm.engine.lora_names() == names  # nothing registered, nothing disturbed
+
+
+def test_missing_files_are_refused(lora_llm, tmp_path):
+    with pytest.raises(LoRAError, match="not a folder"):
+        lora_llm.load_lora("x", str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LoRAError, match=r"adapter_config\.json"):
+        lora_llm.load_lora("x", str(tmp_path / "empty"))
+    (tmp_path / "empty" / "adapter_config.json").write_text("{}")
+    with pytest.raises(LoRAError, match=r"adapter_model\.safetensors"):
+        lora_llm.load_lora("x", str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3", "phi3"])
+def test_other_families_equal_peft(tiny_models, tmp_path, arch):
+    """Qwen2 (q/k/v biases), Gemma 3 (its own forward) and Phi-3 (q/k/v and gate/up stored
+    fused: peft targets ``qkv_proj`` and ``gate_up_proj``)."""
+    folder = tiny_models[arch]
+    targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if arch == "phi3" else ALL
+    model = make_adapter(folder, tmp_path / "ad", 4, target_modules=targets)
+    llm = LLM(str(folder), dtype="float32", lora_modules=(f"ad={tmp_path / 'ad'}",))
+    for ids in PROMPTS[:2]:
+        want, want_lp = hf_greedy_logprobs(model, ids, 8)
+        out = llm.generate([ids], greedy(8, logprobs=0), use_tqdm=False, lora="ad")[0]
+        assert out.outputs[0].token_ids == want
+        assert [lp.logprob for lp in out.outputs[0].logprobs] == pytest.approx(want_lp, abs=2e-4)
+    assert not math.isnan(want_lp[0])
+
+
+def test_sampling_params_and_lora_are_independent(lora_llm):
+    """A seeded sample on an adapter is a function of (request, seed): twice the same."""
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    a = lora_llm.generate([PROMPTS[0]], params, use_tqdm=False, lora="all")
+    b = lora_llm.generate([PROMPTS[0]], params, use_tqdm=False, lora="all")
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
