@@ -3,7 +3,7 @@
 Format (see docs/many-users.md)::
 
     # comment lines and blank lines are ignored
-    NAME:KEY [weight=W] [max_concurrency=N] [subtenants=true|false]
+    NAME:KEY [weight=W] [max_concurrency=N] [subtenants=true|false] [loras=A,B,...]
 
 ``NAME``: 1-64 of ``A-Z a-z 0-9 _ . -``, starting with a letter or digit, unique, not
 ``default`` (the tenant of requests without a named key). ``KEY``: everything after the
@@ -13,7 +13,9 @@ first ``:`` up to the first space (no spaces), unique, at least 8 characters. ``
 ``subtenants=true``: the key may split its traffic into sub-tenants ``NAME/SUB`` with the
 ``X-Tenant`` header or the request's ``user`` field (each scheduled as a tenant of its own
 with the key's weight and cap, counted in metrics under ``NAME``); without it both are
-ignored. A bad line is an error naming the file and line.
+ignored. ``loras``: the LoRA adapters the key may name as its ``model`` (default: every
+one; ``loras=`` with nothing after it: none); another adapter is a 404 to it, as if it did
+not exist. A bad line is an error naming the file and line.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from radixserve.serving.tenancy import DEFAULT_TAG, TenantTag
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 _SUB = re.compile(r"[A-Za-z0-9_.@:\-]{1,128}")
 MIN_KEY_LENGTH = 8
-_FIELDS = ("weight", "max_concurrency", "subtenants")
+_FIELDS = ("weight", "max_concurrency", "subtenants", "loras")
 
 
 class KeysFileError(ValueError):
@@ -45,6 +47,7 @@ class KeyEntry:
     key: bytes
     tenant: Tenant | None = None
     subtenants: bool = False
+    loras: frozenset[str] | None = None  # the adapters it may use (None: every one)
 
 
 def parse_keys_file(text: str, source: str = "<keys>") -> list[KeyEntry]:
@@ -98,9 +101,12 @@ def parse_keys_file(text: str, source: str = "<keys>") -> list[KeyEntry]:
         sub = values.get("subtenants", "false").lower()
         if sub not in ("true", "false"):
             raise bad(f"subtenants must be true or false; got {values['subtenants']!r}")
+        loras = None
+        if "loras" in values:
+            loras = frozenset(n for n in values["loras"].split(",") if n)
         names.add(name)
         keys.add(key)
-        entries.append(KeyEntry(key.encode(), Tenant(name, weight, cap), sub == "true"))
+        entries.append(KeyEntry(key.encode(), Tenant(name, weight, cap), sub == "true", loras))
     if not entries:
         raise KeysFileError(f"{source}: no keys (a keys file must hold at least one)")
     return entries
@@ -132,4 +138,4 @@ def tenant_tag(
                 what = "the X-Tenant header" if header is not None else "user"
                 return f"{what} must be 1-128 of A-Z a-z 0-9 _ . @ : -"
             tenant = Tenant(f"{tenant.name}/{sub}", tenant.weight, tenant.max_running)
-    return TenantTag(tenant, entry.tenant.name)
+    return TenantTag(tenant, entry.tenant.name, entry.loras)

@@ -12,3 +12,16 @@ class InputError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served here (a bad file, a module or option not
+    supported, a shape the base model does not have); the message names what."""
+
+
+class LoRANotFound(ValueError):
+    """A request named an adapter that is not loaded (404 ``model_not_found`` at the API)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"the model {name!r} does not exist (no base model or LoRA adapter)")
+        self.name = name

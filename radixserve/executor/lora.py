@@ -24,7 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from radixserve.core.errors import LoRAError, LoRANotFound
 from radixserve.executor.model_config import ModelConfig
+
+__all__ = ["LoRAAdapter", "LoRAError", "LoRANotFound", "LoRARegistry", "LoRAShapes", "LoRAStep"]
 
 # the fused projections of a decoder layer and the PEFT module names each one holds, with
 # the module's slice of the group's output: "q" .. "down" as ``LoRAShapes`` sizes them
@@ -43,19 +46,6 @@ _TENSOR = re.compile(
     r"(q_proj|k_proj|v_proj|o_proj|qkv_proj|gate_proj|up_proj|down_proj|gate_up_proj)"
     r"\.lora_([AB])(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served here (a bad file, a module or option not
-    supported, a shape the base model does not have); the message names what."""
-
-
-class LoRANotFound(ValueError):
-    """A request named an adapter that is not loaded (404 ``model_not_found`` at the API)."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"the model {name!r} does not exist (no base model or LoRA adapter)")
-        self.name = name
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,12 @@ class EngineClient(Protocol):
 
     async def flush_cache(self, timeout_s: float = 10.0) -> p.CacheFlushed: ...
 
+    async def lora_control(
+        self, name: str, path: str | None, timeout_s: float = 60.0
+    ) -> p.LoRAAnswer:
+        """Load LoRA adapter ``name`` from ``path`` on every engine, or unload it (None)."""
+        ...
+
     # supervision counters and state, for /metrics and /debug/engine
     restarts: Any
     deaths: Any

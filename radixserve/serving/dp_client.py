@@ -168,6 +168,22 @@ class DataParallelClient:
         """Engine 0's process (``/debug/engine`` shows one pid)."""
         return self.clients[0].process
 
+    async def lora_control(
+        self, name: str, path: str | None, timeout_s: float = 60.0
+    ) -> p.LoRAAnswer:
+        """The adapter change on every engine; the first error, if any (an adapter loaded
+        on some engines only is then unloaded from them again)."""
+        answers = await asyncio.gather(
+            *(c.lora_control(name, path, timeout_s) for c in self.clients)
+        )
+        failed = [a for a in answers if a.error is not None]
+        if not failed:
+            return answers[0]
+        if path is not None:
+            done = [c for c, a in zip(self.clients, answers, strict=True) if a.error is None]
+            await asyncio.gather(*(c.lora_control(name, None, timeout_s) for c in done))
+        return failed[0]
+
     async def flush_cache(self, timeout_s: float = 10.0) -> p.CacheFlushed:
         """Every engine's debug flush, summed: idle only if all were."""
         answers = await asyncio.gather(*(c.flush_cache(timeout_s) for c in self.clients))

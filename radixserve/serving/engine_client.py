@@ -145,6 +145,19 @@ class EngineProcessClient(RequestStreams):
         self._ready_at = time.monotonic()
         self._receiver = asyncio.create_task(self._receive_loop(self._pull))
 
+    async def lora_control(
+        self, name: str, path: str | None, timeout_s: float = 60.0
+    ) -> p.LoRAAnswer:
+        """As ``RequestStreams.lora_control``; once done, the engine config this client
+        starts engines with says so, so an engine restarted after a death serves the same
+        adapters."""
+        answer = await super().lora_control(name, path, timeout_s)
+        if answer.error is None:
+            kept = tuple(m for m in self.config.lora_modules if m.partition("=")[0] != name)
+            added = () if path is None else (f"{name}={path}",)
+            self.config = dataclasses.replace(self.config, lora_modules=kept + added)
+        return answer
+
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._closing = True
         if self._supervisor is not None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from radixserve.core.errors import LoRAError, LoRANotFound
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.engine import Engine, EngineOverloaded
 from radixserve.serving import protocol as p
@@ -48,6 +49,21 @@ def flush_cache(engine: Engine, query_id: int) -> p.CacheFlushed:
     return p.CacheFlushed(
         query_id, r.idle, r.kv_pages_total, r.kv_pages_free, r.radix_nodes_before, r.error
     )
+
+
+def lora_control(engine: Engine, msg: p.LoRAControl) -> p.LoRAAnswer:
+    """``Engine.load_lora`` / ``unload_lora`` as the answer to a ``LoRAControl``: an
+    adapter that cannot be served is an error answer, the engine runs on untouched."""
+    try:
+        if msg.path is None:
+            engine.unload_lora(msg.name)
+        else:
+            engine.load_lora(msg.name, msg.path)
+    except LoRANotFound as exc:
+        return p.LoRAAnswer(msg.query_id, str(exc), not_found=True)
+    except (LoRAError, ValueError) as exc:
+        return p.LoRAAnswer(msg.query_id, str(exc))
+    return p.LoRAAnswer(msg.query_id)
 
 
 def decode_messages(raw: bytes, push: zmq.Socket) -> list[p.ToEngine]:
@@ -164,6 +180,9 @@ def _handle(engine: Engine, msg: p.ToEngine, push: zmq.Socket) -> None:
         return
     if isinstance(msg, p.FlushCache):
         push.send(p.encoder.encode(flush_cache(engine, msg.query_id)))
+        return
+    if isinstance(msg, p.LoRAControl):
+        push.send(p.encoder.encode(lora_control(engine, msg)))
         return
     request = msg.request  # built and checked by the frontend: submitted as it is
     try:

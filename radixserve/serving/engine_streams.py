@@ -238,6 +238,17 @@ class RequestStreams:
         assert isinstance(answer, p.CacheFlushed)
         return answer
 
+    async def lora_control(
+        self, name: str, path: str | None, timeout_s: float = 60.0
+    ) -> p.LoRAAnswer:
+        """Load adapter ``name`` from ``path`` in the engine (between two steps), or unload
+        it (``path`` None)."""
+        answer = await self._query(
+            lambda qid: p.LoRAControl(qid, name, path), "the LoRA adapter change", timeout_s
+        )
+        assert isinstance(answer, p.LoRAAnswer)
+        return answer
+
     async def _query(self, make: Any, what: str, timeout_s: float) -> Any:
         """Send ``make(query_id)`` and wait for the engine's answer with that id."""
         if not self.alive:
@@ -319,7 +330,7 @@ class RequestStreams:
                 pending.queue.put_nowait(RequestRejected(msg.message, msg.overloaded))
                 self._owed -= pending.owed
                 pending.owed = 0
-        elif isinstance(msg, p.RadixSummary | p.CacheFlushed):
+        elif isinstance(msg, p.RadixSummary | p.CacheFlushed | p.LoRAAnswer):
             self._watch.heard(None, False, None)
             future = self._queries.get(msg.query_id)
             if future is not None and not future.done():

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.core.errors import LoRAError, LoRANotFound
 from radixserve.core.request import EngineRequest
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
@@ -92,6 +93,14 @@ class Frontend:
         self.client = make_engine_client(engine_config, self.tokenizer.backend_tokenizer, config)
         self.tokenize = TokenizeBatcher(self.tokenizer)
         self.model_name = config.served_model_name or source_name
+        # the LoRA adapters served beside the base model: name -> folder
+        self.loras: dict[str, str] = dict(
+            item.partition("=")[::2] for item in engine_config.lora_modules
+        )
+        if self.model_name in self.loras:
+            raise ValueError(
+                f"a LoRA adapter cannot take the base model's name {self.model_name!r}"
+            )
         self.metrics = Metrics(lambda: self.client.stats)
         if isinstance(self.client, DataParallelClient):  # per-engine series
             self.metrics.registry.register(self.client.collector)
@@ -104,6 +113,29 @@ class Frontend:
 
     async def start(self) -> None:
         await self.client.start()
+
+    # -- LoRA adapters ------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as model ``name`` on every engine.
+        ``LoRAError`` naming the problem (a name taken, a file that cannot be served):
+        nothing changes then and nothing running is disturbed."""
+        if not name or name == self.model_name or name in self.loras:
+            taken = "is the base model's" if name == self.model_name else "is already loaded"
+            raise LoRAError(f"LoRA adapter name {name!r} {taken}" if name else "no name")
+        answer = await self.client.lora_control(name, path)
+        if answer.error is not None:
+            raise LoRAError(answer.error)
+        self.loras[name] = path
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``: new requests for it are refused; those running
+        finish on it. ``LoRANotFound`` if it is not loaded."""
+        if name not in self.loras:
+            raise LoRANotFound(name)
+        del self.loras[name]  # (refused from now on, even while the engines are told)
+        answer = await self.client.lora_control(name, None)
+        if answer.error is not None and not answer.not_found:
+            raise LoRAError(answer.error)
 
     async def shutdown(self) -> None:
         await self.client.shutdown()

@@ -42,6 +42,15 @@ class FlushCache(msgspec.Struct, tag="flush_cache"):
     query_id: int
 
 
+class LoRAControl(msgspec.Struct, tag="lora"):
+    """Load LoRA adapter ``name`` from ``path`` (a PEFT folder), or unload it (``path``
+    None); answered by ``LoRAAnswer``."""
+
+    query_id: int
+    name: str
+    path: str | None = None
+
+
 class Delta(msgspec.Struct, array_like=True):
     """One step's news for one sample (see ``engine.outputs.SequenceDelta``). From the
     engine process ``text`` is empty: the frontend detokenizes (``engine_client``)."""
@@ -112,6 +121,15 @@ class CacheFlushed(msgspec.Struct, tag="cache_flushed"):
     error: str | None = None
 
 
+class LoRAAnswer(msgspec.Struct, tag="lora_answer"):
+    """The answer to ``LoRAControl``: ``error`` None when done; ``not_found``: the adapter
+    to unload was not loaded."""
+
+    query_id: int
+    error: str | None = None
+    not_found: bool = False
+
+
 class Ready(msgspec.Struct, tag="ready"):
     """The engine has loaded its model: what the frontend needs to make its requests
     (the same ``engine.inputs.InputProcessor`` settings the engine uses)."""
@@ -132,8 +150,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     stats: EngineStats
 
 
-ToEngine = GenerateRequest | AbortRequest | RadixQuery | FlushCache
-FromEngine = Outputs | Rejected | Ready | Heartbeat | RadixSummary | CacheFlushed
+ToEngine = GenerateRequest | AbortRequest | RadixQuery | FlushCache | LoRAControl
+FromEngine = Outputs | Rejected | Ready | Heartbeat | RadixSummary | CacheFlushed | LoRAAnswer
 
 encoder = msgspec.msgpack.Encoder()
 # the frontend sends what one event-loop turn produced as one message: a list

@@ -15,10 +15,15 @@ from radixserve.core.sampling_params import SamplingParams
 class TenantTag:
     """A request's tenant (scheduled as such) and its metrics label. Invariant: ``label``
     is ``"default"`` or the name of a key of the keys file, so the label set is bounded
-    by the file whatever clients send (sub-tenants are labelled with their key's name)."""
+    by the file whatever clients send (sub-tenants are labelled with their key's name).
+    ``loras``: the LoRA adapters its key may use (None: every one)."""
 
     tenant: Tenant
     label: str
+    loras: frozenset[str] | None = None
+
+    def may_use(self, adapter: str) -> bool:
+        return self.loras is None or adapter in self.loras
 
 
 DEFAULT_TAG = TenantTag(DEFAULT_TENANT, "default")
@@ -27,12 +32,14 @@ DEFAULT_TAG = TenantTag(DEFAULT_TENANT, "default")
 @dataclass(frozen=True)
 class Routing:
     """A request's tenant (``tag``), ``cache_salt`` (a prefix-cache partition within the
-    tenant's) and ``priority`` (lower first under the ``priority`` policy), as the
-    transport found them; the same for every prompt and sample of the request."""
+    tenant's), ``priority`` (lower first under the ``priority`` policy) and ``lora`` (the
+    LoRA adapter its ``model`` named; None: the base model), as the transport found them;
+    the same for every prompt and sample of the request."""
 
     tag: TenantTag = DEFAULT_TAG
     cache_salt: str | None = None
     priority: int = 0
+    lora: str | None = None
 
     @property
     def tenant(self) -> Tenant | None:
@@ -55,6 +62,7 @@ class Routing:
             self.priority,
             self.tenant,
             pooling,
+            self.lora,
         )
 
 

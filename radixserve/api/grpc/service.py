@@ -271,6 +271,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         try:
             try:  # (a dead engine is found by generate_batches: UNAVAILABLE)
                 ids, params = await self._prompt(request)
+                lora = self.server.lora_of(request.model or None, tag)  # (NOT_FOUND)
             except APIError as exc:
                 error = exc
                 return
@@ -284,7 +285,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             sample_ids: dict[int, list[int]] = {}
             # one message per sample for everything that arrived while the last one was
             # being written: a stream that keeps up gets a message per engine step
-            routing = Routing(tag, request.cache_salt or None, request.priority)
+            routing = Routing(tag, request.cache_salt or None, request.priority, lora)
             engine_request = routing.request(engine_id, ids, params)
             async for batch in frontend.client.generate_batches(engine_request):
                 outs: dict[int, pb.GenerateResponse] = {}

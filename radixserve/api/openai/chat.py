@@ -97,7 +97,7 @@ async def _whole(
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": server.frontend.model_name,
+            "model": server.served_name(routing, server.frontend.model_name),
             "choices": choices,
             "usage": usage(
                 [ids],
@@ -123,7 +123,7 @@ def _stream(
         "id": rid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
-        "model": server.frontend.model_name,
+        "model": server.served_name(routing, server.frontend.model_name),
     }
 
     def frame(idx: int, delta: dict, finish_reason: str | None = None) -> bytes:

@@ -97,7 +97,7 @@ async def _whole(
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": server.frontend.model_name,
+            "model": server.served_name(routing, server.frontend.model_name),
             "choices": choices,
             "usage": usage(
                 prompts, 0 if prompt_only else done.completion_tokens, done.cached_tokens
@@ -121,7 +121,7 @@ def _stream(
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": server.frontend.model_name,
+        "model": server.served_name(routing, server.frontend.model_name),
     }
     # with logprobs, a prompt's echo waits for its first delta (which brings the prompt's
     # logprobs); without, it goes out at once

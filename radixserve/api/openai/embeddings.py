@@ -139,7 +139,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             {
                 "object": "list",
                 "data": data,
-                "model": frontend.model_name,
+                "model": server.served_name(routing, frontend.model_name),
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
             }
         )

@@ -219,3 +219,22 @@ class ScoreRequest(BaseModel):
     user: str | None = None
     priority: StrictInt = 0
     cache_salt: str | None = None
+
+
+class LoadLoRARequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): serve the PEFT folder ``lora_path``
+    as model ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None  # (vLLM's; ignored: adapters are named)

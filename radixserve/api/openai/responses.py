@@ -260,7 +260,7 @@ class _Responder:
             "status": status,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "error": None,
-            "model": self.server.frontend.model_name,
+            "model": self.server.served_name(self.routing, self.server.frontend.model_name),
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature,

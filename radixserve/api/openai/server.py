@@ -22,7 +22,7 @@ from radixserve.api.asgi import (
 )
 from radixserve.api.console.debug import add_debug_routes
 from radixserve.api.console.routes import register_console
-from radixserve.api.openai import chat, completions, embeddings, native, rerank, responses
+from radixserve.api.openai import chat, completions, embeddings, lora, native, rerank, responses
 from radixserve.api.openai.config import ServerConfig
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.version import __version__
@@ -95,24 +95,33 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     async def openapi(_: HTTPRequest) -> Response:
         return json_response(openapi_document(app))
 
-    def model_card() -> dict:
-        return {
-            "id": frontend.model_name,
+    def model_card(adapter: str | None = None) -> dict:
+        """The base model's card, or a LoRA adapter's (vLLM's ``root`` and ``parent``)."""
+        card = {
+            "id": adapter or frontend.model_name,
             "object": "model",
             "created": frontend.created,
             "owned_by": "radixserve",
             "max_model_len": frontend.max_model_len,
         }
+        if adapter is not None:
+            card.update(root=frontend.loras.get(adapter), parent=frontend.model_name)
+        return card
 
     @app.route("GET", "/v1/models")
-    async def models(_: HTTPRequest) -> Response:
-        return json_response({"object": "list", "data": [model_card()]})
+    async def models(request: HTTPRequest) -> Response:
+        tag = server.tenant_tag(request.headers)  # (the adapters its key may use)
+        adapters = [name for name in frontend.loras if tag.may_use(name)]
+        cards = [model_card(), *(model_card(name) for name in adapters)]
+        return json_response({"object": "list", "data": cards})
 
     @app.route("GET", "/v1/models/{model}")
     async def model(request: HTTPRequest) -> Response:
-        server.check_model(unquote(request.path_params["model"]))
-        return json_response(model_card())
+        name = unquote(request.path_params["model"])
+        adapter = server.lora_of(name, server.tenant_tag(request.headers))
+        return json_response(model_card(adapter))
 
+    lora.add_routes(app, server)
     native.add_routes(app, server)
     completions.add_routes(app, server)
     chat.add_routes(app, server)

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 _PROTECTED_PREFIXES = ("/v1/", "/debug/")  # (/v1/messages takes x-api-key too)
 _PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
 ADMIN_PREFIXES = ("/v1/engine/", "/debug/")
-ADMIN_PATHS = frozenset({"/metrics"})
+# (and vLLM's routes that load and unload LoRA adapters)
+ADMIN_PATHS = frozenset({"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 # what the server stores for tenants (GET/DELETE /v1/responses/{id}): an admin key may read
 # and delete any tenant's
 STORED_PREFIX = "/v1/responses/"
@@ -96,12 +97,39 @@ class OpenAIServer:
         except orjson.JSONDecodeError as exc:
             raise APIError(400, f"could not parse the JSON body: {exc}") from None
         body = parse_body(model, data)
+        tag = self.tenant_tag(request.headers, getattr(body, "user", None))
         routing = Routing(
-            self.tenant_tag(request.headers, getattr(body, "user", None)),
+            tag,
             getattr(body, "cache_salt", None) or None,  # ("" is no salt, as over gRPC)
             getattr(body, "priority", None) or 0,
+            self.lora_of(getattr(body, "model", None), tag),
         )
         return body, routing
+
+    def lora_of(self, name: str | None, tag: TenantTag) -> str | None:
+        """The LoRA adapter model ``name`` is (None: the base model, or no name); a 404
+        ``model_not_found`` for a name that is neither, or an adapter ``tag``'s key may not
+        use (not told apart: a tenant learns nothing of adapters it may not use)."""
+        if name is None or name == self.frontend.model_name:
+            return None
+        if name in self.frontend.loras and tag.may_use(name):
+            return name
+        raise self.model_not_found(name)
+
+    @staticmethod
+    def model_not_found(name: str) -> APIError:
+        return APIError(
+            404,
+            f"The model `{name}` does not exist.",
+            type_="NotFoundError",
+            param="model",
+            code="model_not_found",
+        )
+
+    @staticmethod
+    def served_name(routing: Routing, base: str) -> str:
+        """The ``model`` an answer names: the adapter it ran on, else the base model."""
+        return routing.lora or base
 
     def tenant_tag(self, headers: dict[str, str], user: Any = None) -> TenantTag:
         """The tenant of a request with these headers (or gRPC metadata) and ``user``
@@ -121,11 +149,11 @@ class OpenAIServer:
         return self.tenant_tag(headers).tenant.name
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.frontend.model_name:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist.",
-                type_="NotFoundError",
-                param="model",
-                code="model_not_found",
-            )
+        """A 404 ``model_not_found`` unless ``name`` is the base model or an adapter served
+        (``parse_routed`` also checks the tenant may use it)."""
+        if (
+            name is not None
+            and name != self.frontend.model_name
+            and name not in self.frontend.loras
+        ):
+            raise self.model_not_found(name)

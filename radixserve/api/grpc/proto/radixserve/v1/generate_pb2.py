@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6radixserve/api/grpc/proto/radixserve/v1/generate.proto\x12\rradixserve.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc9\x01\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.radixserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"\xd4\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.radixserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\n\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x04\n\x02_n\"\xef\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.radixserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.radixserve.v1.ChatH\x00\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.radixserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"q\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.radixserve.v1.TopLogprob\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.radixserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.radixserve.v1.Usage\x12\x16\n\x0ereasoning_text\x18\t \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x87\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.radixserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"J\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\x92\x03\n\x0fGenerateService\x12M\n\x08Generate\x12\x1e.radixserve.v1.GenerateRequest\x1a\x1f.radixserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.radixserve.v1.AbortRequest\x1a\x1c.radixserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.radixserve.v1.TokenizeRequest\x1a\x1f.radixserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .radixserve.v1.DetokenizeRequest\x1a!.radixserve.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".radixserve.v1.GetModelInfoRequest\x1a\x18.radixserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6radixserve/api/grpc/proto/radixserve/v1/generate.proto\x12\rradixserve.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc9\x01\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.radixserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"\xd4\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12@\n\nlogit_bias\x18\t \x03(\x0b\x32,.radixserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\n\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\x04\n\x02_n\"\xfe\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.radixserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.radixserve.v1.ChatH\x00\x12\x36\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1d.radixserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\r\n\x05model\x18\x08 \x01(\tB\x07\n\x05input\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\"q\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.radixserve.v1.TopLogprob\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"\xe8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.radixserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12#\n\x05usage\x18\x08 \x01(\x0b\x32\x14.radixserve.v1.Usage\x12\x16\n\x0ereasoning_text\x18\t \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x87\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12#\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x13.radixserve.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"J\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r2\x92\x03\n\x0fGenerateService\x12M\n\x08Generate\x12\x1e.radixserve.v1.GenerateRequest\x1a\x1f.radixserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.radixserve.v1.AbortRequest\x1a\x1c.radixserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.radixserve.v1.TokenizeRequest\x1a\x1f.radixserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .radixserve.v1.DetokenizeRequest\x1a!.radixserve.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".radixserve.v1.GetModelInfoRequest\x1a\x18.radixserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,31 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=876
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=924
   _globals['_GENERATEREQUEST']._serialized_start=1106
-  _globals['_GENERATEREQUEST']._serialized_end=1345
-  _globals['_TOPLOGPROB']._serialized_start=1347
-  _globals['_TOPLOGPROB']._serialized_end=1409
-  _globals['_TOKENLOGPROB']._serialized_start=1411
-  _globals['_TOKENLOGPROB']._serialized_end=1524
-  _globals['_USAGE']._serialized_start=1526
-  _globals['_USAGE']._serialized_end=1632
-  _globals['_GENERATERESPONSE']._serialized_start=1635
-  _globals['_GENERATERESPONSE']._serialized_end=1867
-  _globals['_ABORTREQUEST']._serialized_start=1869
-  _globals['_ABORTREQUEST']._serialized_end=1903
-  _globals['_ABORTRESPONSE']._serialized_start=1905
-  _globals['_ABORTRESPONSE']._serialized_end=1935
-  _globals['_TOKENIZEREQUEST']._serialized_start=1938
-  _globals['_TOKENIZEREQUEST']._serialized_end=2073
-  _globals['_TOKENIZERESPONSE']._serialized_start=2075
-  _globals['_TOKENIZERESPONSE']._serialized_end=2150
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2152
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2190
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2192
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2226
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2228
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2249
-  _globals['_MODELINFO']._serialized_start=2251
-  _globals['_MODELINFO']._serialized_end=2325
-  _globals['_GENERATESERVICE']._serialized_start=2328
-  _globals['_GENERATESERVICE']._serialized_end=2730
+  _globals['_GENERATEREQUEST']._serialized_end=1360
+  _globals['_TOPLOGPROB']._serialized_start=1362
+  _globals['_TOPLOGPROB']._serialized_end=1424
+  _globals['_TOKENLOGPROB']._serialized_start=1426
+  _globals['_TOKENLOGPROB']._serialized_end=1539
+  _globals['_USAGE']._serialized_start=1541
+  _globals['_USAGE']._serialized_end=1647
+  _globals['_GENERATERESPONSE']._serialized_start=1650
+  _globals['_GENERATERESPONSE']._serialized_end=1882
+  _globals['_ABORTREQUEST']._serialized_start=1884
+  _globals['_ABORTREQUEST']._serialized_end=1918
+  _globals['_ABORTRESPONSE']._serialized_start=1920
+  _globals['_ABORTRESPONSE']._serialized_end=1950
+  _globals['_TOKENIZEREQUEST']._serialized_start=1953
+  _globals['_TOKENIZEREQUEST']._serialized_end=2088
+  _globals['_TOKENIZERESPONSE']._serialized_start=2090
+  _globals['_TOKENIZERESPONSE']._serialized_end=2165
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2167
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2205
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2207
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2241
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2243
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2264
+  _globals['_MODELINFO']._serialized_start=2266
+  _globals['_MODELINFO']._serialized_end=2340
+  _globals['_GENERATESERVICE']._serialized_start=2343
+  _globals['_GENERATESERVICE']._serialized_end=2745
 # @@protoc_insertion_point(module_scope)
