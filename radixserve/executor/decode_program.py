@@ -40,13 +40,15 @@ import torch
 from radixserve.executor import program_ops as po
 from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetadata
 from radixserve.executor.layer_ops import LayerOps
-from radixserve.executor.native import address, load_decode_program, load_elementwise
+from radixserve.executor.lora import LoRAStep, slot
+from radixserve.executor.native import address, load_decode_program, load_elementwise, load_lora
 from radixserve.executor.program_ops import (
     ACT,
     COPY_ROWS,
     DECODE,
     EMBED,
     KV_WRITE,
+    LORA,
     MAX_ROWS,
     NORM,
     NORM_HEADS,
@@ -105,6 +107,10 @@ class DecodeProgram:
             address(getattr(ew, f"{n}_bf16")) for n in ("add_rms_norm", "rotary", "silu_and_mul")
         )
         self._gelu_fn = address(ew.gelu_tanh_and_mul_bf16) if ew.has_gelu_tanh_and_mul() else 0
+        lora = load_lora()
+        # the LoRA op after each projection (a no-op in a step without adapters); None: no
+        # kernel, and a step with adapters runs op by op
+        self._lora_fn = None if lora is None else address(lora.lora_apply_bf16)
         self._kv_write_fn = address(ew.kv_write)
         self._decode_fn = address(attention.native.paged_decode_bf16)
         bf16 = torch.bfloat16
@@ -139,7 +145,7 @@ class DecodeProgram:
         else:
             self._llama(model, attention)
         self.ops = po.table(self._ops)
-        self.step = np.zeros(7, dtype=np.int64)
+        self.step = np.zeros(8, dtype=np.int64)
         self._keep += [attention.kv_cache.k, attention.kv_cache.v]
 
     # -- building ---------------------------------------------------------------------------
@@ -153,10 +159,17 @@ class DecodeProgram:
              self.eps, self.threads]
         )  # fmt: skip
 
-    def _linear(self, w: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _linear(self, w: Any, x: torch.Tensor, y: torch.Tensor, layer: int, group: str) -> None:
+        """``y = w(x)``, then the step's LoRA adapters' products for projection ``group``
+        of ``layer`` (``LoRAStep.add``'s kernel on its arguments)."""
         if w.bias is not None:
             self._keep.append(w.bias)
         self._ops += linear_ops(w, x, y, self.scratch, self.threads)
+        if self._lora_fn is not None:
+            self._ops.append(
+                [LORA, self._lora_fn, ptr(x), x.stride(0), ptr(y), y.stride(0), x.shape[1],
+                 y.shape[1], slot(layer, group), self.threads]
+            )  # fmt: skip
 
     def _rotary_rows(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathers ``table``'s (a RotaryEmbedding) rows of the step's positions; returns
@@ -236,7 +249,7 @@ class DecodeProgram:
         heads, kv_heads = self.heads, self.kv_heads
         for i, lay in enumerate(model.layers):
             self._add_norm(add, self.residual, lay.input_norm, self.normed)
-            self._linear(lay.qkv, self.normed, self.qkv)
+            self._linear(lay.qkv, self.normed, self.qkv, i, "qkv")
             if lay.q_norm is None:
                 # q and k rotate together in place, as one [n, heads + kv_heads, d] view
                 self._rotary(self.qkv, heads + kv_heads, self.qkv_size, rows)
@@ -251,7 +264,7 @@ class DecodeProgram:
                 self._rotary(self.q, heads, self.q_size, rows)
                 self._rotary(self.k, kv_heads, self.kv_size, rows)
                 self._attention(attention, i, self.k, self.kv_size)
-            self._linear(lay.o, self.attn, self.o)
+            self._linear(lay.o, self.attn, self.o, i, "o")
             self._add_norm(self.o, self.residual, lay.post_norm, self.normed)
             if lay.moe is not None:
                 experts = routed_experts_for(lay.moe)
@@ -259,12 +272,12 @@ class DecodeProgram:
                 self._experts.append(experts)
                 self._ops.append(experts.op(self.normed, self.down))
             else:
-                self._linear(lay.gate_up, self.normed, self.gate_up)
+                self._linear(lay.gate_up, self.normed, self.gate_up, i, "gate_up")
                 self._ops.append(
                     [ACT, self._silu_fn, ptr(self.gate_up), ptr(self.act), self.act.shape[1],
                      self.threads]
                 )  # fmt: skip
-                self._linear(lay.down, self.act, self.down)
+                self._linear(lay.down, self.act, self.down, i, "down")
             add = self.down
         self._add_norm(add, self.residual, model.norm, self.out)
 
@@ -290,21 +303,21 @@ class DecodeProgram:
         for i, lay in enumerate(model.layers):
             cos_sin = rows[c.is_sliding(i)]
             self._add_norm(add, self.residual, lay.input_norm, self.normed)
-            self._linear(lay.qkv, self.normed, self.qkv)
+            self._linear(lay.qkv, self.normed, self.qkv, i, "qkv")
             self._norm_heads(self.qkv, 0, heads, lay.q_norm, self.q)
             self._norm_heads(self.qkv, self.q_size, kv_heads, lay.k_norm, self.k)
             self._rotary(self.q, heads, self.q_size, cos_sin)
             self._rotary(self.k, kv_heads, self.kv_size, cos_sin)
             self._attention(attention, i, self.k, self.kv_size)
-            self._linear(lay.o, self.attn, self.o)
+            self._linear(lay.o, self.attn, self.o, i, "o")
             self._add_norm(None, self.o, lay.post_attn_norm, self.o_normed)
             self._add_norm(self.o_normed, self.residual, lay.pre_ffn_norm, self.normed)
-            self._linear(lay.gate_up, self.normed, self.gate_up)
+            self._linear(lay.gate_up, self.normed, self.gate_up, i, "gate_up")
             self._ops.append(
                 [ACT, self._gelu_fn, ptr(self.gate_up), ptr(self.act), self.act.shape[1],
                  self.threads]
             )  # fmt: skip
-            self._linear(lay.down, self.act, self.down)
+            self._linear(lay.down, self.act, self.down, i, "down")
             self._add_norm(None, self.down, lay.post_ffn_norm, self.down_normed)
             add = self.down_normed
         self._add_norm(add, self.residual, model.norm, self.out)
@@ -315,13 +328,22 @@ class DecodeProgram:
         return _linears(model) == self.linears
 
     def accepts(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TorchNativeMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: TorchNativeMetadata,
+        lora: LoRAStep | None = None,
     ) -> bool:
-        """Whether the step's inputs are what ``run`` reads through their pointers."""
+        """Whether the step's inputs are what ``run`` reads through their pointers (and
+        its LoRA adapters, if any, all on the native kernel)."""
         g = meta.decode
         n = input_ids.shape[0]
         return (
-            g is not None
+            (
+                lora is None
+                or (self._lora_fn is not None and lora.desc is not None and not lora.long)
+            )
+            and g is not None
             and 0 < n <= self.capacity
             and positions.shape == meta.slots.shape == g.seq_lens.shape == (n,)
             and g.page_tables.shape[0] == n
@@ -335,9 +357,14 @@ class DecodeProgram:
         )
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TorchNativeMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: TorchNativeMetadata,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
-        """The final hidden states [n, hidden] of the step's n tokens."""
+        """The final hidden states [n, hidden] of the step's n tokens (on their LoRA
+        adapters: ``lora``, which ``accepts`` took)."""
         g = meta.decode
         assert g is not None
         n = input_ids.shape[0]
@@ -349,6 +376,7 @@ class DecodeProgram:
         st[4] = g.seq_lens.data_ptr()
         st[5] = g.page_tables.shape[1]
         st[6] = n
+        st[7] = 0 if lora is None or lora.desc is None else lora.desc.ctypes.data
         if self._embed_hook is not None:
             self._embed_hook(input_ids)
         rc = self.lib.decode_program_run(self.ops.ctypes.data, len(self.ops), st.ctypes.data)

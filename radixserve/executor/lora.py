@@ -20,12 +20,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from radixserve.core.errors import LoRAError, LoRANotFound
 from radixserve.executor.model_config import ModelConfig
+from radixserve.executor.native import load_lora
 
 __all__ = ["LoRAAdapter", "LoRAError", "LoRANotFound", "LoRARegistry", "LoRAShapes", "LoRAStep"]
 
@@ -96,7 +98,7 @@ class LoRAShapes:
 @dataclass
 class LoRAAdapter:
     """One adapter's weights, per layer and projection group: ``weights[layer][group]`` is
-    ``(A [R, in], B [out, R])`` with the scaling in ``B``; a group it does not target is
+    ``(A [R, in], Bt [R, out])`` with the scaling in ``Bt``; a group it does not target is
     absent. ``key`` is unique to this load of the adapter (the prefix cache's partition:
     a page one adapter computed never serves another, nor a later adapter of the same
     name)."""
@@ -108,9 +110,42 @@ class LoRAAdapter:
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
     nbytes: int = 0
     modules: tuple[str, ...] = field(default_factory=tuple)
+    # the native kernel's view of ``weights`` (``native/lora.c``): [layers * 4, 3] int64,
+    # (A*, Bt*, R) per projection slot, zeros where the adapter has none
+    table: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
+
+    def __post_init__(self) -> None:
+        table = np.zeros((len(self.weights) * len(GROUPS), 3), dtype=np.int64)
+        self.blocked: list[torch.Tensor] = []
+        for layer, groups in enumerate(self.weights):
+            for group, (a, b) in groups.items():
+                blocked = _blocked(b)
+                self.blocked.append(blocked)
+                table[slot(layer, group)] = (a.data_ptr(), blocked.data_ptr(), a.shape[0])
+        self.table = table
 
 
 _KEYS = itertools.count(1)
+_GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
+# segments of at most this many rows go to the native kernel (decode rows); longer ones (a
+# prompt's chunk) are one GEMM each through PyTorch
+NATIVE_MAX_ROWS = 16
+OUT_BLOCK = 32  # native/lora.c's
+
+
+def _blocked(b_t: torch.Tensor) -> torch.Tensor:
+    """``Bt`` [R, out] as the native kernel reads it: [ceil(out / 32) blocks][ceil(R / 2)
+    pairs of k][32 outputs][2 k], zero-padded (``native/lora.c``)."""
+    r, out = b_t.shape
+    blocks, pairs = -(-out // OUT_BLOCK), -(-r // 2)
+    padded = torch.zeros(2 * pairs, blocks * OUT_BLOCK, dtype=b_t.dtype)
+    padded[:r, :out] = b_t
+    return padded.view(pairs, 2, blocks, OUT_BLOCK).permute(2, 0, 3, 1).contiguous()
+
+
+def slot(layer: int, group: str) -> int:
+    """A projection's row in an adapter's ``table`` (``native/lora.c``'s slot)."""
+    return layer * len(GROUPS) + _GROUP_INDEX[group]
 
 
 def _scale(config: dict, module: str, rank: int) -> float:
@@ -247,9 +282,9 @@ def _build(
         for first, rows, a, b in parts:
             b_bd[first : first + rows, col : col + a.shape[0]] = b
             col += a.shape[0]
-        b_bd = b_bd.to(dtype).contiguous()
-        weights[layer][group] = (a_cat, b_bd)
-        nbytes += a_cat.numel() * a_cat.element_size() + b_bd.numel() * b_bd.element_size()
+        b_t = b_bd.t().to(dtype).contiguous()
+        weights[layer][group] = (a_cat, b_t)
+        nbytes += a_cat.numel() * a_cat.element_size() + b_t.numel() * b_t.element_size()
     modules = tuple(sorted({module for _, module in pairs}))
     return LoRAAdapter(name, path, rank, f"{name}#{next(_KEYS)}", weights, nbytes, modules)
 
@@ -257,12 +292,24 @@ def _build(
 class LoRAStep:
     """The adapters of one step's rows: ``segments`` are (first row, end row, adapter) in
     row order, rows of base-model requests in none. Invariant: segments do not overlap and
-    each lies inside the step's rows."""
+    each lies inside the step's rows; ``desc`` is the native kernel's descriptor of those
+    of at most ``NATIVE_MAX_ROWS`` rows (``native/lora.c``), ``long`` the others (None for
+    either: there are none, or no native kernel)."""
 
-    __slots__ = ("segments",)
+    __slots__ = ("desc", "long", "segments")
 
     def __init__(self, segments: list[tuple[int, int, LoRAAdapter]]) -> None:
         self.segments = segments
+        short = [s for s in segments if s[1] - s[0] <= NATIVE_MAX_ROWS]
+        self.desc: np.ndarray | None = None
+        self.long = segments
+        if short and load_lora() is not None:
+            desc = np.empty(1 + 3 * len(short), dtype=np.int64)
+            desc[0] = len(short)
+            for i, (first, end, adapter) in enumerate(short):
+                desc[1 + 3 * i : 4 + 3 * i] = (first, end, adapter.table.ctypes.data)
+            self.desc = desc
+            self.long = [s for s in segments if s[1] - s[0] > NATIVE_MAX_ROWS]
 
     @classmethod
     def build(
@@ -288,17 +335,40 @@ class LoRAStep:
         """``y`` (the base GEMM's output over rows ``offset ..`` of the step, [rows, out])
         plus each adapter's low-rank product over its rows of ``x``, in place."""
         rows = x.shape[0]
-        for first, end, adapter in self.segments:
+        long = self.segments
+        if (
+            self.desc is not None
+            and y.dtype == x.dtype == torch.bfloat16
+            and x.stride(1) == 1
+            and y.stride(1) == 1
+            and x.device.type == "cpu"
+        ):
+            apply_native(load_lora(), y, x, slot(layer, group), self.desc, offset)
+            long = self.long
+        for first, end, adapter in long:
             lo, hi = max(first - offset, 0), min(end - offset, rows)
             if lo >= hi:
                 continue
             ab = adapter.weights[layer].get(group)
             if ab is None:
                 continue
-            a, b = ab
-            part = x[lo:hi]
-            y[lo:hi] += ((part @ a.t()) @ b.t()).to(y.dtype)
+            a, b_t = ab
+            # (addmm_: the expand's sum added to y and rounded once, as the native kernel)
+            y[lo:hi].addmm_(x[lo:hi] @ a.t(), b_t)
         return y
+
+
+def apply_native(
+    lib: Any, y: torch.Tensor, x: torch.Tensor, slot_: int, desc: np.ndarray, offset: int
+) -> None:
+    """``native/lora.c`` (library ``lib``) on rows ``offset ..`` of a step: ``y += `` the
+    products of the adapters in ``desc`` for projection slot ``slot_``."""
+    rc = lib.lora_apply_bf16(
+        x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], y.shape[1], slot_,
+        desc.ctypes.data, offset, x.shape[0], torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("the LoRA kernel could not allocate its scratch")
 
 
 class LoRARegistry:

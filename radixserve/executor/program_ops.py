@@ -39,7 +39,8 @@ from radixserve.executor.quant import (
     NORM_HEADS,
     BIAS,
     MOE,
-) = range(1, 14)
+    LORA,
+) = range(1, 15)
 OP_WIDTH = 20
 
 # the most rows a program is built for (its buffers are this many rows of every activation)

@@ -101,7 +101,7 @@ class RoutedExperts:
         self.expert_ops = po.table(ops)
         self.flags = int(c.norm_topk_prob) | 2 * int(c.float32_weights)
         self._op = po.table([self.op(self.xg, self.yd)])  # pointers set per call
-        self._step = np.zeros(7, dtype=np.int64)
+        self._step = np.zeros(8, dtype=np.int64)  # (decode_program.c's step; no LoRA)
 
     def op(self, x: torch.Tensor, out: torch.Tensor) -> list[int]:
         """The ``OP_MOE`` row reading ``x`` and writing ``out``."""

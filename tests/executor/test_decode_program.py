@@ -24,7 +24,9 @@ from tests.helpers import greedy, hf_greedy
 PROMPTS = [[5, 17, 101, 9], [200, 3], [42], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 
 
-def _run_both(monkeypatch, llm: LLM, together: bool = False) -> dict[str, int]:
+def _run_both(
+    monkeypatch, llm: LLM, together: bool = False, lora: list[str | None] | None = None
+) -> dict[str, int]:
     """Generates the prompts (each alone: decode steps of one row; or ``together``: steps
     of up to four rows, fewer as the shorter requests finish) with every pure decode step
     run twice, through the program and op by op (the second writes the same KV again), and
@@ -35,7 +37,7 @@ def _run_both(monkeypatch, llm: LLM, together: bool = False) -> dict[str, int]:
 
     def both(self, input_ids, positions, attention, meta):
         program = decode_program.program_for(self, attention, meta)
-        used = program is not None and program.accepts(input_ids, positions, meta)
+        used = program is not None and program.accepts(input_ids, positions, meta, self.lora_step)
         out = forward(self, input_ids, positions, attention, meta)
         if meta.decode is not None and meta.decode.whole_batch:
             seen["decode"] += 1
@@ -54,7 +56,7 @@ def _run_both(monkeypatch, llm: LLM, together: bool = False) -> dict[str, int]:
         patch.setattr(cls, "forward", both)
         if together:  # different lengths: the batch shrinks as requests finish
             params = [greedy(6 + 3 * i, logprobs=2) for i in range(len(PROMPTS))]
-            llm.generate(PROMPTS, params, use_tqdm=False)
+            llm.generate(PROMPTS, params, use_tqdm=False, lora=lora)
             llm.engine.check_idle()
         else:
             for prompt in PROMPTS:
@@ -122,6 +124,61 @@ def _check_both_ways(monkeypatch, llm: LLM) -> None:
     # the longest request's decode steps, the first of them with every request in
     assert together["program"] == together["decode"] == 6 + 3 * (len(PROMPTS) - 1) - 1
     assert together["rows"] == len(PROMPTS)
+
+
+def _random_peft(folder, model, seed: int, modules: tuple[str, ...], rank: int) -> str:
+    """A PEFT adapter folder of random weights (non-zero B) for ``model``'s shapes."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from radixserve.executor.lora import GROUPS, LoRAShapes
+
+    shapes = LoRAShapes.of(model.config)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(shapes.num_layers):
+        for group, names in GROUPS.items():
+            for name in names:
+                if name not in modules:
+                    continue
+                _, rows = shapes.out_slices(group)[name]
+                part = "self_attn" if group in ("qkv", "o") else "mlp"
+                p = f"base_model.model.model.layers.{layer}.{part}.{name}"
+                tensors[p + ".lora_A.weight"] = torch.randn(
+                    rank, shapes.in_size(group), generator=g
+                )
+                tensors[p + ".lora_B.weight"] = torch.randn(rows, rank, generator=g) * 0.2
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": modules}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_program_with_lora_adapters_equals_op_by_op(tiny_models, tmp_path, monkeypatch, arch):
+    """Decode steps whose rows are on three LoRA adapters and the base run in the program
+    (an ``OP_LORA`` after every projection, ``native/lora.c`` reading the step's
+    descriptor) and equal the op-by-op forward exactly, which calls the same kernel."""
+    if native.load_lora() is None:
+        pytest.skip("the native kernels are not built on this machine")
+    llm = LLM(str(tiny_models[arch]), quantization="int4")
+    model = llm.engine.runner.model
+    all_ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for i, (modules, rank) in enumerate(
+        [(all_, 8), (("q_proj", "v_proj"), 5), (("gate_proj", "down_proj", "o_proj"), 16)]
+    ):
+        llm.load_lora(f"a{i}", _random_peft(tmp_path / f"a{i}", model, i, modules, rank))
+    try:
+        seen = _run_both(monkeypatch, llm, together=True, lora=["a0", None, "a1", "a2"])
+        assert seen["program"] == seen["decode"] > 0 and seen["rows"] == len(PROMPTS)
+        # and the adapters change what the base would say
+        outs = llm.generate(PROMPTS, greedy(6), use_tqdm=False, lora=["a0", "a1", "a2", "a0"])
+        base = llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] != [o.outputs[0].token_ids for o in base]
+    finally:
+        llm.engine.close()
 
 
 def test_program_greedy_and_logprobs_unchanged(tmp_path, monkeypatch):

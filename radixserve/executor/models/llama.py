@@ -250,10 +250,9 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         lora = self.lora_step
-        if lora is None:  # (the decode program has no LoRA op: adapters' steps go op by op)
-            program = decode_program.program_for(self, attention, attn_meta)
-            if program is not None and program.accepts(input_ids, positions, attn_meta):
-                return program.run(input_ids, positions, attn_meta)
+        program = decode_program.program_for(self, attention, attn_meta)
+        if program is not None and program.accepts(input_ids, positions, attn_meta, lora):
+            return program.run(input_ids, positions, attn_meta, lora)
         c = self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]

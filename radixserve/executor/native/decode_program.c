@@ -19,7 +19,8 @@
  * ops: [count][OP_WIDTH] int64, op[0] the kind, op[1] the kernel's address, then its
  * arguments (floats as the bits of a double; a row stride in elements of the tensor's
  * type unless said). step: [token_ids*, positions*, slots*, page_tables* (int32),
- * seq_lens* (int32), max_pages, n], the pointers to int64 unless said. Returns 0, or
+ * seq_lens* (int32), max_pages, n, LoRA descriptor* (0: no adapter in the step; see
+ * lora.c)], the pointers to int64 unless said. Returns 0, or
  * -(1 + i) when op i refused (a kernel's error or an id or position out of range): the
  * caller raises.
  */
@@ -42,6 +43,7 @@ enum {
     OP_NORM_HEADS,
     OP_BIAS,
     OP_MOE,
+    OP_LORA,
 };
 #define OP_WIDTH 20
 /* a row-wise kernel's threads: no more than rows, as LayerOps' (one row: no thread woken to
@@ -63,6 +65,8 @@ typedef int (*decode_fn)(const void *, const void *, const void *, const int32_t
                          const int32_t *, int, int, int, int, int, int, float, int, float, int,
                          void *, const float *, int);
 typedef void (*act_fn)(const void *, void *, int64_t, int64_t, int);
+typedef int (*lora_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int64_t,
+                       const int64_t *, int64_t, int64_t, int);
 
 static inline double as_double(int64_t bits) {
     double d;
@@ -169,6 +173,12 @@ static int run_op(const int64_t *op, int64_t n, const int64_t *step) {
         break;
     case OP_MOE:
         rc = routed_experts(op, n, step);
+        break;
+    case OP_LORA: /* x, x stride, y, y stride, in, out, slot, threads: the step's LoRA
+                     adapters' products added to y (step[7]: their descriptor; 0: none) */
+        if (step[7] != 0)
+            rc = ((lora_fn)P(1))(P(2), op[3], P(4), op[5], op[6], op[7], op[8],
+                                 (const int64_t *)(intptr_t)step[7], 0, n, (int)op[9]);
         break;
     default:
         return 1;
