@@ -17,7 +17,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ class LoRAShapes:
     intermediate: int
     # layers whose MLP is a mixture of experts (no gate/up/down LoRA there)
     sparse_layers: frozenset[int] = frozenset()
+    head_dim: int = 0  # (a llama-arch GGUF adapter's q/k rows are permuted by head)
 
     def out_slices(self, group: str) -> dict[str, tuple[int, int]]:
         """(first row, rows) of each module inside ``group``'s output."""
@@ -87,6 +88,7 @@ class LoRAShapes:
             kv_size=c.num_key_value_heads * c.head_dim,
             intermediate=c.intermediate_size,
             sparse_layers=frozenset(i for i, s in enumerate(sparse) if s),
+            head_dim=c.head_dim,
         )
 
     def in_size(self, group: str) -> int:
@@ -158,6 +160,69 @@ def _scale(config: dict, module: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
+def read_adapter(
+    name: str, path: str | Path, shapes: LoRAShapes, dtype: torch.dtype, max_rank: int
+) -> LoRAAdapter:
+    """The adapter at ``path``: a PEFT folder (``read_peft``) or a llama.cpp GGUF LoRA
+    file (``read_gguf_lora``)."""
+    if Path(path).suffix == ".gguf" and Path(path).is_file():
+        return read_gguf_lora(name, path, shapes, dtype, max_rank)
+    return read_peft(name, path, shapes, dtype, max_rank)
+
+
+# llama.cpp's names of the projections an adapter may touch (``convert_lora_to_gguf.py``:
+# ``blk.N.<name>.weight.lora_a`` / ``.lora_b``)
+_GGUF_LORA = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight\.lora_([ab])")
+
+
+def read_gguf_lora(
+    name: str, path: str | Path, shapes: LoRAShapes, dtype: torch.dtype, max_rank: int
+) -> LoRAAdapter:
+    """A llama.cpp LoRA file (``convert_lora_to_gguf.py``: ``general.type`` adapter,
+    ``adapter.type`` lora, ``adapter.lora.alpha``) as served weights, scaled as llama.cpp
+    scales it (alpha / rank; 1 without an alpha): its tensors renamed to PEFT's, a
+    llama-arch file's q and k B rows put back in Hugging Face order."""
+    from radixserve.executor.loader.gguf_file import GGUFFile
+    from radixserve.executor.loader.gguf_loader import hf_name, reverse_rope_permute
+
+    try:
+        gguf = GGUFFile(Path(path))
+    except ValueError as exc:
+        raise LoRAError(f"LoRA adapter {name!r}: {exc}") from None
+    meta = gguf.metadata
+    if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
+        raise LoRAError(
+            f"LoRA adapter {name!r}: {path} is not a GGUF LoRA adapter (general.type "
+            f"{meta.get('general.type')!r}, adapter.type {meta.get('adapter.type')!r})"
+        )
+    arch = str(meta.get("general.architecture", "llama"))
+    alpha = float(meta.get("adapter.lora.alpha", 0.0) or 0.0)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in gguf.tensors:
+        m = _GGUF_LORA.fullmatch(t.name)
+        target = hf_name(f"blk.{m[1]}.{m[2]}.weight", arch) if m else None
+        if m is None or target is None or not target.endswith("_proj.weight"):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: tensor {t.name} is not a LoRA weight of an attention "
+                "or MLP projection (embedding and LM-head adapters are not supported)"
+            )
+        try:
+            w = torch.from_numpy(np.array(gguf.dequantize(t), dtype=np.float32))
+        except Exception as exc:
+            raise LoRAError(f"LoRA adapter {name!r}: cannot decode {t.name}: {exc}") from None
+        if m[3] == "b" and arch == "llama" and shapes.head_dim:
+            if target.endswith("q_proj.weight"):
+                w = reverse_rope_permute(w, shapes.q_size // shapes.head_dim)
+            elif target.endswith("k_proj.weight"):
+                w = reverse_rope_permute(w, shapes.kv_size // shapes.head_dim)
+        tensors[target.removesuffix(".weight") + f".lora_{m[3].upper()}.weight"] = w
+
+    def scale(module: str, rank: int) -> float:
+        return alpha / rank if alpha else 1.0
+
+    return _build(name, str(path), scale, tensors, shapes, dtype, max_rank)
+
+
 def read_peft(
     name: str, path: str | Path, shapes: LoRAShapes, dtype: torch.dtype, max_rank: int
 ) -> LoRAAdapter:
@@ -167,7 +232,10 @@ def read_peft(
     folder = Path(path)
     config_file = folder / "adapter_config.json"
     if not folder.is_dir():
-        raise LoRAError(f"LoRA adapter {name!r}: {path} is not a folder (a PEFT adapter)")
+        raise LoRAError(
+            f"LoRA adapter {name!r}: {path} is neither a folder (a PEFT adapter) nor a .gguf "
+            "file (a llama.cpp LoRA)"
+        )
     if not config_file.is_file():
         raise LoRAError(f"LoRA adapter {name!r}: {path} has no adapter_config.json")
     try:
@@ -204,13 +272,15 @@ def read_peft(
         tensors = load_file(str(weights_file))
     except (SafetensorError, OSError) as exc:
         raise LoRAError(f"LoRA adapter {name!r}: adapter_model.safetensors: {exc}") from None
-    return _build(name, str(folder), config, tensors, shapes, dtype, max_rank)
+    return _build(
+        name, str(folder), lambda m, r: _scale(config, m, r), tensors, shapes, dtype, max_rank
+    )
 
 
 def _build(
     name: str,
     path: str,
-    config: dict,
+    scaling: Callable[[str, int], float],
     tensors: dict[str, torch.Tensor],
     shapes: LoRAShapes,
     dtype: torch.dtype,
@@ -267,7 +337,7 @@ def _build(
                 f"--max-lora-rank {max_rank}"
             )
         rank = max(rank, r)
-        scale = _scale(config, f"layers.{layer}.{module}", r)
+        scale = scaling(f"layers.{layer}.{module}", r)
         per_group.setdefault((layer, group), []).append((first, rows, a.float(), b.float() * scale))
     weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
         {} for _ in range(shapes.num_layers)
@@ -407,7 +477,7 @@ class LoRARegistry:
             raise LoRAError(self.refusal)
         if not name:
             raise LoRAError(f"a LoRA adapter needs a name, got {name!r}")
-        adapter = read_peft(name, path, self.shapes, self.dtype, self.max_rank)
+        adapter = read_adapter(name, path, self.shapes, self.dtype, self.max_rank)
         with self._lock:
             self.paths[name] = str(path)
             self.loaded[name] = adapter
@@ -434,7 +504,7 @@ class LoRARegistry:
             path = self.paths.get(name)
         if path is None:
             raise LoRANotFound(name)
-        adapter = read_peft(name, path, self.shapes, self.dtype, self.max_rank)
+        adapter = read_adapter(name, path, self.shapes, self.dtype, self.max_rank)
         with self._lock:
             if self.paths.get(name) != path:  # unloaded or replaced meanwhile
                 raise LoRANotFound(name)

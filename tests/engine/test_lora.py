@@ -326,7 +326,7 @@ def test_bad_adapters_are_refused_naming_the_problem(lora_llm, tmp_path, config,
 
 
 def test_missing_files_are_refused(lora_llm, tmp_path):
-    with pytest.raises(LoRAError, match="not a folder"):
+    with pytest.raises(LoRAError, match="neither a folder"):
         lora_llm.load_lora("x", str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(LoRAError, match=r"adapter_config\.json"):
@@ -358,3 +358,73 @@ def test_sampling_params_and_lora_are_independent(lora_llm):
     a = lora_llm.generate([PROMPTS[0]], params, use_tqdm=False, lora="all")
     b = lora_llm.generate([PROMPTS[0]], params, use_tqdm=False, lora="all")
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+# -- llama.cpp's GGUF LoRA files ---------------------------------------------------------
+LLAMACPP_VERSION = "0.3.36"
+
+
+def llamacpp_sources():
+    """llama.cpp's conversion scripts from the llama-cpp-python sdist (``.ci/run`` puts
+    them in the cache; ``RADIXSERVE_LLAMACPP_SRC`` names another folder), or None."""
+    import os
+    from pathlib import Path
+
+    from radixserve.core.cache_dir import cache_root
+
+    env = os.environ.get("RADIXSERVE_LLAMACPP_SRC")
+    folder = Path(env) if env else cache_root() / f"llamacpp-src-{LLAMACPP_VERSION}"
+    return folder if (folder / "convert_lora_to_gguf.py").is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_gguf_lora_from_llamacpps_converter_equals_its_peft_source(
+    adapters, lora_llm, tmp_path, outtype
+):
+    """The PEFT adapter converted by llama.cpp's own ``convert_lora_to_gguf.py`` (q and k
+    rows permuted as llama.cpp stores them, alpha in the metadata) serves what the PEFT
+    folder serves: the same tokens in float32 (f32 file), and close to it from Q8_0 codes."""
+    import subprocess
+    import sys
+
+    src = llamacpp_sources()
+    if src is None:
+        pytest.skip("llama.cpp's conversion scripts are not in the cache (.ci/run fetches them)")
+    folder, root, _ = adapters
+    out = tmp_path / f"all-{outtype}.gguf"
+    subprocess.run(
+        [sys.executable, str(src / "convert_lora_to_gguf.py"), "--base", str(folder),
+         "--outfile", str(out), "--outtype", outtype, str(root / "all")],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    lora_llm.load_lora(f"gguf-{outtype}", str(out))
+    try:
+        for ids in PROMPTS:
+            want = lora_llm.generate([ids], greedy(10), use_tqdm=False, lora="all")
+            got = lora_llm.generate([ids], greedy(10), use_tqdm=False, lora=f"gguf-{outtype}")
+            if outtype == "f32":
+                assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+            else:  # 8-bit codes of A and B: the same first tokens at least
+                assert got[0].outputs[0].token_ids[:3] == want[0].outputs[0].token_ids[:3]
+        a = lora_llm.engine.lora("all").weights[0]["qkv"]
+        b = lora_llm.engine.lora(f"gguf-{outtype}").weights[0]["qkv"]
+        tol = 0 if outtype == "f32" else 0.02
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=tol, atol=tol * float(x.abs().max()))
+    finally:
+        lora_llm.unload_lora(f"gguf-{outtype}")
+
+
+def test_gguf_files_that_are_not_lora_adapters_are_refused(lora_llm, tmp_path):
+    import gguf
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_type("model")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(LoRAError, match="not a GGUF LoRA adapter"):
+        lora_llm.load_lora("g", str(path))

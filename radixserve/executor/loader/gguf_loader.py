@@ -566,6 +566,17 @@ def _phi3_longrope(meta: dict[str, Any], path: Path) -> dict[str, Any]:
     return scaling
 
 
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of GGUF tensor ``gguf_name`` of an ``arch`` model (None: one
+    radixserve does not load)."""
+    return _hf_name(gguf_name, arch)
+
+
+def reverse_rope_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A llama-arch GGUF q or k projection's rows (or a LoRA B's) in Hugging Face order."""
+    return _reverse_permute(w, num_heads)
+
+
 def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
