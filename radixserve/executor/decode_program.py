@@ -40,7 +40,7 @@ import torch
 from radixserve.executor import program_ops as po
 from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetadata
 from radixserve.executor.layer_ops import LayerOps
-from radixserve.executor.lora import LoRAStep, slot
+from radixserve.executor.lora import GROUP_MODULES, LoRAShapes, LoRAStep, slot
 from radixserve.executor.native import address, load_decode_program, load_elementwise, load_lora
 from radixserve.executor.program_ops import (
     ACT,
@@ -111,6 +111,7 @@ class DecodeProgram:
         # the LoRA op after each projection (a no-op in a step without adapters); None: no
         # kernel, and a step with adapters runs op by op
         self._lora_fn = None if lora is None else address(lora.lora_apply_bf16)
+        self._lora_shapes = LoRAShapes.of(c)
         self._kv_write_fn = address(ew.kv_write)
         self._decode_fn = address(attention.native.paged_decode_bf16)
         bf16 = torch.bfloat16
@@ -160,15 +161,19 @@ class DecodeProgram:
         )  # fmt: skip
 
     def _linear(self, w: Any, x: torch.Tensor, y: torch.Tensor, layer: int, group: str) -> None:
-        """``y = w(x)``, then the step's LoRA adapters' products for projection ``group``
-        of ``layer`` (``LoRAStep.add``'s kernel on its arguments)."""
+        """``y = w(x)``, then the step's LoRA adapters' products for each module of
+        projection ``group`` of ``layer``, on its columns of ``y`` (``LoRAStep.add``'s
+        kernel on its arguments)."""
         if w.bias is not None:
             self._keep.append(w.bias)
         self._ops += linear_ops(w, x, y, self.scratch, self.threads)
-        if self._lora_fn is not None:
+        if self._lora_fn is None:
+            return
+        for module in GROUP_MODULES[group]:
+            first, rows = self._lora_shapes.out_slices(group)[module]
             self._ops.append(
-                [LORA, self._lora_fn, ptr(x), x.stride(0), ptr(y), y.stride(0), x.shape[1],
-                 y.shape[1], slot(layer, group), self.threads]
+                [LORA, self._lora_fn, ptr(x), x.stride(0), ptr(y) + 2 * first, y.stride(0),
+                 x.shape[1], rows, slot(layer, module), self.threads]
             )  # fmt: skip
 
     def _rotary_rows(self, table: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,10 +3,10 @@ models here fuse (q/k/v, o, gate/up, down), and the low-rank products of one ste
 to the rows of each adapter's requests (``LoRAStep``), after the base GEMM ran once for
 the whole batch. No adapter is ever merged into the base weights.
 
-A projection group of a layer (``qkv``, ``o``, ``gate_up``, ``down``) holds, per adapter,
-``A`` [R, in] (the group's targeted modules' ``lora_A`` stacked) and ``B`` [out, R] (their
-``lora_B`` block-diagonal at each module's output rows, the scaling folded in), so the
-group's delta is one shrink ``x @ A^T`` and one expand ``@ B^T`` whatever the modules.
+An adapter holds, per layer and targeted module (``q_proj`` .. ``down_proj``, Phi-3's fused
+``qkv_proj`` and ``gate_up_proj``), ``A`` [r, in] and ``Bt`` [r, rows] (``lora_B``
+transposed, the scaling folded in): the module's delta lands on its columns of the fused
+projection's output (``LoRAModule``). Nothing is padded to other modules' ranks or rows.
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ GROUPS: dict[str, tuple[str, ...]] = {
 # modules stored fused (Phi-3): the whole group's output
 FUSED_MODULES = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
 _MODULE_GROUP = {m: g for g, ms in GROUPS.items() for m in ms} | FUSED_MODULES
+# every module an adapter may hold, each a slot of ``native/lora.c``'s table, by group
+GROUP_MODULES: dict[str, tuple[str, ...]] = {
+    g: tuple(m for m in _MODULE_GROUP if _MODULE_GROUP[m] == g) for g in GROUPS
+}
+MODULES: tuple[str, ...] = tuple(m for ms in GROUP_MODULES.values() for m in ms)
+_MODULE_INDEX = {m: i for i, m in enumerate(MODULES)}
 
 _TENSOR = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\."
@@ -98,37 +104,63 @@ class LoRAShapes:
 
 
 @dataclass
+class LoRAModule:
+    """One layer's LoRA pair of one module: ``a`` [r, in]; ``b`` its ``Bt`` [r, rows]
+    (scaled), plain, or ``blocked`` for the native kernel ([ceil(rows / 32), ceil(r / 2),
+    32, 2], zero-padded: ``native/lora.c``); its delta lands on columns ``first ..
+    first + rows`` of the fused projection's output."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    first: int
+    rows: int
+    blocked: bool = False
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+    def b_t(self) -> torch.Tensor:
+        """``Bt`` [r, rows], plain (a copy when held blocked)."""
+        if not self.blocked:
+            return self.b
+        blocks, pairs = self.b.shape[:2]
+        plain = self.b.permute(1, 3, 0, 2).reshape(2 * pairs, blocks * OUT_BLOCK)
+        return plain[: self.rank, : self.rows]
+
+
+@dataclass
 class LoRAAdapter:
-    """One adapter's weights, per layer and projection group: ``weights[layer][group]`` is
-    ``(A [R, in], Bt [R, out])`` with the scaling in ``Bt``; a group it does not target is
-    absent. ``key`` is unique to this load of the adapter (the prefix cache's partition:
-    a page one adapter computed never serves another, nor a later adapter of the same
-    name)."""
+    """One adapter's weights: ``weights[layer][module]`` (a ``LoRAModule``), a module it
+    does not target absent. ``key`` is unique to this load of the adapter (the prefix
+    cache's partition: a page one adapter computed never serves another, nor a later
+    adapter of the same name); ``table`` is the native kernel's view of it ([layers *
+    len(MODULES), 3] int64: (A*, blocked Bt*, r) per slot, zeros where it has none)."""
 
     name: str
     path: str
     rank: int
     key: str
-    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    weights: list[dict[str, LoRAModule]]
     nbytes: int = 0
     modules: tuple[str, ...] = field(default_factory=tuple)
-    # the native kernel's view of ``weights`` (``native/lora.c``): [layers * 4, 3] int64,
-    # (A*, Bt*, R) per projection slot, zeros where the adapter has none
     table: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
 
     def __post_init__(self) -> None:
-        table = np.zeros((len(self.weights) * len(GROUPS), 3), dtype=np.int64)
-        self.blocked: list[torch.Tensor] = []
-        for layer, groups in enumerate(self.weights):
-            for group, (a, b) in groups.items():
-                blocked = _blocked(b)
-                self.blocked.append(blocked)
-                table[slot(layer, group)] = (a.data_ptr(), blocked.data_ptr(), a.shape[0])
+        table = np.zeros((len(self.weights) * len(MODULES), 3), dtype=np.int64)
+        # each module it targets, at its columns of the fused output
+        self.columns: dict[str, tuple[int, int]] = {}
+        self.native = False  # held blocked for native/lora.c
+        for layer, mods in enumerate(self.weights):
+            for module, m in mods.items():
+                self.columns.setdefault(module, (m.first, m.rows))
+                if m.blocked:
+                    self.native = True
+                    table[slot(layer, module)] = (m.a.data_ptr(), m.b.data_ptr(), m.rank)
         self.table = table
 
 
 _KEYS = itertools.count(1)
-_GROUP_INDEX = {g: i for i, g in enumerate(GROUPS)}
 # segments of at most this many rows go to the native kernel (decode rows); longer ones (a
 # prompt's chunk) are one GEMM each through PyTorch
 NATIVE_MAX_ROWS = 16
@@ -145,9 +177,9 @@ def _blocked(b_t: torch.Tensor) -> torch.Tensor:
     return padded.view(pairs, 2, blocks, OUT_BLOCK).permute(2, 0, 3, 1).contiguous()
 
 
-def slot(layer: int, group: str) -> int:
-    """A projection's row in an adapter's ``table`` (``native/lora.c``'s slot)."""
-    return layer * len(GROUPS) + _GROUP_INDEX[group]
+def slot(layer: int, module: str) -> int:
+    """A module's row in an adapter's ``table`` (``native/lora.c``'s slot)."""
+    return layer * len(MODULES) + _MODULE_INDEX[module]
 
 
 def _scale(config: dict, module: str, rank: int) -> float:
@@ -308,7 +340,11 @@ def _build(
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:
         raise LoRAError(f"LoRA adapter {name!r}: adapter_model.safetensors has no LoRA weights")
-    per_group: dict[tuple[int, str], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    # bfloat16 with the native kernel: Bt held blocked for it (the PyTorch path of long
+    # segments unblocks a copy); otherwise plain
+    native = dtype == torch.bfloat16 and load_lora() is not None
+    weights: list[dict[str, LoRAModule]] = [{} for _ in range(shapes.num_layers)]
+    nbytes = 0
     rank = 0
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
@@ -338,23 +374,11 @@ def _build(
             )
         rank = max(rank, r)
         scale = scaling(f"layers.{layer}.{module}", r)
-        per_group.setdefault((layer, group), []).append((first, rows, a.float(), b.float() * scale))
-    weights: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
-        {} for _ in range(shapes.num_layers)
-    ]
-    nbytes = 0
-    for (layer, group), parts in per_group.items():
-        total_r = sum(a.shape[0] for _, _, a, _ in parts)
-        out = sum(shapes.out_slices(group)[m][1] for m in GROUPS[group])
-        a_cat = torch.cat([a for _, _, a, _ in parts]).to(dtype).contiguous()
-        b_bd = torch.zeros(out, total_r, dtype=torch.float32)
-        col = 0
-        for first, rows, a, b in parts:
-            b_bd[first : first + rows, col : col + a.shape[0]] = b
-            col += a.shape[0]
-        b_t = b_bd.t().to(dtype).contiguous()
-        weights[layer][group] = (a_cat, b_t)
-        nbytes += a_cat.numel() * a_cat.element_size() + b_t.numel() * b_t.element_size()
+        b_t = (b.float() * scale).t().to(dtype).contiguous()
+        held = _blocked(b_t) if native else b_t
+        m = LoRAModule(a.to(dtype).contiguous(), held, first, rows, native)
+        weights[layer][module] = m
+        nbytes += sum(t.numel() * t.element_size() for t in (m.a, m.b))
     modules = tuple(sorted({module for _, module in pairs}))
     return LoRAAdapter(name, path, rank, f"{name}#{next(_KEYS)}", weights, nbytes, modules)
 
@@ -363,23 +387,27 @@ class LoRAStep:
     """The adapters of one step's rows: ``segments`` are (first row, end row, adapter) in
     row order, rows of base-model requests in none. Invariant: segments do not overlap and
     each lies inside the step's rows; ``desc`` is the native kernel's descriptor of those
-    of at most ``NATIVE_MAX_ROWS`` rows (``native/lora.c``), ``long`` the others (None for
-    either: there are none, or no native kernel)."""
+    of at most ``NATIVE_MAX_ROWS`` rows on adapters held for it (``native/lora.c``; None:
+    none), ``long`` the others (PyTorch); ``modules`` the modules any of them targets, at
+    their columns of the fused projections' outputs."""
 
-    __slots__ = ("desc", "long", "segments")
+    __slots__ = ("desc", "long", "modules", "segments")
 
     def __init__(self, segments: list[tuple[int, int, LoRAAdapter]]) -> None:
         self.segments = segments
-        short = [s for s in segments if s[1] - s[0] <= NATIVE_MAX_ROWS]
+        self.modules: dict[str, tuple[int, int]] = {}
+        for _, _, adapter in segments:
+            self.modules.update(adapter.columns)
+        short = [s for s in segments if s[1] - s[0] <= NATIVE_MAX_ROWS and s[2].native]
         self.desc: np.ndarray | None = None
         self.long = segments
-        if short and load_lora() is not None:
+        if short:
             desc = np.empty(1 + 3 * len(short), dtype=np.int64)
             desc[0] = len(short)
             for i, (first, end, adapter) in enumerate(short):
                 desc[1 + 3 * i : 4 + 3 * i] = (first, end, adapter.table.ctypes.data)
             self.desc = desc
-            self.long = [s for s in segments if s[1] - s[0] > NATIVE_MAX_ROWS]
+            self.long = [s for s in segments if not any(s is t for t in short)]
 
     @classmethod
     def build(
@@ -402,37 +430,41 @@ class LoRAStep:
     def add(
         self, y: torch.Tensor, x: torch.Tensor, layer: int, group: str, offset: int = 0
     ) -> torch.Tensor:
-        """``y`` (the base GEMM's output over rows ``offset ..`` of the step, [rows, out])
-        plus each adapter's low-rank product over its rows of ``x``, in place."""
+        """``y`` (projection ``group``'s output over rows ``offset ..`` of the step, [rows,
+        out]) plus each adapter's low-rank products over its rows of ``x``, each module's
+        on its columns, in place."""
         rows = x.shape[0]
-        long = self.segments
-        if (
+        native = (
             self.desc is not None
             and y.dtype == x.dtype == torch.bfloat16
             and x.stride(1) == 1
             and y.stride(1) == 1
             and x.device.type == "cpu"
-        ):
-            apply_native(load_lora(), y, x, slot(layer, group), self.desc, offset)
-            long = self.long
-        for first, end, adapter in long:
-            lo, hi = max(first - offset, 0), min(end - offset, rows)
-            if lo >= hi:
+        )
+        for module in GROUP_MODULES[group]:
+            cols = self.modules.get(module)
+            if cols is None:
                 continue
-            ab = adapter.weights[layer].get(group)
-            if ab is None:
-                continue
-            a, b_t = ab
-            # (addmm_: the expand's sum added to y and rounded once, as the native kernel)
-            y[lo:hi].addmm_(x[lo:hi] @ a.t(), b_t)
+            part = y[:, cols[0] : cols[0] + cols[1]]
+            if native:
+                assert self.desc is not None
+                apply_native(load_lora(), part, x, slot(layer, module), self.desc, offset)
+            for first, end, adapter in self.segments if not native else self.long:
+                lo, hi = max(first - offset, 0), min(end - offset, rows)
+                m = adapter.weights[layer].get(module)
+                if m is None or lo >= hi:
+                    continue
+                # (addmm_: the expand's sum added to y and rounded once, as the kernel)
+                part[lo:hi].addmm_(x[lo:hi] @ m.a.t(), m.b_t())
         return y
 
 
 def apply_native(
     lib: Any, y: torch.Tensor, x: torch.Tensor, slot_: int, desc: np.ndarray, offset: int
 ) -> None:
-    """``native/lora.c`` (library ``lib``) on rows ``offset ..`` of a step: ``y += `` the
-    products of the adapters in ``desc`` for projection slot ``slot_``."""
+    """``native/lora.c`` (library ``lib``) on rows ``offset ..`` of a step: ``y`` (a
+    module's columns: rows ``y.stride(0)`` apart) ``+=`` the products of the adapters in
+    ``desc`` for slot ``slot_``."""
     rc = lib.lora_apply_bf16(
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], y.shape[1], slot_,
         desc.ctypes.data, offset, x.shape[0], torch.get_num_threads(),
