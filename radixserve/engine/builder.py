@@ -216,21 +216,22 @@ def _build_loras(
     config: EngineConfig, m: ModelParts, runner: Any
 ) -> tuple[LoRARegistry | None, str]:
     """The LoRA registry of a real model, with ``--lora-modules`` loaded (a bad adapter
-    fails the start, naming it); adapters are refused where their products do not run yet
-    (tensor parallelism, the CUDA runner), which a load then says."""
+    fails the start, naming it), its adapters on the model's device; adapters are refused
+    where their products do not run yet (tensor parallelism), which a load then says."""
     if m.model_config is None:
         return None, ""
     refusal = None
     if m.tp is not None:
         refusal = "LoRA adapters are not served under tensor parallelism yet"
-    elif not isinstance(runner, ModelRunner) or type(runner) is not ModelRunner:
-        refusal = "LoRA adapters are served on the CPU runner only (not yet on CUDA)"
+    elif not isinstance(runner, ModelRunner):
+        refusal = "LoRA adapters need a model runner (not a simulated device)"
     loras = LoRARegistry(
         LoRAShapes.of(m.model_config),
         m.dtype or torch.float32,
         max_rank=config.max_lora_rank,
         max_cpu_loras=config.max_cpu_loras,
         refusal=refusal,
+        device=m.torch_device,
     )
     for item in config.lora_modules:
         name, _, path = item.partition("=")

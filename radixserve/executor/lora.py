@@ -11,7 +11,7 @@ projection's output (``LoRAModule``). Nothing is padded to other modules' ranks 
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import json
 import math
 import re
@@ -132,10 +132,11 @@ class LoRAModule:
 @dataclass
 class LoRAAdapter:
     """One adapter's weights: ``weights[layer][module]`` (a ``LoRAModule``), a module it
-    does not target absent. ``key`` is unique to this load of the adapter (the prefix
-    cache's partition: a page one adapter computed never serves another, nor a later
-    adapter of the same name); ``table`` is the native kernel's view of it ([layers *
-    len(MODULES), 3] int64: (A*, blocked Bt*, r) per slot, zeros where it has none)."""
+    does not target absent. ``key`` is a hash of what it computes, its weights and scales
+    (the prefix cache's partition: a page one adapter computed never serves another, nor
+    an adapter loaded again under the same name with other weights). ``table`` is the
+    native kernel's view of it ([layers * len(MODULES), 3] int64: (A*, blocked Bt*, r) per
+    slot, zeros where it has none)."""
 
     name: str
     path: str
@@ -159,8 +160,23 @@ class LoRAAdapter:
                     table[slot(layer, module)] = (m.a.data_ptr(), m.b.data_ptr(), m.rank)
         self.table = table
 
+    def to(self, device: torch.device) -> LoRAAdapter:
+        """This adapter on ``device`` (itself on the CPU; elsewhere ``Bt`` held plain: the
+        CUDA path's kernels read it so)."""
+        if device.type == "cpu":
+            return self
+        weights = [
+            {
+                module: LoRAModule(m.a.to(device), m.b_t().to(device), m.first, m.rows)
+                for module, m in layer.items()
+            }
+            for layer in self.weights
+        ]
+        return LoRAAdapter(
+            self.name, self.path, self.rank, self.key, weights, self.nbytes, self.modules
+        )
 
-_KEYS = itertools.count(1)
+
 # segments of at most this many rows go to the native kernel (decode rows); longer ones (a
 # prompt's chunk) are one GEMM each through PyTorch
 NATIVE_MAX_ROWS = 16
@@ -380,7 +396,22 @@ def _build(
         weights[layer][module] = m
         nbytes += sum(t.numel() * t.element_size() for t in (m.a, m.b))
     modules = tuple(sorted({module for _, module in pairs}))
-    return LoRAAdapter(name, path, rank, f"{name}#{next(_KEYS)}", weights, nbytes, modules)
+    return LoRAAdapter(name, path, rank, _content_key(tensors, scaling), weights, nbytes, modules)
+
+
+def _content_key(tensors: dict[str, torch.Tensor], scaling: Callable[[str, int], float]) -> str:
+    """What the adapter computes, as a key: a hash of its tensors (names and values) and of
+    each one's scale. Two loads of the same weights share cached KV (the same numbers),
+    before and after a restart (the disk tier keeps pages by namespace); any change of a
+    weight or of alpha is another namespace."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tname in sorted(tensors):
+        t = tensors[tname].detach().to(torch.float32).contiguous()
+        m = _TENSOR.search(tname)
+        scale = scaling(f"layers.{m[1]}.{m[2]}", t.shape[0]) if m and m[3] == "A" else 0.0
+        digest.update(f"{tname}:{tuple(t.shape)}:{scale!r}:".encode())
+        digest.update(t.numpy().tobytes())
+    return "lora:" + digest.hexdigest()
 
 
 class LoRAStep:
@@ -487,6 +518,7 @@ class LoRARegistry:
         max_rank: int = 16,
         max_cpu_loras: int | None = None,
         refusal: str | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if max_rank < 1:
             raise ValueError("--max-lora-rank must be >= 1")
@@ -494,6 +526,7 @@ class LoRARegistry:
             raise ValueError("--max-cpu-loras must be >= 1")
         self.shapes = shapes
         self.dtype = dtype
+        self.device = device or torch.device("cpu")  # where the model's weights are
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
         self.refusal = refusal  # why this engine serves no adapter (e.g. TP), or None
@@ -504,12 +537,13 @@ class LoRARegistry:
     def load(self, name: str, path: str) -> LoRAAdapter:
         """Read and register adapter ``name`` from ``path`` (``LoRAError`` if it cannot be
         served; nothing registered then). Loading a name again replaces it (its requests in
-        flight finish on the old one; new ones get the new one, under a fresh cache key)."""
+        flight finish on the old one; new ones get the new one, under its own cache key
+        unless the weights are the same)."""
         if self.refusal is not None:
             raise LoRAError(self.refusal)
         if not name:
             raise LoRAError(f"a LoRA adapter needs a name, got {name!r}")
-        adapter = read_adapter(name, path, self.shapes, self.dtype, self.max_rank)
+        adapter = read_adapter(name, path, self.shapes, self.dtype, self.max_rank).to(self.device)
         with self._lock:
             self.paths[name] = str(path)
             self.loaded[name] = adapter
@@ -536,7 +570,7 @@ class LoRARegistry:
             path = self.paths.get(name)
         if path is None:
             raise LoRANotFound(name)
-        adapter = read_adapter(name, path, self.shapes, self.dtype, self.max_rank)
+        adapter = read_adapter(name, path, self.shapes, self.dtype, self.max_rank).to(self.device)
         with self._lock:
             if self.paths.get(name) != path:  # unloaded or replaced meanwhile
                 raise LoRANotFound(name)

@@ -210,7 +210,7 @@ class DataParallelClient:
         namespace the engine will match it in (its tenant's, under scope ``tenant``), so
         the balancer's trees follow the engines' caches."""
         namespace = cache_namespace(
-            request.cache_salt, request.tenant, self.config.prefix_cache_scope
+            request.cache_salt, request.tenant, self.config.prefix_cache_scope, request.lora
         )
         for i, client in enumerate(self.clients):
             alive = client.alive

@@ -429,3 +429,58 @@ def test_gguf_files_that_are_not_lora_adapters_are_refused(lora_llm, tmp_path):
     writer.close()
     with pytest.raises(LoRAError, match="not a GGUF LoRA adapter"):
         lora_llm.load_lora("g", str(path))
+
+
+def test_the_cache_key_is_what_the_adapter_computes(adapters, tmp_path):
+    """The same weights under two names share cached pages; other weights loaded under a
+    name that served before never see its pages (the key hashes weights and scales)."""
+    folder, root, _ = adapters
+    llm = LLM(str(folder), dtype="float32", lora_modules=(f"x={root / 'all'}",))
+    prompt = list(range(100, 164))
+
+    def cached(name):
+        out = llm.generate([prompt], greedy(2), use_tqdm=False, lora=name)[0]
+        return out.num_cached_tokens
+
+    assert cached("x") == 0 and cached("x") > 0
+    llm.load_lora("twin", str(root / "all"))
+    assert cached("twin") > 0  # the same adapter: the same numbers
+    llm.unload_lora("x")
+    llm.load_lora("x", str(root / "qv"))  # other weights under the old name
+    assert cached("x") == 0
+    config = json.loads((root / "all" / "adapter_config.json").read_text())
+    import shutil
+
+    shutil.copytree(root / "all", tmp_path / "alpha")
+    (tmp_path / "alpha" / "adapter_config.json").write_text(
+        json.dumps({**config, "lora_alpha": 2 * config["lora_alpha"]})
+    )
+    llm.load_lora("alpha", str(tmp_path / "alpha"))  # the same tensors, another scale
+    assert cached("alpha") == 0
+    llm.engine.check_idle()
+
+
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_speculation_verifies_under_the_requests_adapter(adapters, mode):
+    """n-gram and draft proposals (the draft runs the base) are verified under each
+    request's adapter: the tokens are those of the adapter without speculation."""
+    folder, root, _ = adapters
+    kw = {"spec_draft_model": str(folder)} if mode == "draft" else {}
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        speculative_mode=mode,
+        spec_policy="always",
+        lora_modules=(f"all={root / 'all'}", f"qv={root / 'qv'}"),
+        **kw,
+    )
+    plain = LLM(
+        str(folder), dtype="float32", lora_modules=(f"all={root / 'all'}", f"qv={root / 'qv'}")
+    )
+    prompts = [p * 3 for p in PROMPTS]  # repetitive: n-gram proposals find matches
+    names = ["all", None, "qv"]
+    got = llm.generate(prompts, greedy(16), use_tqdm=False, lora=names)
+    want = plain.generate(prompts, greedy(16), use_tqdm=False, lora=names)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.spec_proposed > 0
+    llm.engine.check_idle()

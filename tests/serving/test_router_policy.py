@@ -136,8 +136,11 @@ def test_router_namespaces_follow_the_credentials_and_salt():
     assert routing_namespace("tenant", alice, body) != routing_namespace("tenant", bob, body)
     assert routing_namespace("global", alice, body) == routing_namespace("global", bob, body) == ""
     salted = {**body, "cache_salt": "s\x00"}
-    assert routing_namespace("global", alice, salted) == repr("s\x00")
+    assert routing_namespace("global", alice, salted) == "cache_salt=" + repr("s\x00")
     assert "\x00" not in routing_namespace("tenant", alice, salted)  # the balancer's separator
+    # a LoRA adapter (the model) computes pages of its own
+    on = routing_namespace("global", alice, {**body, "model": "sql"})
+    assert on != routing_namespace("global", alice, {**body, "model": "support"}) and on
     # the user field names a sub-tenant only where the key allows it: routing ignores it
     assert routing_namespace("tenant", alice, {"user": "u1"}) == routing_namespace(
         "tenant", alice, {"user": "u2"}

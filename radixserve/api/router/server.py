@@ -191,11 +191,14 @@ def routing_namespace(scope: str, headers: Mapping[str, str], body: Any) -> str:
     """The cache namespace a prompt will be matched in on the replicas, for the balancer:
     its tenant's (under scope ``tenant``, told by the credentials and ``x-tenant``; a
     sub-tenant named by ``user`` alone shares its key's here, which costs routing, not
-    isolation: the replicas keep them apart) and its ``cache_salt``."""
+    isolation: the replicas keep them apart), its ``cache_salt`` and its ``model`` (a LoRA
+    adapter computes pages of its own; the base model's name, or none, is one namespace
+    more than needed, which also costs routing only)."""
     parts = [requester(headers)] if scope == "tenant" else []
-    salt = body.get("cache_salt") if isinstance(body, dict) else None
-    if isinstance(salt, str) and salt:
-        parts.append(repr(salt))  # (repr: no NUL, the balancer's separator)
+    for name in ("cache_salt", "model"):
+        value = body.get(name) if isinstance(body, dict) else None
+        if isinstance(value, str) and value:
+            parts.append(f"{name}={value!r}")  # (repr: no NUL, the balancer's separator)
     return " ".join(parts)
 
 

@@ -15,6 +15,7 @@ from radixserve.executor.cuda.attention import (
     TritonMetadata,
 )
 from radixserve.executor.cuda.graph_runner import CudaGraphRunner, StagedInputs
+from radixserve.executor.cuda.lora_step import CudaLoRAStep, LoRAStacks
 from radixserve.executor.cuda.sampler import DeviceSampler
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.future_tokens import FutureTokens
@@ -58,6 +59,7 @@ class CudaModelRunner(ModelRunner):
         self.sampler = sampler
         self.future = FutureTokens(max_rows or _rows(page_table))
         self.device = device
+        self._lora_stacks = LoRAStacks()  # the LoRA adapter sets' stacked weights
         c = model.config
         self.attention = TritonAttention(
             kv_cache, c.num_attention_heads, c.head_dim, model.attention_specs()
@@ -154,6 +156,7 @@ class CudaModelRunner(ModelRunner):
         num = fb.num_requests
         if (
             self.graphs is not None
+            and fb.lora is None  # (a graph holds no LoRA products)
             and host.is_decode
             and logits
             and graph_ok
@@ -171,7 +174,16 @@ class CudaModelRunner(ModelRunner):
             page_tables=staged.page_tables,
             slot_mapping=staged.slot_mapping,
         )
-        hidden = self.model.forward(staged.input_ids, staged.positions, self.attention, triton_meta)
+        if fb.lora is not None:
+            self.model.lora_step = CudaLoRAStep(  # type: ignore[assignment]
+                fb.lora, fb.num_tokens, self.device, self._lora_stacks
+            )
+        try:
+            hidden = self.model.forward(
+                staged.input_ids, staged.positions, self.attention, triton_meta
+            )
+        finally:
+            self.model.lora_step = None
         out = None
         if logits:
             out = self.model.compute_logits(hidden[staged.logits_indices], upcast=upcast)
