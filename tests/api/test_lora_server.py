@@ -141,18 +141,32 @@ def test_load_and_unload_at_run_time(setup, tmp_path):
     assert _post(srv, "/v1/load_lora_adapter", body, ADMIN).status_code == 200
     want, _ = hf_greedy_logprobs(made["a2"], IDS, 10)
     assert _grpc_ids(stub, "late")[0] == want
-    # a long request in flight on it finishes on it after the unload
-    long = {"model": "late", "prompt": IDS, "max_tokens": 300, "temperature": 0}
-    with httpx.stream(
-        "POST", srv.url + "/v1/completions", json={**long, "ignore_eos": True, "stream": True},
-        headers=BOB, timeout=120,
-    ) as stream:  # fmt: skip
-        lines = stream.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
+    # requests in flight on it (six streams) finish on it after the unload
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    started = threading.Barrier(7)
+    long = {"model": "late", "prompt": IDS, "max_tokens": 200, "temperature": 0}
+
+    def stream(i: int) -> list[str]:
+        body = {**long, "prompt": [*IDS, i], "ignore_eos": True, "stream": True}
+        with httpx.stream(
+            "POST", srv.url + "/v1/completions", json=body, headers=BOB, timeout=120
+        ) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            first = next(lines)
+            started.wait(60)
+            return [first, *lines]
+
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, i) for i in range(6)]
+        started.wait(60)
         gone = _post(srv, "/v1/unload_lora_adapter", {"lora_name": "late"}, ADMIN)
         assert gone.status_code == 200
-        rest = [line for line in lines if line.startswith("data: ")]
-    assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2].replace(" ", "")
+        results = [f.result(120) for f in futures]
+    for lines in results:
+        assert lines[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in lines[-2].replace(" ", "")
     r = _post(srv, "/v1/completions", {"model": "late", "prompt": IDS, **GREEDY})
     assert r.status_code == 404
     again = _post(srv, "/v1/unload_lora_adapter", {"lora_name": "late"}, ADMIN)

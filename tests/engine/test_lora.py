@@ -484,3 +484,35 @@ def test_speculation_verifies_under_the_requests_adapter(adapters, mode):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.spec_proposed > 0
     llm.engine.check_idle()
+
+
+def test_smollm2_adapter_equals_peft_unmerged_and_merged(smollm2_path, tmp_path):
+    """The real SmolLM2 (its GGUF file, float32) with a peft adapter on q, v and down (random
+    non-zero B): radixserve's greedy tokens and logprobs are transformers + peft's, the
+    adapter unmerged and merged into the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
+    base.generation_config.eos_token_id = None
+    torch.manual_seed(5)
+    config = LoraConfig(
+        r=8, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    model = get_peft_model(base, config).eval()
+    model.save_pretrained(str(tmp_path / "ad"))
+    llm = LLM(str(smollm2_path), dtype="float32", lora_modules=(f"ad={tmp_path / 'ad'}",))
+    prompts = [llm.engine.tokenize(t) for t in ("The capital of France is", "def fib(n):")]
+    unmerged = [hf_greedy_logprobs(model, ids, 8) for ids in prompts]
+    merged_model = model.merge_and_unload()
+    merged = [hf_greedy_logprobs(merged_model, ids, 8)[0] for ids in prompts]
+    outs = llm.generate(prompts, greedy(8, logprobs=0), use_tqdm=False, lora="ad")
+    base_outs = llm.generate(prompts, greedy(8), use_tqdm=False)
+    for out, (want, want_lp), want_merged in zip(outs, unmerged, merged, strict=True):
+        got = out.outputs[0]
+        assert got.token_ids == want == want_merged
+        assert [lp.logprob for lp in got.logprobs] == pytest.approx(want_lp, abs=2e-3)
+    assert [o.outputs[0].token_ids for o in base_outs] != [u[0] for u in unmerged]
+    llm.engine.check_idle()
