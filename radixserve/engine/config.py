@@ -315,8 +315,8 @@ class EngineConfig:
         None,
         group="lora",
         parse=zero_is_none(int),
-        help="adapters kept in memory (the least recently used beyond are read again from "
-        "their folder when next asked for); 0: no limit",
+        help="adapters kept in memory, at least --max-loras (the least recently used beyond "
+        "are read again from their folder when next asked for); 0: no limit",
     )
 
     def __post_init__(self) -> None:
@@ -334,8 +334,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
-        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
-            raise ValueError("max_cpu_loras must be >= 1 (None: no limit)")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras}): the adapters of a batch stay in memory"
+            )
         self.lora_modules = tuple(self.lora_modules)
         for item in self.lora_modules:
             name, eq, path = item.partition("=")

@@ -198,13 +198,26 @@ def slot(layer: int, module: str) -> int:
     return layer * len(MODULES) + _MODULE_INDEX[module]
 
 
+def module_path(layer: int, module: str) -> str:
+    """A module's name in the Hugging Face model (what PEFT's patterns are matched to)."""
+    part = "self_attn" if _MODULE_GROUP[module] in ("qkv", "o") else "mlp"
+    return f"model.layers.{layer}.{part}.{module}"
+
+
 def _scale(config: dict, module: str, rank: int) -> float:
-    """PEFT's scaling of ``module``: lora_alpha (or its ``alpha_pattern`` entry) over the
-    rank (its square root under rsLoRA)."""
-    alpha = float(config.get("lora_alpha", 8))
-    for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.fullmatch(rf"(.*\.)?{pattern}", module):
-            alpha = float(value)
+    """PEFT's scaling of ``module`` (its full name, ``module_path``): lora_alpha, or the
+    first ``alpha_pattern`` key that is the name or matches its end as PEFT matches it,
+    over the rank (its square root under rsLoRA)."""
+    alpha = config.get("lora_alpha", 8)
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise LoRAError(f"alpha_pattern must be an object, got {patterns!r}")
+    for key, value in patterns.items():
+        if key == module or re.match(rf"(.*\.)?({key})$", module):
+            alpha = value
+            break
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise LoRAError(f"lora_alpha of {module} must be a number > 0, got {alpha!r}")
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
@@ -212,10 +225,16 @@ def read_adapter(
     name: str, path: str | Path, shapes: LoRAShapes, dtype: torch.dtype, max_rank: int
 ) -> LoRAAdapter:
     """The adapter at ``path``: a PEFT folder (``read_peft``) or a llama.cpp GGUF LoRA
-    file (``read_gguf_lora``)."""
-    if Path(path).suffix == ".gguf" and Path(path).is_file():
-        return read_gguf_lora(name, path, shapes, dtype, max_rank)
-    return read_peft(name, path, shapes, dtype, max_rank)
+    file (``read_gguf_lora``). Whatever is wrong with it is a ``LoRAError`` naming the
+    adapter (never another exception: a bad file must not take the engine down)."""
+    try:
+        if Path(path).suffix == ".gguf" and Path(path).is_file():
+            return read_gguf_lora(name, path, shapes, dtype, max_rank)
+        return read_peft(name, path, shapes, dtype, max_rank)
+    except LoRAError:
+        raise
+    except Exception as exc:  # (a malformed config or tensor of any kind)
+        raise LoRAError(f"LoRA adapter {name!r}: {type(exc).__name__}: {exc}") from None
 
 
 # llama.cpp's names of the projections an adapter may touch (``convert_lora_to_gguf.py``:
@@ -353,6 +372,11 @@ def _build(
                 f"LoRA adapter {name!r}: tensor {tname}: layer {layer}'s MLP is a mixture "
                 "of experts, whose LoRA is not supported"
             )
+        if which in pairs.get((layer, module), {}):
+            raise LoRAError(
+                f"LoRA adapter {name!r}: tensor {tname}: a second lora_{which} of layer "
+                f"{layer} {module}"
+            )
         pairs.setdefault((layer, module), {})[which] = tensor
     if not pairs:
         raise LoRAError(f"LoRA adapter {name!r}: adapter_model.safetensors has no LoRA weights")
@@ -383,13 +407,15 @@ def _build(
                 f"lora_B {tuple(b.shape)} do not fit the base model's "
                 f"[{rows}, {shapes.in_size(group)}] projection"
             )
+        if r < 1:
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module} has rank 0")
         if r > max_rank:
             raise LoRAError(
                 f"LoRA adapter {name!r}: rank {r} (layer {layer} {module}) is above "
                 f"--max-lora-rank {max_rank}"
             )
         rank = max(rank, r)
-        scale = scaling(f"layers.{layer}.{module}", r)
+        scale = scaling(module_path(layer, module), r)
         b_t = (b.float() * scale).t().to(dtype).contiguous()
         held = _blocked(b_t) if native else b_t
         m = LoRAModule(a.to(dtype).contiguous(), held, first, rows, native)
@@ -408,7 +434,7 @@ def _content_key(tensors: dict[str, torch.Tensor], scaling: Callable[[str, int],
     for tname in sorted(tensors):
         t = tensors[tname].detach().to(torch.float32).contiguous()
         m = _TENSOR.search(tname)
-        scale = scaling(f"layers.{m[1]}.{m[2]}", t.shape[0]) if m and m[3] == "A" else 0.0
+        scale = scaling(module_path(int(m[1]), m[2]), t.shape[0]) if m and m[3] == "A" else 0.0
         digest.update(f"{tname}:{tuple(t.shape)}:{scale!r}:".encode())
         digest.update(t.numpy().tobytes())
     return "lora:" + digest.hexdigest()
@@ -446,13 +472,19 @@ class LoRAStep:
     ) -> LoRAStep | None:
         """The step of requests ``adapters`` (one per request, None: the base) whose rows
         are ``query_start_loc``'s; None when every request is on the base. Neighbouring
-        requests on one adapter become one segment."""
+        requests on one adapter become one segment, up to ``NATIVE_MAX_ROWS`` rows (so a
+        decode row always takes the native kernel, whatever its neighbours)."""
         segments: list[tuple[int, int, LoRAAdapter]] = []
         bounds = query_start_loc.tolist()
         for i, adapter in enumerate(adapters):
             if adapter is None:
                 continue
-            if segments and segments[-1][2] is adapter and segments[-1][1] == bounds[i]:
+            if (
+                segments
+                and segments[-1][2] is adapter
+                and segments[-1][1] == bounds[i]
+                and bounds[i + 1] - segments[-1][0] <= NATIVE_MAX_ROWS
+            ):
                 segments[-1] = (segments[-1][0], bounds[i + 1], adapter)
             else:
                 segments.append((bounds[i], bounds[i + 1], adapter))
@@ -572,11 +604,11 @@ class LoRARegistry:
             raise LoRANotFound(name)
         adapter = read_adapter(name, path, self.shapes, self.dtype, self.max_rank).to(self.device)
         with self._lock:
-            if self.paths.get(name) != path:  # unloaded or replaced meanwhile
-                raise LoRANotFound(name)
             current = self.loaded.get(name)
-            if current is not None:
+            if current is not None:  # (loaded again meanwhile)
                 return current
+            if self.paths.get(name) != path:  # unloaded meanwhile
+                raise LoRANotFound(name)
             self.loaded[name] = adapter
             self._trim()
         return adapter

@@ -171,18 +171,25 @@ class DataParallelClient:
     async def lora_control(
         self, name: str, path: str | None, timeout_s: float = 60.0
     ) -> p.LoRAAnswer:
-        """The adapter change on every engine; the first error, if any (an adapter loaded
-        on some engines only is then unloaded from them again)."""
+        """The adapter change on every engine; the first failure, if any (an engine that
+        did not answer counts as one). A load that failed anywhere is undone where it was
+        done, so the engines serve the same adapters."""
         answers = await asyncio.gather(
-            *(c.lora_control(name, path, timeout_s) for c in self.clients)
+            *(c.lora_control(name, path, timeout_s) for c in self.clients),
+            return_exceptions=True,
         )
-        failed = [a for a in answers if a.error is not None]
-        if not failed:
-            return answers[0]
+        ok = [isinstance(a, p.LoRAAnswer) and a.error is None for a in answers]
+        if all(ok):
+            return answers[0]  # type: ignore[return-value]
         if path is not None:
-            done = [c for c, a in zip(self.clients, answers, strict=True) if a.error is None]
-            await asyncio.gather(*(c.lora_control(name, None, timeout_s) for c in done))
-        return failed[0]
+            done = [c for c, good in zip(self.clients, ok, strict=True) if good]
+            await asyncio.gather(
+                *(c.lora_control(name, None, timeout_s) for c in done), return_exceptions=True
+            )
+        failed = next(a for a, good in zip(answers, ok, strict=True) if not good)
+        if isinstance(failed, BaseException):
+            return p.LoRAAnswer(0, f"an engine did not take the change: {failed}")
+        return failed
 
     async def flush_cache(self, timeout_s: float = 10.0) -> p.CacheFlushed:
         """Every engine's debug flush, summed: idle only if all were."""

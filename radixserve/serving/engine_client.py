@@ -61,6 +61,8 @@ class EngineProcessClient(RequestStreams):
         killed, only abandoned)."""
         super().__init__(tokenizer)
         self.config = config
+        # the LoRA adapters its engine serves (name -> path): --lora-modules, then changes
+        self._loras: dict[str, str] = dict(item.partition("=")[::2] for item in config.lora_modules)
         self.env = env
         self.in_process = in_process
         self.startup_timeout_s = startup_timeout_s
@@ -148,15 +150,32 @@ class EngineProcessClient(RequestStreams):
     async def lora_control(
         self, name: str, path: str | None, timeout_s: float = 60.0
     ) -> p.LoRAAnswer:
-        """As ``RequestStreams.lora_control``; once done, the engine config this client
-        starts engines with says so, so an engine restarted after a death serves the same
-        adapters."""
+        """As ``RequestStreams.lora_control``; once done, an engine restarted after a
+        death is told the same change (``_replay_loras``)."""
         answer = await super().lora_control(name, path, timeout_s)
         if answer.error is None:
-            kept = tuple(m for m in self.config.lora_modules if m.partition("=")[0] != name)
-            added = () if path is None else (f"{name}={path}",)
-            self.config = dataclasses.replace(self.config, lora_modules=kept + added)
+            if path is None:
+                self._loras.pop(name, None)
+            else:
+                self._loras[name] = path
         return answer
+
+    async def _replay_loras(self) -> None:
+        """Bring a restarted engine (it loaded ``--lora-modules``) to the adapters served
+        before it died; an adapter that cannot be loaded again is logged and left out."""
+        started = dict(item.partition("=")[::2] for item in self.config.lora_modules)
+        changes = [(n, None) for n in started if n not in self._loras]
+        changes += [(n, path) for n, path in self._loras.items() if started.get(n) != path]
+        for name, path in changes:
+            try:
+                answer = await super().lora_control(name, path)
+            except EngineDead as exc:
+                answer = p.LoRAAnswer(0, str(exc))
+            if answer.error is not None:
+                logger.error(
+                    "LoRA adapter %s not restored after the restart: %s", name, answer.error
+                )
+                self._loras.pop(name, None)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._closing = True
@@ -304,6 +323,7 @@ class EngineProcessClient(RequestStreams):
             self.restarts += 1
             self.state, self.reason = "running", None
             logger.warning("engine restarted (restart %d)", self.restarts)
+            await self._replay_loras()
             return
         self.state = "dead"
         self.reason = (

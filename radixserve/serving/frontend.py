@@ -97,6 +97,7 @@ class Frontend:
         self.loras: dict[str, str] = dict(
             item.partition("=")[::2] for item in engine_config.lora_modules
         )
+        self._loading: set[str] = set()  # adapters being loaded
         if self.model_name in self.loras:
             raise ValueError(
                 f"a LoRA adapter cannot take the base model's name {self.model_name!r}"
@@ -119,10 +120,14 @@ class Frontend:
         """Serve the PEFT adapter at ``path`` as model ``name`` on every engine.
         ``LoRAError`` naming the problem (a name taken, a file that cannot be served):
         nothing changes then and nothing running is disturbed."""
-        if not name or name == self.model_name or name in self.loras:
+        if not name or name == self.model_name or name in self.loras or name in self._loading:
             taken = "is the base model's" if name == self.model_name else "is already loaded"
             raise LoRAError(f"LoRA adapter name {name!r} {taken}" if name else "no name")
-        answer = await self.client.lora_control(name, path)
+        self._loading.add(name)  # (a second load of the name meanwhile is refused)
+        try:
+            answer = await self.client.lora_control(name, path)
+        finally:
+            self._loading.discard(name)
         if answer.error is not None:
             raise LoRAError(answer.error)
         self.loras[name] = path

@@ -233,6 +233,7 @@ def test_max_cpu_loras_reads_a_dropped_adapter_again(adapters):
     llm = LLM(
         str(folder),
         dtype="float32",
+        max_loras=1,
         max_cpu_loras=1,
         lora_modules=(f"all={root / 'all'}", f"qv={root / 'qv'}"),
     )
@@ -323,6 +324,47 @@ def test_bad_adapters_are_refused_naming_the_problem(lora_llm, tmp_path, config,
     with pytest.raises(LoRAError, match=message):
         lora_llm.load_lora("bad", str(folder))
     assert lora_llm.engine.lora_names() == names  # nothing registered, nothing disturbed
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"lora_alpha": None}, "lora_alpha .* must be a number"),
+        ({"alpha_pattern": ["q_proj"]}, "alpha_pattern must be an object"),
+        ({"alpha_pattern": {"(": 2}}, "error"),
+        ({"r": 4, "lora_alpha": "x"}, "lora_alpha"),
+    ],
+)
+def test_malformed_configs_are_a_lora_error(lora_llm, tmp_path, config, message):
+    """Whatever is wrong in a config is a LoRAError (a 400 at the API), never another
+    exception that would take the engine process down."""
+    ok = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 64),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 4),
+    }
+    folder = _write(tmp_path / "bad", {"r": 4, **config}, ok)
+    with pytest.raises(LoRAError, match=message):
+        lora_llm.load_lora("bad", str(folder))
+    rank0 = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(0, 64),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(64, 0),
+    }
+    with pytest.raises(LoRAError, match="rank 0"):
+        lora_llm.load_lora("bad", str(_write(tmp_path / "r0", {"r": 4}, rank0)))
+
+
+def test_alpha_pattern_is_matched_as_peft_matches_it(tiny_models, tmp_path):
+    """PEFT's keys: a full module path, or a pattern matched against the end of the full
+    name; the first that matches wins. The scales land where peft puts them."""
+    folder = tiny_models["llama"]
+    patterns = {"model.layers.0.self_attn.q_proj": 64, "self_attn.(k|v)_proj": 2, "v_proj": 99}
+    model = make_adapter(folder, tmp_path / "p", 9, alpha_pattern=patterns)
+    llm = LLM(str(folder), dtype="float32", lora_modules=(f"p={tmp_path / 'p'}",))
+    for ids in PROMPTS:
+        want, want_lp = hf_greedy_logprobs(model, ids, 8)
+        out = llm.generate([ids], greedy(8, logprobs=0), use_tqdm=False, lora="p")[0].outputs[0]
+        assert out.token_ids == want
+        assert [lp.logprob for lp in out.logprobs] == pytest.approx(want_lp, abs=2e-4)
 
 
 def test_missing_files_are_refused(lora_llm, tmp_path):

@@ -187,7 +187,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         return json_response(
             {
                 "id": f"rerank-{uuid.uuid4().hex}",
-                "model": server.frontend.model_name,
+                "model": server.served_name(routing, server.frontend.model_name),
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "results": results,
             }
@@ -218,7 +218,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
                 "id": f"score-{uuid.uuid4().hex}",
                 "object": "list",
                 "created": int(time.time()),
-                "model": server.frontend.model_name,
+                "model": server.served_name(routing, server.frontend.model_name),
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }

@@ -16,35 +16,41 @@ Stack = tuple[torch.Tensor, torch.Tensor, int]  # A, Bt, the module's first outp
 
 
 class LoRAStacks:
-    """Per set of adapters (in order), each module's weights stacked for the kernels:
-    A [S, layers, R, in] and Bt [S, layers, R, out], zero where an adapter or a layer has
-    none and past each one's rank. Invariant: a set's stacks are built once from the
-    adapters' weights, which never change (an adapter loaded again is another object);
-    at most ``_KEPT_SETS`` sets are kept, the least recently used dropped first."""
+    """Per set of adapters (in order), each module's weights stacked for the kernels on
+    ``device``: A [S, layers, R, in] and Bt [S, layers, R, out], zero where an adapter or a
+    layer has none and past each one's rank. Invariant: a set's stacks are built once from
+    the adapters' weights, which never change (an adapter loaded again is another object);
+    an entry holds its adapters, so no other adapter can take the id it is keyed by while
+    it is kept; at most ``_KEPT_SETS`` sets are kept, the least recently used dropped
+    first."""
 
-    def __init__(self) -> None:
-        self._sets: OrderedDict[tuple[int, ...], dict[str, Stack]] = OrderedDict()
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sets: OrderedDict[
+            tuple[int, ...], tuple[tuple[LoRAAdapter, ...], dict[str, Stack]]
+        ] = OrderedDict()
 
     def get(self, adapters: list[LoRAAdapter]) -> dict[str, Stack]:
         key = tuple(id(a) for a in adapters)
-        stacks = self._sets.get(key)
-        if stacks is None:
-            stacks = self._sets[key] = _stack(adapters)
+        entry = self._sets.get(key)
+        if entry is None or any(a is not b for a, b in zip(entry[0], adapters, strict=True)):
+            entry = self._sets[key] = (tuple(adapters), _stack(adapters, self.device))
             while len(self._sets) > _KEPT_SETS:
                 self._sets.popitem(last=False)
         self._sets.move_to_end(key)
-        return stacks
+        return entry[1]
 
 
-def _stack(adapters: list[LoRAAdapter]) -> dict[str, Stack]:
+def _stack(adapters: list[LoRAAdapter], device: torch.device) -> dict[str, Stack]:
     out: dict[str, Stack] = {}
     layers = len(adapters[0].weights)
     for module in {m for a in adapters for m in a.columns}:
         found = [m for a in adapters for lay in a.weights if (m := lay.get(module)) is not None]
         rank = max(m.rank for m in found)
         first = found[0]
-        a_stack = first.a.new_zeros(len(adapters), layers, rank, first.a.shape[1])
-        b_stack = first.a.new_zeros(len(adapters), layers, rank, first.rows)
+        shape = (len(adapters), layers, rank)
+        a_stack = first.a.new_zeros(*shape, first.a.shape[1], device=device)
+        b_stack = first.a.new_zeros(*shape, first.rows, device=device)
         for s, adapter in enumerate(adapters):
             for layer, mods in enumerate(adapter.weights):
                 m = mods.get(module)

@@ -59,7 +59,7 @@ class CudaModelRunner(ModelRunner):
         self.sampler = sampler
         self.future = FutureTokens(max_rows or _rows(page_table))
         self.device = device
-        self._lora_stacks = LoRAStacks()  # the LoRA adapter sets' stacked weights
+        self._lora_stacks = LoRAStacks(device)  # the LoRA adapter sets' stacked weights
         c = model.config
         self.attention = TritonAttention(
             kv_cache, c.num_attention_heads, c.head_dim, model.attention_specs()

@@ -62,3 +62,20 @@ def test_cuda_runner_serves_adapters_as_the_cpu_path(tiny_models, tmp_path, arch
     got = llm.generate(prompts, greedy(6), use_tqdm=False, lora=names)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     llm.engine.check_idle()
+
+
+def test_stacks_follow_the_adapters_not_their_ids(device):
+    """A set's stacks are its adapters': an adapter unloaded and another loaded (which
+    may take the freed object's address) never gets the old one's weights."""
+    from radixserve.executor.cuda.lora_step import LoRAStacks
+    from radixserve.executor.lora import LoRAAdapter, LoRAModule
+
+    def adapter(value: float) -> LoRAAdapter:
+        m = LoRAModule(torch.full((2, 4), value), torch.full((2, 3), value), 0, 3)
+        return LoRAAdapter(str(value), "", 2, str(value), [{"o_proj": m}])
+
+    stacks = LoRAStacks(torch.device(device))
+    for value in (1.0, 2.0, 3.0):
+        got = stacks.get([adapter(value)])["o_proj"][0]
+        assert got.device.type == torch.device(device).type
+        assert torch.all(got == value)
