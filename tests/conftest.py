@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU the CUDA path's Triton kernels run under Triton's interpreter
+    # (tests/executor/cuda). Triton reads this when its kernels and its own library are
+    # decorated, at first import, and test modules collected earlier may import it first
+    # (peft does, through transformers): so it is set here, before any of them.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 512
 CHAT_TEMPLATE = (

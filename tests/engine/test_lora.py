@@ -558,3 +558,41 @@ def test_smollm2_adapter_equals_peft_unmerged_and_merged(smollm2_path, tmp_path)
         assert [lp.logprob for lp in got.logprobs] == pytest.approx(want_lp, abs=2e-3)
     assert [o.outputs[0].token_ids for o in base_outs] != [u[0] for u in unmerged]
     llm.engine.check_idle()
+
+
+def test_kv_tiers_keep_adapters_apart_across_a_restart(adapters, tmp_path):
+    """Pages an adapter computed go to the host and disk tiers under its namespace: after
+    a restart they serve that adapter again (a disk hit), never another adapter, whose
+    tokens are those it computes alone."""
+    import random
+
+    folder, root, _ = adapters
+    token_bytes = 512  # the tiny llama's KV a token in float32
+
+    def make() -> LLM:
+        return LLM(
+            str(folder),
+            dtype="float32",
+            page_size=4,
+            kv_cache_memory_gb=96 * token_bytes / 2**30,
+            kv_host_gb=64 * token_bytes / 2**30,
+            kv_disk_gb=0.01,
+            kv_cache_dir=str(tmp_path / "kv"),
+            lora_modules=(f"a={root / 'all'}", f"b={root / 'qv'}"),
+        )
+
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 500) for _ in range(70)]
+    plain = LLM(str(folder), dtype="float32", lora_modules=(f"b={root / 'qv'}",))
+    want_b = plain.generate([prompt], greedy(8), use_tqdm=False, lora="b")[0].outputs[0]
+    first = make()
+    want_a = first.generate([prompt], greedy(8), use_tqdm=False, lora="a")[0].outputs[0]
+    first.engine.close()  # persists what the tree holds
+    second = make()  # a restart
+    b = second.generate([prompt], greedy(8), use_tqdm=False, lora="b")[0]
+    assert b.num_cached_tokens == 0 and b.outputs[0].token_ids == want_b.token_ids
+    a = second.generate([prompt], greedy(8), use_tqdm=False, lora="a")[0]
+    assert a.num_cached_tokens >= 64 and a.outputs[0].token_ids == want_a.token_ids
+    assert second.engine.prefix_cache.tiers.disk_hit_tokens >= 64
+    second.engine.check_page_accounting()
+    second.engine.close()
