@@ -49,7 +49,8 @@ from radixserve.executor.distributed import TensorParallelGroup, default_threads
 from radixserve.executor.kv_tiers import DiskKVStore, HostKVStore, TierTransfer, model_identity
 from radixserve.executor.loader.gguf_loader import read_metadata
 from radixserve.executor.loader.safetensors_loader import read_json
-from radixserve.executor.lora import LoRARegistry, LoRAShapes
+from radixserve.executor.lora import LoRAShapes
+from radixserve.executor.lora_loader import LoRARegistry
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.quant import format_weight_memory

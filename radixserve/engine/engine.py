@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from radixserve.core.errors import InputError
+from radixserve.core.errors import InputError, LoRAError, LoRANotFound
 from radixserve.core.radix_summary import RadixSummaryData, summarize
 from radixserve.core.request import (
     POOLING_KINDS,
@@ -36,7 +36,8 @@ from radixserve.executor.device import StepHandle, StepResult
 from radixserve.executor.distributed import DeviceLost, TensorParallelGroup
 from radixserve.executor.grammar import GrammarService
 from radixserve.executor.kv_tiers import TierTransfer
-from radixserve.executor.lora import LoRAAdapter, LoRAError, LoRANotFound, LoRARegistry
+from radixserve.executor.lora import LoRAAdapter
+from radixserve.executor.lora_loader import LoRARegistry
 from radixserve.executor.sampler import TokenLogprobs
 from radixserve.scheduler.scheduler import EngineOverloaded
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from radixserve import LLM, SamplingParams
-from radixserve.executor.lora import LoRAError, LoRANotFound
+from radixserve.core.errors import LoRAError, LoRANotFound
 from tests.helpers import generate_ids, greedy
 
 peft = pytest.importorskip("peft")
