@@ -15,6 +15,7 @@ import torch
 from radixserve.executor.attention import TorchNativeAttention
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.native import (
+    cpu_tiers,
     load_paged_decode,
     load_paged_prefill,
     make_shared_prefix,
@@ -349,14 +350,14 @@ PREFILL_CASES = [
 
 
 @needs_compiler
-@pytest.mark.parametrize("portable", [False, True], ids=["native-build", "portable-build"])
+@pytest.mark.parametrize("tier", cpu_tiers())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_prefill_kernel_matches_dense_reference(case, dtype, portable):
+def test_prefill_kernel_matches_dense_reference(case, dtype, tier):
     """The C prefill kernel, both builds: this machine's (AVX-512, bf16 products where head
     sizes are multiples of 32) and the portable one, over shuffled pages, with q a strided
     view as the model hands it over (q and k of one fused projection)."""
-    lib = load_paged_prefill(portable=portable)
+    lib = load_paged_prefill(tier)
     assert lib is not None, "the prefill kernel did not build although a compiler exists"
     seq_lens, q_lens, heads, kv_heads, d, page_size = case
     assert paged_prefill_supports(dtype, heads // kv_heads, d)

@@ -15,6 +15,7 @@ from radixserve.executor.attention import TorchNativeAttention
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.layers.attention import AttentionSpec
 from radixserve.executor.native import (
+    cpu_tiers,
     load_paged_decode,
     load_paged_prefill,
     make_shared_prefix,
@@ -180,11 +181,11 @@ PREFILL_CASES = [
 
 @needs_compiler
 @pytest.mark.parametrize("params", SPECS)
-@pytest.mark.parametrize("portable", [False, True], ids=["native-build", "portable-build"])
+@pytest.mark.parametrize("tier", cpu_tiers())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_native_prefill_honours_the_spec(case, dtype, portable, params):
-    lib = load_paged_prefill(portable=portable)
+def test_native_prefill_honours_the_spec(case, dtype, tier, params):
+    lib = load_paged_prefill(tier)
     assert lib is not None
     seq_lens, q_lens, heads, kv_heads, d, page_size = case
     g = torch.Generator().manual_seed(8)

@@ -12,6 +12,7 @@ from radixserve.core.request import Request
 from radixserve.engine.tokenizer import load_hf_tokenizer
 from radixserve.executor.cuda.sampler import DeviceSampler
 from radixserve.executor.grammar import GrammarBatch, GrammarService, unpack_bitmask
+from radixserve.executor.native import cpu_tiers
 from radixserve.executor.sampler import Sampler
 
 VOCAB = 512
@@ -102,13 +103,13 @@ def test_refused_and_stop_tokens_mark_where_the_grammar_ended(service):
     assert bad.grammar.failed and bad.grammar.ends_at(1)
 
 
-@pytest.mark.parametrize("portable", [False, True])  # AVX-512 masked stores / scalar loop
+@pytest.mark.parametrize("tier", cpu_tiers())  # AVX-512 masked stores / scalar loop
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1000, 1024, 49152])
-def test_native_mask_kernel_matches_the_bit_definition(portable, dtype, vocab):
+def test_native_mask_kernel_matches_the_bit_definition(tier, dtype, vocab):
     from radixserve.executor.native import apply_token_bitmask, load_token_mask
 
-    lib = load_token_mask(portable)
+    lib = load_token_mask(tier)
     if lib is None:
         pytest.skip("native kernels unavailable")
     g = torch.Generator().manual_seed(vocab)

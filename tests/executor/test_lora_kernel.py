@@ -10,7 +10,7 @@ import torch
 
 from radixserve.executor import lora as L
 from radixserve.executor.lora import LoRAAdapter, LoRAModule, LoRAStep, apply_native, slot
-from radixserve.executor.native import load_lora
+from radixserve.executor.native import cpu_tiers, load_lora
 
 BF16 = torch.bfloat16
 # group: (in, out, its modules as (name, first column, rows, rank)): ranks even and odd,
@@ -64,12 +64,9 @@ def _rows(step_rows: list[int], adapters: list[LoRAAdapter | None]) -> list[LoRA
     return [a for n, a in zip(step_rows, adapters, strict=True) for _ in range(n)]
 
 
-LIBS = [False, True]
-
-
-@pytest.fixture(params=LIBS, ids=["avx512bf16-or-native", "portable"])
+@pytest.fixture(params=cpu_tiers())
 def lib(request):
-    lib = load_lora(portable=request.param)
+    lib = load_lora(request.param)
     if lib is None:
         pytest.skip("no C compiler: the native LoRA kernel is not built")
     return lib

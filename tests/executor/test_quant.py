@@ -262,6 +262,11 @@ def test_native_dequantizer_reads_pytorch_int4_layout():
     if os.environ.get("RADIXSERVE_NATIVE") == "0":
         pytest.skip("native kernels disabled")
     lib = quant._dequantizer()
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX512_BF16", "AMX"):
+        # PyTorch packs int4 in 32-output blocks on AVX2 (64 on AVX-512): the native
+        # dequantizer reads only the latter, and the first-use check turns it off
+        assert lib is None
+        pytest.skip("PyTorch's AVX2 int4 layout: the native dequantizer is off, as checked")
     assert lib is not None and lib is quant.load_qlinear()  # the native library, in use
     # its output equals the reference dequantization on data the first-use check never saw
     assert all(quant._int4_layout_ok(lib, seed) for seed in (1, 2, 3))

@@ -4,6 +4,13 @@ The build is cached under ``$RADIXSERVE_CACHE`` (default ``~/.cache/radixserve``
 the source, the flags and this CPU's feature flags. When there is no compiler or the build
 fails, ``load_paged_decode()`` returns None and callers keep their PyTorch path; set
 ``RADIXSERVE_NATIVE=0`` to disable native kernels.
+
+Every kernel is built for one instruction-set tier (``TIERS``), chosen once per process
+from the CPU's features (``kernel_tier``): AVX-512 BF16 (``-march=native``: the hand-written
+AVX-512 paths, AMX where present), AVX-512, AVX2 + FMA + F16C, ARM NEON, or scalar C. The
+tiers below AVX-512 BF16 run each kernel's portable path (GCC vector extensions and plain C
+loops, lowered by the tier's flags). ``RADIXSERVE_ISA`` forces a tier; one the CPU lacks is
+refused (``ValueError``): a kernel is never built for instructions the CPU does not have.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 _FLAGS = [
     "-O3",
-    "-march=native",
     "-ffp-contract=fast",
     # let float reductions (dot products) vectorise; no -ffast-math: -inf must stay -inf
     "-fassociative-math",
@@ -45,11 +51,77 @@ _FLAGS = [
 
 
 def _cpu_flags() -> str:
+    """This CPU's feature flags: /proc/cpuinfo's ``flags`` (x86) or ``Features`` (ARM)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return ""
+
+
+X86_TIERS = ("avx512bf16", "avx512", "avx2", "scalar")
+ARM_TIERS = ("neon", "scalar")
+TIERS = ("avx512bf16", "avx512", "avx2", "neon", "scalar")
+# what each tier needs of /proc/cpuinfo's flags (x86) or features (aarch64)
+_TIER_NEEDS = {
+    "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "f16c"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c", "bmi2"),
+    "neon": ("asimd",),
+    "scalar": (),
+}
+# the compiler flags of each tier: the AVX-512 BF16 tier is this CPU's own (-march=native:
+# AMX where it has it), the others the x86-64 levels (v4: AVX-512 F/BW/CD/DQ/VL; v3: AVX2,
+# FMA, F16C, BMI2; the baseline: SSE2) tuned for this CPU, or ARMv8's
+_TIER_FLAGS = {
+    "avx512bf16": ("-march=native",),
+    "avx512": ("-march=x86-64-v4", "-mtune=native"),
+    "avx2": ("-march=x86-64-v3", "-mtune=native"),
+    "neon": ("-mcpu=native",),
+    "scalar": (
+        ("-march=x86-64", "-mtune=generic")
+        if platform.machine() in ("x86_64", "AMD64")
+        else ("-march=armv8-a+nosimd",)
+    ),
+}
+
+
+def cpu_tiers(flags: str | None = None, machine: str | None = None) -> tuple[str, ...]:
+    """The tiers this CPU can run, best first (``flags``: a /proc/cpuinfo flags or
+    Features line; ``machine``: ``platform.machine()``; both default to this machine's)."""
+    machine = machine or platform.machine()
+    have = set((_cpu_flags() if flags is None else flags).split())
+    if machine in ("x86_64", "AMD64"):
+        names = X86_TIERS
+    elif machine in ("aarch64", "arm64"):
+        names = ARM_TIERS
+    else:
+        return ("scalar",)
+    return tuple(t for t in names if all(f in have for f in _TIER_NEEDS[t]))
+
+
+@cache
+def kernel_tier() -> str:
+    """The tier every native kernel of this process is built for: ``RADIXSERVE_ISA`` where
+    set (``ValueError`` naming the tiers this CPU has when it lacks that one), else the best
+    this CPU runs. A CPU with none of the SIMD tiers gets ``scalar`` and a warning."""
+    tiers = cpu_tiers()
+    forced = os.environ.get("RADIXSERVE_ISA")
+    if forced:
+        if forced not in TIERS:
+            raise ValueError(f"RADIXSERVE_ISA={forced}: not a kernel tier ({', '.join(TIERS)})")
+        if forced not in tiers:
+            raise ValueError(
+                f"RADIXSERVE_ISA={forced}: this CPU lacks it (it runs {', '.join(tiers)})"
+            )
+        return forced
+    if tiers[0] == "scalar":
+        log.warning(
+            "no AVX2, AVX-512 or NEON found on this CPU (%s): native kernels run their scalar C "
+            "tier",
+            platform.machine(),
+        )
+    return tiers[0]
 
 
 def _cache_dir() -> Path:
@@ -70,12 +142,15 @@ if platform.machine() in ("x86_64", "AMD64"):
 _RECIPE = "compile-then-link-2"
 
 
-def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
+def _build(
+    source: Path, variant_flags: tuple[str, ...] = (), tier: str | None = None
+) -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler found: native kernels disabled")
         return None
-    flags = [*_FLAGS, *_EXTRA_FLAGS.get(source.name, []), *variant_flags]
+    tier = tier or kernel_tier()
+    flags = [*_FLAGS, *_TIER_FLAGS[tier], *_EXTRA_FLAGS.get(source.name, []), *variant_flags]
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
         source.read_bytes()
@@ -102,7 +177,7 @@ def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
     ]
     # a first run on a new machine (or after an upgrade) pays about a second per kernel
     print(
-        f"radixserve: building native CPU kernel {source.name} (first run only)",
+        f"radixserve: building native CPU kernel {source.name} for {tier} (first run only)",
         file=sys.stderr,
         flush=True,
     )
@@ -120,13 +195,20 @@ def _build(source: Path, variant_flags: tuple[str, ...] = ()) -> Path | None:
     return target
 
 
-def _load(source: Path, variant_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The library built from ``source``, or None when native kernels are off or it cannot
-    be built or loaded."""
+def _load(
+    source: Path, variant_flags: tuple[str, ...] = (), tier: str | None = None
+) -> ctypes.CDLL | None:
+    """The library built from ``source`` for ``tier`` (default: ``kernel_tier()``; one this
+    CPU lacks is a ValueError), or None when native kernels are off or it cannot be built or
+    loaded."""
     if os.environ.get("RADIXSERVE_NATIVE", "1") == "0":
         return None
+    if tier is not None and tier not in cpu_tiers():
+        raise ValueError(
+            f"kernel tier {tier}: this CPU lacks it (it runs {', '.join(cpu_tiers())})"
+        )
     try:
-        path = _build(source, variant_flags)
+        path = _build(source, variant_flags, tier)
     except OSError as exc:  # e.g. an unwritable cache directory
         log.warning("native kernels unavailable: %s", exc)
         return None
@@ -144,9 +226,9 @@ def _load(source: Path, variant_flags: tuple[str, ...] = ()) -> ctypes.CDLL | No
 
 
 @cache
-def load_paged_decode() -> ctypes.CDLL | None:
+def load_paged_decode(tier: str | None = None) -> ctypes.CDLL | None:
     """The paged-decode library (None: use the PyTorch path)."""
-    lib = _load(_SOURCE)
+    lib = _load(_SOURCE, tier=tier)
     if lib is None:
         return None
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -164,9 +246,9 @@ def load_paged_decode() -> ctypes.CDLL | None:
 
 
 @cache
-def load_elementwise() -> ctypes.CDLL | None:
+def load_elementwise(tier: str | None = None) -> ctypes.CDLL | None:
     """The fused row-wise kernels (None: use the PyTorch path)."""
-    lib = _load(_SOURCE.with_name("elementwise.c"))
+    lib = _load(_SOURCE.with_name("elementwise.c"), tier=tier)
     if lib is None:
         return None
     p, i64, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -376,16 +458,11 @@ def _prefix_state(
     return state
 
 
-# Flags of the portable build of the prefill kernel (no AVX-512 at all): what a machine
-# without it runs; tests build it here too so that path is checked on this machine.
-PORTABLE_FLAGS = ("-mno-avx512f",) if platform.machine() in ("x86_64", "AMD64") else ()
-
-
 @cache
-def load_paged_prefill(portable: bool = False) -> ctypes.CDLL | None:
-    """The chunked-prefill attention library (None: use the PyTorch path). ``portable``
-    builds it without AVX-512 (float32 products everywhere)."""
-    lib = _load(_SOURCE.with_name("paged_prefill.c"), PORTABLE_FLAGS if portable else ())
+def load_paged_prefill(tier: str | None = None) -> ctypes.CDLL | None:
+    """The chunked-prefill attention library (None: use the PyTorch path); below the AVX-512
+    tiers, float32 products everywhere."""
+    lib = _load(_SOURCE.with_name("paged_prefill.c"), tier=tier)
     if lib is None:
         return None
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -482,10 +559,10 @@ def paged_prefill(
 
 
 @cache
-def load_qlinear() -> ctypes.CDLL | None:
+def load_qlinear(tier: str | None = None) -> ctypes.CDLL | None:
     """The int8 / int4 weight dequantizers (None: quantized layers use PyTorch's kernels
     at every row count)."""
-    lib = _load(_SOURCE.with_name("qlinear.c"))
+    lib = _load(_SOURCE.with_name("qlinear.c"), tier=tier)
     if lib is None:
         return None
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -497,10 +574,10 @@ def load_qlinear() -> ctypes.CDLL | None:
 
 
 @cache
-def load_token_mask(portable: bool = False) -> ctypes.CDLL | None:
+def load_token_mask(tier: str | None = None) -> ctypes.CDLL | None:
     """The grammar-mask kernels (None: ``GrammarBatch.apply`` unpacks bits with numpy).
-    ``portable`` builds the scalar loop instead of AVX-512 masked stores."""
-    lib = _load(_SOURCE.with_name("token_mask.c"), PORTABLE_FLAGS if portable else ())
+    Below the AVX-512 tiers, the scalar loop instead of AVX-512 masked stores."""
+    lib = _load(_SOURCE.with_name("token_mask.c"), tier=tier)
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -617,11 +694,11 @@ def _amx_controls(lib: ctypes.CDLL, prefix: str, rows: int) -> None:
 
 
 @cache
-def load_int4_panels() -> ctypes.CDLL | None:
+def load_int4_panels(tier: str | None = None) -> ctypes.CDLL | None:
     """The int4 "panels" GEMM (a few rows) and dequantizer (None: Int4Linear keeps
     PyTorch's int4 layout and kernels). Only returned where the GEMM has its AVX-512 BF16
     build: the panel layout is worth holding only with it."""
-    lib = _load(_SOURCE.with_name("int4_panels.c"))
+    lib = _load(_SOURCE.with_name("int4_panels.c"), tier=tier)
     if lib is None:
         return None
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -638,10 +715,10 @@ def load_int4_panels() -> ctypes.CDLL | None:
 
 
 @cache
-def load_int8_panels() -> ctypes.CDLL | None:
+def load_int8_panels(tier: str | None = None) -> ctypes.CDLL | None:
     """The group-wise int8 "panels" GEMM (a few rows) and dequantizer (None: without the
     AVX-512 BF16 build; Int8GroupLinear then runs its plain-torch fallback)."""
-    lib = _load(_SOURCE.with_name("int8_panels.c"))
+    lib = _load(_SOURCE.with_name("int8_panels.c"), tier=tier)
     if lib is None:
         return None
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -663,10 +740,10 @@ def load_int8_panels() -> ctypes.CDLL | None:
 
 
 @cache
-def load_decode_program() -> ctypes.CDLL | None:
+def load_decode_program(tier: str | None = None) -> ctypes.CDLL | None:
     """The one-call decode step (``decode_program.c``: a list of kernel calls run in order;
     None: the op-by-op path)."""
-    lib = _load(_SOURCE.with_name("decode_program.c"))
+    lib = _load(_SOURCE.with_name("decode_program.c"), tier=tier)
     if lib is None:
         return None
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -676,10 +753,10 @@ def load_decode_program() -> ctypes.CDLL | None:
 
 
 @cache
-def load_lora(portable: bool = False) -> ctypes.CDLL | None:
+def load_lora(tier: str | None = None) -> ctypes.CDLL | None:
     """LoRA adapters' segmented low-rank products (``lora.c``; None: the PyTorch path).
-    ``portable`` builds it without AVX-512 (its plain C loops)."""
-    lib = _load(_SOURCE.with_name("lora.c"), PORTABLE_FLAGS if portable else ())
+    Below AVX-512 BF16, its plain C loops."""
+    lib = _load(_SOURCE.with_name("lora.c"), tier=tier)
     if lib is None:
         return None
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

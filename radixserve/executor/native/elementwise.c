@@ -267,7 +267,26 @@ void argmax_rows_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t *out,
     }
 }
 #else
-int has_gelu_tanh_and_mul(void) { return 0; } /* no scalar GeGLU: PyTorch's path runs */
+int has_gelu_tanh_and_mul(void) { return 1; }
+
+/* bfloat16 GeGLU, as the AVX-512 version above: g / (1 + exp(-2 c (g + 0.044715 g^3))), the
+ * exponent clamped at 80, rounded to bfloat16 before the product (as PyTorch's two ops);
+ * expf vectorises through libmvec where the tier has it (this file is built with
+ * -ffast-math) */
+void gelu_tanh_and_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t d,
+                            int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = x + r * 2 * d, *up = gate + d;
+        uint16_t *o = out + r * d;
+        for (int64_t i = 0; i < d; i++) {
+            const float g = bf16_to_f32(gate[i]);
+            const float a = -2.0f * 0.7978845608028654f * (g + 0.044715f * g * g * g);
+            const float gelu = g / (1.0f + expf(a < 80.0f ? a : 80.0f));
+            o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(gelu)) * bf16_to_f32(up[i]));
+        }
+    }
+}
 DEFINE_SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 

@@ -18,7 +18,8 @@
  * i's pair of codes), and per group
  *   sum_k x W = scale * (sum_k x (128 + q) - 136 sum_k x) + zero * sum_k x,
  * with sum_k x of the same bfloat16 inputs. Built and called like paged_decode.c (see
- * native/__init__.py); without AVX-512 BF16 both return -1 and callers use another path.
+ * native/__init__.py). Without AVX-512 BF16 both are the portable path at the end of this
+ * file (portable.h: AVX2, SSE or NEON by the kernel tier's flags), with the same products.
  */
 #include <stdint.h>
 #include <string.h>
@@ -33,11 +34,13 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 
 
+/* 1 where the GEMM is built with AVX-512 BF16, 2 where it is the portable path (any other
+ * tier) */
 int int4_panels_has_gemm(void) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     return 1;
 #else
-    return 0;
+    return 2;
 #endif
 }
 
@@ -300,21 +303,140 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
     }
     return 0;
 }
-#else /* without AVX-512 BF16 both entry points refuse; load_int4_panels() never returns
-        * this build, so Int4Linear keeps PyTorch's layout there */
-int int4_panels_dequant_bf16(const uint32_t *panels, const uint16_t *sz, int64_t k, int64_t group,
-                             int64_t first_block, int64_t num_blocks, int num_threads,
-                             uint16_t *out) {
-    (void)panels; (void)sz; (void)k; (void)group; (void)first_block; (void)num_blocks;
-    (void)num_threads; (void)out;
-    return -1;
+#else /* the portable path (portable.h): AVX2, SSE or NEON, by the tier's flags */
+#include "portable.h"
+
+/* Rows [0, MT) of x (rows k apart) against one output block: per octet, each pair of codes
+ * becomes the float32 values 128 + q exactly (the bfloat16 trick of the AVX-512 path:
+ * (v >> 4 u) & 0x000F000F | 0x43004300, then each 16-bit half moved into a float32's high
+ * half), multiplied by the pair of x at those inputs; per group, as there,
+ *   sum_k x W = scale * (sum_k x (128 + q) - 136 sum_k x) + zero * sum_k x.
+ * With one row, two accumulator sets (even and odd u) keep eight multiply-add chains in
+ * flight. */
+static inline __attribute__((always_inline)) void block_rows_portable(
+    const uint16_t *x, int64_t k, const int MT, const uint32_t *pb, const uint16_t *szb,
+    int64_t group, const float *xs, int64_t groups, uint16_t *y, int64_t y_stride,
+    int64_t count) {
+    const int SETS = MT == 1 ? 2 : 1;
+    const u32x8 low = splat_u32x8(0x000F000Fu), bias = splat_u32x8(0x43004300u),
+                high = splat_u32x8(0xFFFF0000u);
+    const int64_t go = group / 8;
+    f32x8 out[MT][2];
+    for (int r = 0; r < MT; r++) out[r][0] = out[r][1] = splat_f32x8(0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        f32x8 acc[MT][2][2][2]; /* [row][half][even, odd input][set] */
+        for (int r = 0; r < MT; r++)
+            for (int h = 0; h < 2; h++)
+                for (int e = 0; e < 2; e++)
+                    for (int s = 0; s < SETS; s++) acc[r][h][e][s] = splat_f32x8(0.0f);
+        for (int64_t o = g * go; o < (g + 1) * go; o++) {
+            __builtin_prefetch((const char *)(pb + 16 * o) + 2048);
+            const u32x8 v[2] = {load_u32x8(pb + 16 * o), load_u32x8(pb + 16 * o + 8)};
+            for (int u = 0; u < 4; u++) {
+                f32x8 even[2], odd[2];
+                for (int h = 0; h < 2; h++) {
+                    const u32x8 t = ((v[h] >> (4 * u)) & low) | bias;
+                    even[h] = (f32x8)(t << 16);
+                    odd[h] = (f32x8)(t & high);
+                }
+                const int s = SETS == 2 ? u & 1 : 0;
+                for (int r = 0; r < MT; r++) {
+                    uint32_t pair;
+                    memcpy(&pair, x + r * k + 8 * o + 2 * u, sizeof pair);
+                    const u32x8 xp = splat_u32x8(pair);
+                    const f32x8 xe = (f32x8)(xp << 16), xo = (f32x8)(xp & high);
+                    for (int h = 0; h < 2; h++) {
+                        acc[r][h][0][s] += xe * even[h];
+                        acc[r][h][1][s] += xo * odd[h];
+                    }
+                }
+            }
+        }
+        const f32x8 sc[2] = {bf16x8(szb + g * 32), bf16x8(szb + g * 32 + 8)};
+        const f32x8 ze[2] = {bf16x8(szb + g * 32 + 16), bf16x8(szb + g * 32 + 24)};
+        for (int r = 0; r < MT; r++) {
+            const float sx = xs[r * groups + g];
+            for (int h = 0; h < 2; h++) {
+                f32x8 a = acc[r][h][0][0] + acc[r][h][1][0];
+                if (SETS == 2) a += acc[r][h][0][1] + acc[r][h][1][1];
+                out[r][h] += sc[h] * (a - 136.0f * sx) + ze[h] * sx;
+            }
+        }
+    }
+    for (int r = 0; r < MT; r++) store_bf16x16(y + r * y_stride, out[r][0], out[r][1], count);
+}
+
+/* Row tiles of at most 4 rows (16 registers of eight lanes hold a tile's accumulators),
+ * their sizes within one of each other, as tile_start above. */
+#define PORTABLE_TILE 4
+static inline int64_t ptile_count(int64_t m) { return (m + PORTABLE_TILE - 1) / PORTABLE_TILE; }
+
+static inline int64_t ptile_start(int64_t m, int64_t i) {
+    const int64_t t = ptile_count(m), base = m / t, extra = m % t;
+    return i * base + (i < extra ? i : extra);
 }
 
 int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
                           const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
                           uint16_t *y, int64_t y_stride, int num_threads) {
-    (void)x; (void)m; (void)k; (void)panels; (void)sz; (void)n; (void)group; (void)xs;
-    (void)xp; (void)y; (void)y_stride; (void)num_threads;
-    return -1;
+    (void)xp; /* x is read as it lies */
+    if (k % group || group % 8 || m < 1) return -1;
+    const int64_t groups = k / group, octets = k / 8, blocks = (n + 15) / 16;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < group; i++) s += bf16_to_f32(x[r * k + g * group + i]);
+            xs[r * groups + g] = s;
+        }
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint32_t *pb = panels + b * octets * 16;
+        const uint16_t *szb = sz + b * groups * 32;
+        const int64_t count = n - 16 * b;
+        for (int64_t i = 0; i < ptile_count(m); i++) {
+            const int64_t m0 = ptile_start(m, i);
+            const uint16_t *xt = x + m0 * k;
+            const float *xst = xs + m0 * groups;
+            uint16_t *yt = y + m0 * y_stride + 16 * b;
+#define TILE(MT) \
+    case MT: block_rows_portable(xt, k, MT, pb, szb, group, xst, groups, yt, y_stride, count); break;
+            switch (ptile_start(m, i + 1) - m0) {
+            TILE(4) TILE(3) TILE(2) default: TILE(1)
+            }
+#undef TILE
+        }
+    }
+    return 0;
+}
+
+int int4_panels_dequant_bf16(const uint32_t *panels, const uint16_t *sz, int64_t k, int64_t group,
+                             int64_t first_block, int64_t num_blocks, int num_threads,
+                             uint16_t *out) {
+    if (k % group || group % 8) return -1;
+    const int64_t octets = k / 8, groups = k / group, width = 16 * num_blocks, go = group / 8;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t bi = 0; bi < num_blocks; bi++) {
+        const int64_t b = first_block + bi;
+        const uint32_t *pb = panels + b * octets * 16;
+        const uint16_t *szb = sz + b * groups * 32;
+        for (int64_t g = 0; g < groups; g++) {
+            for (int h = 0; h < 2; h++) {
+                const f32x8 s = bf16x8(szb + g * 32 + 8 * h), z = bf16x8(szb + g * 32 + 16 + 8 * h);
+                const f32x8 z8 = z - 8.0f * s; /* (q - 8) s + z = q s + z8 */
+                for (int64_t o = g * go; o < (g + 1) * go; o++) {
+                    const u32x8 v = load_u32x8(pb + 16 * o + 8 * h);
+                    for (int u = 0; u < 4; u++) {
+                        const f32x8 lo = __builtin_convertvector((i32x8)((v >> (4 * u)) & 15u), f32x8);
+                        const f32x8 hi = __builtin_convertvector((i32x8)((v >> (16 + 4 * u)) & 15u), f32x8);
+                        const u16x8 e = to_bf16x8(lo * s + z8), d = to_bf16x8(hi * s + z8);
+                        uint16_t *even = out + (8 * o + 2 * u) * width + 16 * bi + 8 * h;
+                        memcpy(even, &e, sizeof e);
+                        memcpy(even + width, &d, sizeof d);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
 }
 #endif

@@ -17,7 +17,8 @@
  * pairs of codes with vdpbf16ps instead, two products a lane per instruction. (On a Xeon
  * with AVX-512 BF16 one vdpbf16ps costs two multiply-adds' issue slots, so there the pairs
  * gain nothing and building them costs more than widening the codes.) Without AVX-512
- * (F, BW, BF16) both entry points return -1 and callers use another path.
+ * (F, BW, BF16) both entry points are the portable path at the end of this file
+ * (portable.h: AVX2, SSE or NEON by the kernel tier's flags), with the same products.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,11 +27,13 @@
 
 AMX_CONTROLS(int8_panels) /* the tiles from amx_rows rows: int8_panels_gemm_amx */
 
+/* 1 where the GEMM is built with AVX-512 BF16, 2 where it is the portable path (any other
+ * tier) */
 int int8_panels_has_gemm(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
     return 1;
 #else
-    return 0;
+    return 2;
 #endif
 }
 
@@ -367,23 +370,128 @@ int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const 
     }
     return 0;
 }
-#else
-void int8_panels_set_dp_rows(int rows) { (void)rows; }
+#else /* the portable path (portable.h): AVX2, SSE or NEON, by the tier's flags */
+#include "portable.h"
+
+void int8_panels_set_dp_rows(int rows) { (void)rows; } /* pairs need vdpbf16ps */
 int int8_panels_dp_rows(void) { return 0; }
 
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Rows [0, MT) of x (float32, rows k apart) against one output block: each input's 16
+ * codes widened to float32 once for the tile's rows, multiply-adds in float32 per group,
+ * then out += scale * acc + zero * sum(x over the group), as the AVX-512 path. Below 4 rows,
+ * two accumulator sets (even and odd inputs). */
+static inline __attribute__((always_inline)) void block_rows_portable(
+    const float *x, int64_t k, const int MT, const int8_t *pb, const uint16_t *sb,
+    const uint16_t *zb, int64_t group, const float *xs, int64_t groups, uint16_t *y,
+    int64_t y_stride, int64_t count) {
+    const int SETS = MT < 4 ? 2 : 1;
+    f32x8 out[MT][2];
+    for (int r = 0; r < MT; r++) out[r][0] = out[r][1] = splat_f32x8(0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        f32x8 acc[MT][2][2]; /* [row][half][set] */
+        for (int r = 0; r < MT; r++)
+            for (int h = 0; h < 2; h++)
+                for (int s = 0; s < SETS; s++) acc[r][h][s] = splat_f32x8(0.0f);
+        for (int64_t i = g * group; i < (g + 1) * group; i += 2) {
+            if (i % 4 == 0) __builtin_prefetch((const char *)(pb + 16 * i) + 2048);
+            for (int e = 0; e < 2; e++) {
+                const f32x8 w0 = i8x8_f32(pb + 16 * (i + e)), w1 = i8x8_f32(pb + 16 * (i + e) + 8);
+                const int s = SETS == 2 ? e : 0;
+                for (int r = 0; r < MT; r++) {
+                    const f32x8 xv = splat_f32x8(x[r * k + i + e]);
+                    acc[r][0][s] += xv * w0;
+                    acc[r][1][s] += xv * w1;
+                }
+            }
+        }
+        const f32x8 sc[2] = {f16x8(sb + g * 16), f16x8(sb + g * 16 + 8)};
+        for (int r = 0; r < MT; r++)
+            for (int h = 0; h < 2; h++) {
+                const f32x8 a = SETS == 2 ? acc[r][h][0] + acc[r][h][1] : acc[r][h][0];
+                out[r][h] += sc[h] * a;
+            }
+        if (zb) {
+            const f32x8 ze[2] = {f16x8(zb + g * 16), f16x8(zb + g * 16 + 8)};
+            for (int r = 0; r < MT; r++)
+                for (int h = 0; h < 2; h++) out[r][h] += ze[h] * xs[r * groups + g];
+        }
+    }
+    for (int r = 0; r < MT; r++) store_bf16x16(y + r * y_stride, out[r][0], out[r][1], count);
+}
+
+#define PORTABLE_TILE 4
+static inline int64_t ptile_count(int64_t m) { return (m + PORTABLE_TILE - 1) / PORTABLE_TILE; }
+
+static inline int64_t ptile_start(int64_t m, int64_t i) {
+    const int64_t t = ptile_count(m), base = m / t, extra = m % t;
+    return i * base + (i < extra ? i : extra);
+}
+
+/* The entry point of the AVX-512 path above; xt holds x as float32 [m][k] here. */
 int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
                           const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
                           float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
-    (void)x; (void)m; (void)k; (void)panels; (void)scale; (void)zero; (void)n; (void)group;
-    (void)xt; (void)xs; (void)y; (void)y_stride; (void)num_threads;
-    return -1;
+    if (group % 4 || k % group || m < 1) return -1;
+    const int64_t groups = k / group, blocks = (n + 15) / 16;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < group; i++) {
+                const float v = bf16_to_f32(x[r * k + g * group + i]);
+                xt[r * k + g * group + i] = v;
+                s += v;
+            }
+            xs[r * groups + g] = s;
+        }
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const int8_t *pb = panels + b * k * 16;
+        const uint16_t *sb = scale + b * groups * 16;
+        const uint16_t *zb = zero ? zero + b * groups * 16 : NULL;
+        const int64_t count = n - 16 * b;
+        for (int64_t i = 0; i < ptile_count(m); i++) {
+            const int64_t m0 = ptile_start(m, i);
+            const float *xr = xt + m0 * k, *xsr = xs + m0 * groups;
+            uint16_t *yt = y + m0 * y_stride + 16 * b;
+#define TILE(MT) \
+    case MT: block_rows_portable(xr, k, MT, pb, sb, zb, group, xsr, groups, yt, y_stride, count); break;
+            switch (ptile_start(m, i + 1) - m0) {
+            TILE(4) TILE(3) TILE(2) default: TILE(1)
+            }
+#undef TILE
+        }
+    }
+    return 0;
 }
 
 int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const uint16_t *zero,
                              int64_t k, int64_t group, int64_t first_block, int64_t num_blocks,
                              int num_threads, uint16_t *out) {
-    (void)panels; (void)scale; (void)zero; (void)k; (void)group; (void)first_block;
-    (void)num_blocks; (void)num_threads; (void)out;
-    return -1;
+    if (k % group) return -1;
+    const int64_t groups = k / group, width = 16 * num_blocks;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t bi = 0; bi < num_blocks; bi++) {
+        const int64_t b = first_block + bi;
+        const int8_t *pb = panels + b * k * 16;
+        const uint16_t *sb = scale + b * groups * 16;
+        for (int64_t g = 0; g < groups; g++)
+            for (int h = 0; h < 2; h++) {
+                const f32x8 s = f16x8(sb + g * 16 + 8 * h);
+                const f32x8 z = zero ? f16x8(zero + b * groups * 16 + g * 16 + 8 * h)
+                                     : splat_f32x8(0.0f);
+                for (int64_t i = g * group; i < (g + 1) * group; i++) {
+                    const u16x8 w = to_bf16x8(i8x8_f32(pb + 16 * i + 8 * h) * s + z);
+                    memcpy(out + i * width + 16 * bi + 8 * h, &w, sizeof w);
+                }
+            }
+    }
+    return 0;
 }
 #endif

@@ -1,0 +1,132 @@
+"""Kernel tiers (native/__init__.py: kernel_tier): chosen from the CPU's features, forced by
+RADIXSERVE_ISA only where the CPU has the tier, and every tier this machine runs checked
+against float64: the panel GEMMs (int4 and int8, from the codes) and their dequantizers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from radixserve.executor import native
+from radixserve.executor.native import cpu_tiers, load_int4_panels, load_int8_panels
+from radixserve.executor.quant import (
+    Int4Linear,
+    Int8GroupLinear,
+    dequantize_int4,
+    quantize_int4,
+)
+
+ZEN3 = "flags : fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2"  # AVX2, no AVX-512
+SKYLAKE_X = ZEN3 + " avx512f avx512bw avx512vl avx512dq avx512cd"
+ZEN4 = SKYLAKE_X + " avx512_bf16"
+
+
+def test_tiers_follow_the_cpu_features():
+    assert cpu_tiers(ZEN4, "x86_64") == ("avx512bf16", "avx512", "avx2", "scalar")
+    assert cpu_tiers(SKYLAKE_X, "x86_64") == ("avx512", "avx2", "scalar")
+    assert cpu_tiers(ZEN3, "x86_64") == ("avx2", "scalar")
+    assert cpu_tiers("flags : fpu sse sse2 avx", "x86_64") == ("scalar",)
+    assert cpu_tiers("Features : fp asimd asimddp i8mm bf16", "aarch64") == ("neon", "scalar")
+    assert cpu_tiers("", "riscv64") == ("scalar",)
+    # an AVX-512 flag set without AVX2's companions is still never the AVX2 tier
+    assert "avx2" not in cpu_tiers("flags : avx2", "x86_64")
+
+
+def _tier_in_child(isa: str) -> subprocess.CompletedProcess:
+    code = "from radixserve.executor.native import kernel_tier; print(kernel_tier())"
+    env = {**__import__("os").environ, "RADIXSERVE_ISA": isa}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_forced_tier_is_taken_and_one_the_cpu_lacks_is_refused():
+    have = cpu_tiers()
+    best = _tier_in_child(have[-1])
+    assert best.returncode == 0 and best.stdout.strip() == have[-1], best.stderr
+    unknown = _tier_in_child("avx1024")
+    assert unknown.returncode != 0 and "not a kernel tier" in unknown.stderr
+    # never a build for instructions this CPU does not have (SIGILL): neon on x86, the x86
+    # tiers on ARM, and whatever this CPU lacks of its own family
+    lacking = [t for t in native.TIERS if t not in have]
+    refused = _tier_in_child(lacking[0])
+    assert refused.returncode != 0
+    assert "this CPU lacks it" in refused.stderr and lacking[0] in refused.stderr
+    with pytest.raises(ValueError, match="lacks"):
+        native._load(native._SOURCE.with_name("int4_panels.c"), tier=lacking[0])
+
+
+@pytest.mark.parametrize("tier", cpu_tiers())
+def test_panel_builds_name_their_path(tier):
+    """The AVX-512 BF16 tier runs the hand-written AVX-512 GEMMs (1), every other tier the
+    portable path (2): a build for a lower tier holds no AVX-512 instruction."""
+    want = 1 if tier == "avx512bf16" else 2
+    assert load_int4_panels(tier).int4_panels_has_gemm() == want
+    assert load_int8_panels(tier).int8_panels_has_gemm() == want
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """Each output within bfloat16's rounding of itself plus float32 sums' error."""
+    err = (y.double() - ref).abs()
+    allowed = 2.0**-8 * ref.abs() + 2.0**-12 * ref.abs().max()
+    assert torch.all(err <= allowed), (err - allowed).max().item()
+
+
+# rows: one row (two accumulator sets), tiles of 2-4, several tiles (9 = 3 + 3 + 3, 31)
+@pytest.mark.parametrize("tier", cpu_tiers())
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 31])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_panels_match_float64_in_every_tier(tier, rows, group):
+    lib = load_int4_panels(tier)
+    gen = torch.Generator().manual_seed(rows * 1000 + group)
+    n, k = 100, 512  # a partial last block of 16 outputs
+    q, scale, zero = quantize_int4(torch.randn(n, k, generator=gen) * 0.05, group, False)
+    layer = Int4Linear(q, scale, zero, group)
+    if layer.panels is None:
+        pytest.skip("no panel layout where the native int4 kernel is not built")
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    ref = x.double() @ dequantize_int4(q, scale, zero, group).double().T
+    _close(layer._panel_gemm(lib, x), ref)
+    # the dequantizer: bfloat16 W^T, each weight rounded once
+    deq = layer._panel_dequant_gemm(lib, torch.eye(k, dtype=torch.bfloat16))
+    want = dequantize_int4(q, scale, zero, group).T.to(torch.bfloat16)
+    assert torch.equal(deq, want)
+
+
+@pytest.mark.parametrize("tier", cpu_tiers())
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_int8_panels_match_float64_in_every_tier(tier, rows, zeros):
+    lib = load_int8_panels(tier)
+    gen = torch.Generator().manual_seed(rows * 10 + zeros)
+    n, k, group = 100, 256, 32
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    # scales as float16 holds them, a few subnormal (tiny blocks of a GGUF file)
+    scale = (torch.rand(n, k // group, generator=gen) * 0.01).half()
+    scale[0, 0] = 2.0**-20
+    zero = (torch.randn(n, k // group, generator=gen) * 0.1).half() if zeros else None
+    layer = Int8GroupLinear(q, scale.float(), None if zero is None else zero.float(), group)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = layer.dequantized().double()
+    ref = x.double() @ w.T
+    _close(layer._panel_gemm(lib, x), ref)
+    wt = torch.empty(k, 16 * layer.panels.shape[0], dtype=torch.bfloat16)
+    layer.dequant_blocks(lib, 0, layer.panels.shape[0], wt)
+    assert torch.equal(wt[:, :n], w.T.to(torch.bfloat16))
+
+
+def test_every_tier_gives_the_same_numbers_up_to_summation_order():
+    """One int4 layer's decode row in every tier this CPU has: equal up to float32
+    summation order (the same products in every tier)."""
+    gen = torch.Generator().manual_seed(7)
+    q, scale, zero = quantize_int4(torch.randn(64, 1024, generator=gen), 32, False)
+    layer = Int4Linear(q, scale, zero, 32)
+    if layer.panels is None:
+        pytest.skip("no panel layout where the native int4 kernel is not built")
+    x = torch.randn(1, 1024, generator=gen).to(torch.bfloat16)
+    outs = [layer._panel_gemm(load_int4_panels(t), x).float() for t in cpu_tiers()]
+    for out in outs[1:]:
+        assert torch.allclose(out, outs[0], rtol=2.0**-7, atol=1e-3)
