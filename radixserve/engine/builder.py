@@ -53,6 +53,7 @@ from radixserve.executor.lora import LoRAShapes
 from radixserve.executor.lora_loader import LoRARegistry
 from radixserve.executor.model_config import ModelConfig
 from radixserve.executor.model_runner import ModelRunner
+from radixserve.executor.native import kernel_tier
 from radixserve.executor.quant import format_weight_memory
 from radixserve.executor.sampler import Sampler
 from radixserve.executor.simulated import CostModel, SimulatedRunner
@@ -179,6 +180,8 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
             tp=m.tp,
         )
     startup_line = m.startup_line
+    if m.torch_device is not None and m.torch_device.type == "cpu":
+        startup_line += f"; CPU kernels {kernel_tier()}"
     kv_transfer = None
     if config.tiers:
         assert prefix_cache is not None and isinstance(runner, ModelRunner)

@@ -79,7 +79,7 @@ _TIER_FLAGS = {
     "avx2": ("-march=x86-64-v3", "-mtune=native"),
     "neon": ("-mcpu=native",),
     "scalar": (
-        ("-march=x86-64", "-mtune=generic")
+        ("-march=x86-64", "-mtune=generic", "-Wno-psabi")
         if platform.machine() in ("x86_64", "AMD64")
         else ("-march=armv8-a+nosimd",)
     ),

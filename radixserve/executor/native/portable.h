@@ -38,7 +38,14 @@ static inline f32x8 bf16x8(const uint16_t *p) {
     return (f32x8)(__builtin_convertvector(h, u32x8) << 16);
 }
 
-/* eight float16 values as float32 (exact: normal, subnormal, infinite and NaN) */
+/* eight float16 values as float32 (exact: normal, subnormal, infinite and NaN; one vcvtph2ps
+ * where the tier has F16C) */
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+static inline f32x8 f16x8(const uint16_t *p) {
+    return (f32x8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+#else
 static inline f32x8 f16x8(const uint16_t *p) {
     u16x8 h;
     memcpy(&h, p, sizeof h);
@@ -52,13 +59,35 @@ static inline f32x8 f16x8(const uint16_t *p) {
                        (~(is_sub | is_special) & normal);
     return (f32x8)(bits | sign);
 }
+#endif
 
-/* eight int8 codes as float32 */
+/* eight int8 codes as float32 (GCC lowers a direct int8-to-float vector conversion lane by
+ * lane: one sign-extending load per tier where it has one, else by 16-bit steps) */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline f32x8 i8x8_f32(const int8_t *p) {
+    return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+static inline f32x8 i8x8_f32(const int8_t *p) {
+    const int16x8_t w = vmovl_s8(vld1_s8(p));
+    const float32x4_t lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(w)));
+    const float32x4_t hi = vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)));
+    f32x8 out;
+    memcpy(&out, &lo, sizeof lo);
+    memcpy((char *)&out + sizeof lo, &hi, sizeof hi);
+    return out;
+}
+#else
+typedef int16_t i16x8 __attribute__((vector_size(16)));
 static inline f32x8 i8x8_f32(const int8_t *p) {
     i8x8 c;
     memcpy(&c, p, sizeof c);
-    return __builtin_convertvector(c, f32x8);
+    const i16x8 w = __builtin_convertvector(c, i16x8);
+    return __builtin_convertvector(__builtin_convertvector(w, i32x8), f32x8);
 }
+#endif
 
 /* float32 to bfloat16, to nearest even; a NaN becomes a quiet NaN */
 static inline u16x8 to_bf16x8(f32x8 f) {
