@@ -4,8 +4,11 @@ against float64: the panel GEMMs (int4 and int8, from the codes) and their dequa
 
 from __future__ import annotations
 
+import platform
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +133,77 @@ def test_every_tier_gives_the_same_numbers_up_to_summation_order():
     outs = [layer._panel_gemm(load_int4_panels(t), x).float() for t in cpu_tiers()]
     for out in outs[1:]:
         assert torch.allclose(out, outs[0], rtol=2.0**-7, atol=1e-3)
+
+
+# -- the stand-alone check (tests/native/panels_check.c), per tier, x86 and ARM ---------------
+NATIVE = Path(native.__file__).parent
+CHECK = Path(__file__).parent.parent / "native" / "panels_check.c"
+PANELS = [NATIVE / "int4_panels.c", NATIVE / "int8_panels.c"]
+# the aarch64 tiers as a cross compiler builds them: NEON with the dot-product extension
+# (Graviton 2 and later, Ampere Altra; -mcpu=native on an ARM machine itself), and the
+# scalar tier without Advanced SIMD
+ARM_FLAGS = {"neon": ("-march=armv8.2-a+dotprod",), "scalar": ("-march=armv8-a+nosimd",)}
+
+
+def _build_check(compiler: str, tier_flags: tuple[str, ...], out: Path) -> None:
+    flags = [f for f in native._FLAGS if f not in ("-shared", "-fPIC")]
+    cmd = [compiler, *flags, *tier_flags, "-o", str(out), str(CHECK), *map(str, PANELS), "-lm"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("tier", cpu_tiers())
+def test_stand_alone_check_passes_in_every_tier_of_this_cpu(tier, tmp_path):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    _build_check(compiler, native._TIER_FLAGS[tier], tmp_path / "check")
+    done = subprocess.run([tmp_path / "check"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.endswith("all ok\n"), done.stdout
+    path = "AVX-512 BF16" if tier == "avx512bf16" else "portable"
+    assert done.stdout.startswith(f"panel GEMMs: {path} path")
+
+
+def _arm_tools() -> tuple[str, str]:
+    gcc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64-static")
+    if platform.machine() != "x86_64" or gcc is None or qemu is None:
+        pytest.skip(
+            "no aarch64 cross compiler or qemu-aarch64-static (apt-get install "
+            "gcc-aarch64-linux-gnu qemu-user-static; .ci/run installs them)"
+        )
+    return gcc, qemu
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier", list(ARM_FLAGS))
+def test_arm_tiers_pass_the_check_under_qemu(tier, tmp_path):
+    """The NEON tier (and ARM's scalar one), cross-compiled and run under qemu: correct
+    before anyone runs it on ARM hardware."""
+    gcc, qemu = _arm_tools()
+    _build_check(gcc, ARM_FLAGS[tier], tmp_path / "check")
+    done = subprocess.run(
+        [qemu, "-L", "/usr/aarch64-linux-gnu", tmp_path / "check"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.endswith("all ok\n"), done.stdout + done.stderr
+    assert done.stdout.startswith("panel GEMMs: portable path")
+
+
+@pytest.mark.slow
+def test_every_kernel_builds_for_arm(tmp_path):
+    """Every native kernel compiles for the NEON tier (its portable paths), as a shared
+    library the loader would load on an ARM machine."""
+    gcc, _ = _arm_tools()
+    for source in sorted(NATIVE.glob("*.c")):
+        flags = [*native._FLAGS, *ARM_FLAGS["neon"], *native._EXTRA_FLAGS.get(source.name, [])]
+        flags = [f for f in flags if not f.startswith("-mprefer-vector-width")]  # x86 only
+        out = tmp_path / f"{source.stem}.so"
+        done = subprocess.run(
+            [gcc, *flags, "-o", str(out), str(source), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, f"{source.name}: {done.stderr[-3000:]}"
