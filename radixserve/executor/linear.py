@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from radixserve.executor import gemm
 
 _PACK_BATCH_HINT = 256  # oneDNN picks the packed layout for about this many rows
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
     return (
-        weight.dtype == torch.bfloat16
+        not gemm.float32_products()  # below AVX-512 the plain weight serves both paths
+        and weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -22,8 +24,9 @@ class Linear:
 
     Invariant: ``__call__`` computes ``F.linear(x, weight, bias)``; with bfloat16 weights on
     CPU it goes through a weight reordered once for oneDNN (about 10% faster than
-    ``F.linear`` here), else through ``F.linear`` itself. A reordered layer keeps only the
-    reordered copy (``weight`` rebuilds the plain one on demand), so its weights take their
+    ``F.linear`` here), else through ``gemm.linear`` (``F.linear``, or float32 products of
+    many rows below the AVX-512 kernel tiers: ``executor/gemm.py``). A reordered layer keeps
+    only the reordered copy (``weight`` rebuilds the plain one on demand), so its weights take their
     size once, not twice; unless ``shared``: a weight that lives on elsewhere anyway (a
     tied LM head's embedding table) stays referenced, and the reordered one is its copy.
     """
@@ -65,4 +68,4 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == torch.bfloat16:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return gemm.linear(x, self.weight, self.bias)

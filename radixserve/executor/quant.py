@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from radixserve.executor import gemm
 from radixserve.executor.layers.moe import SparseMoE
 from radixserve.executor.linear import Linear
 from radixserve.executor.loader.gguf_codes import GroupCodes
@@ -296,7 +297,7 @@ class Int8Linear:
                 _threads(),
                 w.data_ptr(),
             )
-            y[:, first : first + count] = F.linear(x, w)
+            y[:, first : first + count] = gemm.linear(x, w)
         return y if self.bias is None else y + self.bias
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
@@ -441,7 +442,7 @@ class Int4Linear:
             if rc != 0:
                 raise RuntimeError(f"qdequant_int4pack_bf16 refused its arguments ({rc})")
             last = min(first + count, self.out_features)
-            y[:, first:last] = torch.mm(x, wt[:, : last - first])
+            y[:, first:last] = gemm.mm(x, wt[:, : last - first])
         return y if self.bias is None else y + self.bias
 
     def _panel_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
@@ -491,7 +492,7 @@ class Int4Linear:
             if rc != 0:
                 raise RuntimeError(f"int4_panels_dequant_bf16 refused its arguments ({rc})")
             lo, hi = 16 * first, min(16 * (first + count), self.out_features)
-            y[:, lo:hi] = torch.mm(x, wt[:, : hi - lo])
+            y[:, lo:hi] = gemm.mm(x, wt[:, : hi - lo])
         return y if self.bias is None else y + self.bias
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -822,7 +823,7 @@ class Int8GroupLinear:
             wt = _Scratch.take(k, 16 * count)
             self.dequant_blocks(lib, first, count, wt)
             lo, hi = 16 * first, min(16 * (first + count), self.out_features)
-            y[:, lo:hi] = torch.mm(x, wt[:, : hi - lo])
+            y[:, lo:hi] = gemm.mm(x, wt[:, : hi - lo])
         return y if self.bias is None else y + self.bias
 
     def dequant_blocks(self, lib: Any, first: int, count: int, wt: torch.Tensor) -> None:

@@ -207,3 +207,26 @@ def test_every_kernel_builds_for_arm(tmp_path):
             timeout=300,
         )
         assert done.returncode == 0, f"{source.name}: {done.stderr[-3000:]}"
+
+
+# -- many-row bfloat16 products in float32 below the AVX-512 tiers (executor/gemm.py) --------
+@pytest.mark.parametrize("wide", [False, True], ids=["bfloat16-products", "float32-products"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 37])
+def test_bf16_products_in_either_precision_match_float64(monkeypatch, wide, rows):
+    """Linear (a bias, outputs over several widening chunks) and gemm.mm, with the
+    float32 path forced on or off: each output rounded once to bfloat16 (a product in
+    float32 rounds as the bfloat16 GEMM does, up to summation order)."""
+    from radixserve.executor import gemm
+    from radixserve.executor.linear import Linear
+
+    monkeypatch.setattr(gemm, "float32_products", lambda: wide)
+    monkeypatch.setattr(gemm, "_CHUNK", 64 * 96)  # 64 output rows per chunk
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 96, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(300, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    ref = x.double() @ w.double().T + bias.double()
+    _close(gemm.linear(x, w, bias), ref)
+    _close(gemm.mm(x, w.T), ref - bias.double())
+    layer = Linear(w, bias)
+    _close(layer(x), ref)
