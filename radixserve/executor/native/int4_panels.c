@@ -304,66 +304,71 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
     return 0;
 }
 #else /* the portable path (portable.h): AVX2, SSE or NEON, by the tier's flags */
+#include <stdlib.h>
+/* the products and sums exactly as written: with -fassociative-math GCC regrouped them into
+ * separate multiplies and adds and kept the accumulators on the stack (125 instructions an
+ * octet instead of about 60); portable.h inside, so that its helpers inline */
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
 #include "portable.h"
 
-/* Rows [0, MT) of x (rows k apart) against one output block: per octet, each pair of codes
+/* Rows [0, MT) of x (float32, rows k apart) against one output block: per octet, each pair of codes
  * becomes the float32 values 128 + q exactly (the bfloat16 trick of the AVX-512 path:
  * (v >> 4 u) & 0x000F000F | 0x43004300, then each 16-bit half moved into a float32's high
  * half), multiplied by the pair of x at those inputs; per group, as there,
  *   sum_k x W = scale * (sum_k x (128 + q) - 136 sum_k x) + zero * sum_k x.
- * With one row, two accumulator sets (even and odd u) keep eight multiply-add chains in
- * flight. */
+ * Accumulators: two per row (the block's two halves of eight outputs), all in registers
+ * (16 of eight lanes on AVX2: a fourth index, or more rows, spilled them to the stack);
+ * one row gets four chains per half instead, so that eight multiply-adds are in flight. */
 static inline __attribute__((always_inline)) void block_rows_portable(
-    const uint16_t *x, int64_t k, const int MT, const uint32_t *pb, const uint16_t *szb,
+    const float *x, int64_t k, const int MT, const uint32_t *pb, const uint16_t *szb,
     int64_t group, const float *xs, int64_t groups, uint16_t *y, int64_t y_stride,
     int64_t count) {
-    const int SETS = MT == 1 ? 2 : 1;
+    enum { MAXR = 4 };
+    const int CH = MT == 1 ? 2 : 1;
     const u32x8 low = splat_u32x8(0x000F000Fu), bias = splat_u32x8(0x43004300u),
                 high = splat_u32x8(0xFFFF0000u);
     const int64_t go = group / 8;
-    f32x8 out[MT][2];
-    for (int r = 0; r < MT; r++) out[r][0] = out[r][1] = splat_f32x8(0.0f);
+    f32x8 out[MAXR][2];
+    _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) out[r][0] = out[r][1] = splat_f32x8(0.0f);
     for (int64_t g = 0; g < groups; g++) {
-        f32x8 acc[MT][2][2][2]; /* [row][half][even, odd input][set] */
-        for (int r = 0; r < MT; r++)
-            for (int h = 0; h < 2; h++)
-                for (int e = 0; e < 2; e++)
-                    for (int s = 0; s < SETS; s++) acc[r][h][e][s] = splat_f32x8(0.0f);
+        f32x8 acc[MAXR][2][4]; /* [row][half][chain] */
+        _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++)
+            _Pragma("GCC unroll 4") for (int c = 0; c < CH; c++)
+                acc[r][0][c] = acc[r][1][c] = splat_f32x8(0.0f);
         for (int64_t o = g * go; o < (g + 1) * go; o++) {
             __builtin_prefetch((const char *)(pb + 16 * o) + 2048);
-            const u32x8 v[2] = {load_u32x8(pb + 16 * o), load_u32x8(pb + 16 * o + 8)};
-            for (int u = 0; u < 4; u++) {
-                f32x8 even[2], odd[2];
-                for (int h = 0; h < 2; h++) {
-                    const u32x8 t = ((v[h] >> (4 * u)) & low) | bias;
-                    even[h] = (f32x8)(t << 16);
-                    odd[h] = (f32x8)(t & high);
-                }
-                const int s = SETS == 2 ? u & 1 : 0;
-                for (int r = 0; r < MT; r++) {
-                    uint32_t pair;
-                    memcpy(&pair, x + r * k + 8 * o + 2 * u, sizeof pair);
-                    const u32x8 xp = splat_u32x8(pair);
-                    const f32x8 xe = (f32x8)(xp << 16), xo = (f32x8)(xp & high);
-                    for (int h = 0; h < 2; h++) {
-                        acc[r][h][0][s] += xe * even[h];
-                        acc[r][h][1][s] += xo * odd[h];
-                    }
+            const u32x8 v0 = load_u32x8(pb + 16 * o), v1 = load_u32x8(pb + 16 * o + 8);
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+                const u32x8 t0 = ((v0 >> (4 * u)) & low) | bias, t1 = ((v1 >> (4 * u)) & low) | bias;
+                const f32x8 e0 = (f32x8)(t0 << 16), o0 = (f32x8)(t0 & high);
+                const f32x8 e1 = (f32x8)(t1 << 16), o1 = (f32x8)(t1 & high);
+                const int ce = CH == 4 ? 2 * (u & 1) : 0, co = CH >= 2 ? ce + 1 : 0;
+                _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) {
+                    const f32x8 xe = splat_f32x8(x[r * k + 8 * o + 2 * u]);
+                    const f32x8 xo = splat_f32x8(x[r * k + 8 * o + 2 * u + 1]);
+                    acc[r][0][ce] += xe * e0;
+                    acc[r][1][ce] += xe * e1;
+                    acc[r][0][co] += xo * o0;
+                    acc[r][1][co] += xo * o1;
                 }
             }
         }
-        const f32x8 sc[2] = {bf16x8(szb + g * 32), bf16x8(szb + g * 32 + 8)};
-        const f32x8 ze[2] = {bf16x8(szb + g * 32 + 16), bf16x8(szb + g * 32 + 24)};
-        for (int r = 0; r < MT; r++) {
+        const f32x8 s0 = bf16x8(szb + g * 32), s1 = bf16x8(szb + g * 32 + 8);
+        const f32x8 z0 = bf16x8(szb + g * 32 + 16), z1 = bf16x8(szb + g * 32 + 24);
+        _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) {
             const float sx = xs[r * groups + g];
-            for (int h = 0; h < 2; h++) {
-                f32x8 a = acc[r][h][0][0] + acc[r][h][1][0];
-                if (SETS == 2) a += acc[r][h][0][1] + acc[r][h][1][1];
-                out[r][h] += sc[h] * (a - 136.0f * sx) + ze[h] * sx;
+            f32x8 a0 = acc[r][0][0], a1 = acc[r][1][0];
+            if (CH == 4) {
+                a0 += acc[r][0][1] + acc[r][0][2] + acc[r][0][3];
+                a1 += acc[r][1][1] + acc[r][1][2] + acc[r][1][3];
             }
+            out[r][0] += s0 * (a0 - 136.0f * sx) + z0 * sx;
+            out[r][1] += s1 * (a1 - 136.0f * sx) + z1 * sx;
         }
     }
-    for (int r = 0; r < MT; r++) store_bf16x16(y + r * y_stride, out[r][0], out[r][1], count);
+    _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++)
+        store_bf16x16(y + r * y_stride, out[r][0], out[r][1], count);
 }
 
 /* Row tiles of at most 4 rows (16 registers of eight lanes hold a tile's accumulators),
@@ -379,13 +384,19 @@ static inline int64_t ptile_start(int64_t m, int64_t i) {
 int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
                           const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
                           uint16_t *y, int64_t y_stride, int num_threads) {
-    (void)xp; /* x is read as it lies */
+    (void)xp; /* x is widened to float32 instead (broadcasts from memory) */
     if (k % group || group % 8 || m < 1) return -1;
     const int64_t groups = k / group, octets = k / 8, blocks = (n + 15) / 16;
+    float *xf = malloc((size_t)(m * k) * sizeof(float));
+    if (!xf) return -2;
     for (int64_t r = 0; r < m; r++)
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
-            for (int64_t i = 0; i < group; i++) s += bf16_to_f32(x[r * k + g * group + i]);
+            for (int64_t i = 0; i < group; i++) {
+                const float v = bf16_to_f32(x[r * k + g * group + i]);
+                xf[r * k + g * group + i] = v;
+                s += v;
+            }
             xs[r * groups + g] = s;
         }
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
@@ -395,8 +406,7 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
         const int64_t count = n - 16 * b;
         for (int64_t i = 0; i < ptile_count(m); i++) {
             const int64_t m0 = ptile_start(m, i);
-            const uint16_t *xt = x + m0 * k;
-            const float *xst = xs + m0 * groups;
+            const float *xt = xf + m0 * k, *xst = xs + m0 * groups;
             uint16_t *yt = y + m0 * y_stride + 16 * b;
 #define TILE(MT) \
     case MT: block_rows_portable(xt, k, MT, pb, szb, group, xst, groups, yt, y_stride, count); break;
@@ -406,6 +416,7 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
 #undef TILE
         }
     }
+    free(xf);
     return 0;
 }
 
@@ -439,4 +450,5 @@ int int4_panels_dequant_bf16(const uint32_t *panels, const uint16_t *sz, int64_t
     }
     return 0;
 }
+#pragma GCC pop_options
 #endif

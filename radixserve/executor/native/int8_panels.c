@@ -371,6 +371,9 @@ int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const 
     return 0;
 }
 #else /* the portable path (portable.h): AVX2, SSE or NEON, by the tier's flags */
+/* the products and sums exactly as written (int4_panels.c's portable path says why) */
+#pragma GCC push_options
+#pragma GCC optimize("no-associative-math")
 #include "portable.h"
 
 void int8_panels_set_dp_rows(int rows) { (void)rows; } /* pairs need vdpbf16ps */
@@ -494,4 +497,5 @@ int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const 
     }
     return 0;
 }
+#pragma GCC pop_options
 #endif
