@@ -319,20 +319,20 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
  *   sum_k x W = scale * (sum_k x (128 + q) - 136 sum_k x) + zero * sum_k x.
  * Accumulators: two per row (the block's two halves of eight outputs), all in registers
  * (16 of eight lanes on AVX2: a fourth index, or more rows, spilled them to the stack);
- * one row gets four chains per half instead, so that eight multiply-adds are in flight. */
+ * one row gets two chains per half (even and odd inputs), four multiply-adds in flight. */
 static inline __attribute__((always_inline)) void block_rows_portable(
     const float *x, int64_t k, const int MT, const uint32_t *pb, const uint16_t *szb,
     int64_t group, const float *xs, int64_t groups, uint16_t *y, int64_t y_stride,
     int64_t count) {
     enum { MAXR = 4 };
-    const int CH = MT == 1 ? 2 : 1;
+    const int CH = MT == 1 ? 2 : 1; /* four chains a half spilled; two measured faster */
     const u32x8 low = splat_u32x8(0x000F000Fu), bias = splat_u32x8(0x43004300u),
                 high = splat_u32x8(0xFFFF0000u);
     const int64_t go = group / 8;
     f32x8 out[MAXR][2];
     _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) out[r][0] = out[r][1] = splat_f32x8(0.0f);
     for (int64_t g = 0; g < groups; g++) {
-        f32x8 acc[MAXR][2][4]; /* [row][half][chain] */
+        f32x8 acc[MAXR][2][2]; /* [row][half][chain] */
         _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++)
             _Pragma("GCC unroll 4") for (int c = 0; c < CH; c++)
                 acc[r][0][c] = acc[r][1][c] = splat_f32x8(0.0f);
@@ -343,7 +343,7 @@ static inline __attribute__((always_inline)) void block_rows_portable(
                 const u32x8 t0 = ((v0 >> (4 * u)) & low) | bias, t1 = ((v1 >> (4 * u)) & low) | bias;
                 const f32x8 e0 = (f32x8)(t0 << 16), o0 = (f32x8)(t0 & high);
                 const f32x8 e1 = (f32x8)(t1 << 16), o1 = (f32x8)(t1 & high);
-                const int ce = CH == 4 ? 2 * (u & 1) : 0, co = CH >= 2 ? ce + 1 : 0;
+                const int ce = 0, co = CH - 1; /* even and odd inputs' chains */
                 _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) {
                     const f32x8 xe = splat_f32x8(x[r * k + 8 * o + 2 * u]);
                     const f32x8 xo = splat_f32x8(x[r * k + 8 * o + 2 * u + 1]);
@@ -359,9 +359,9 @@ static inline __attribute__((always_inline)) void block_rows_portable(
         _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) {
             const float sx = xs[r * groups + g];
             f32x8 a0 = acc[r][0][0], a1 = acc[r][1][0];
-            if (CH == 4) {
-                a0 += acc[r][0][1] + acc[r][0][2] + acc[r][0][3];
-                a1 += acc[r][1][1] + acc[r][1][2] + acc[r][1][3];
+            _Pragma("GCC unroll 4") for (int c = 1; c < CH; c++) {
+                a0 += acc[r][0][c];
+                a1 += acc[r][1][c];
             }
             out[r][0] += s0 * (a0 - 136.0f * sx) + z0 * sx;
             out[r][1] += s1 * (a1 - 136.0f * sx) + z1 * sx;
