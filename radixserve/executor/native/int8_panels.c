@@ -388,45 +388,54 @@ static inline float bf16_to_f32(uint16_t h) {
 
 /* Rows [0, MT) of x (float32, rows k apart) against one output block: each input's 16
  * codes widened to float32 once for the tile's rows, multiply-adds in float32 per group,
- * then out += scale * acc + zero * sum(x over the group), as the AVX-512 path. Below 4 rows,
- * two accumulator sets (even and odd inputs). */
+ * then out += scale * acc + zero * sum(x over the group), as the AVX-512 path. Four inputs
+ * (64 bytes of codes) an iteration; accumulators two per row (the block's halves), all in
+ * registers; one row gets two chains per half (even and odd inputs). */
 static inline __attribute__((always_inline)) void block_rows_portable(
     const float *x, int64_t k, const int MT, const int8_t *pb, const uint16_t *sb,
     const uint16_t *zb, int64_t group, const float *xs, int64_t groups, uint16_t *y,
     int64_t y_stride, int64_t count) {
-    const int SETS = MT < 4 ? 2 : 1;
-    f32x8 out[MT][2];
-    for (int r = 0; r < MT; r++) out[r][0] = out[r][1] = splat_f32x8(0.0f);
+    enum { MAXR = 4 };
+    const int CH = MT == 1 ? 2 : 1;
+    f32x8 out[MAXR][2];
+    _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) out[r][0] = out[r][1] = splat_f32x8(0.0f);
     for (int64_t g = 0; g < groups; g++) {
-        f32x8 acc[MT][2][2]; /* [row][half][set] */
-        for (int r = 0; r < MT; r++)
-            for (int h = 0; h < 2; h++)
-                for (int s = 0; s < SETS; s++) acc[r][h][s] = splat_f32x8(0.0f);
-        for (int64_t i = g * group; i < (g + 1) * group; i += 2) {
-            if (i % 4 == 0) __builtin_prefetch((const char *)(pb + 16 * i) + 2048);
-            for (int e = 0; e < 2; e++) {
+        f32x8 acc[MAXR][2][2]; /* [row][half][chain] */
+        _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++)
+            _Pragma("GCC unroll 2") for (int c = 0; c < CH; c++)
+                acc[r][0][c] = acc[r][1][c] = splat_f32x8(0.0f);
+        for (int64_t i = g * group; i < (g + 1) * group; i += 4) {
+            __builtin_prefetch((const char *)(pb + 16 * i) + 2048);
+            _Pragma("GCC unroll 4") for (int e = 0; e < 4; e++) {
                 const f32x8 w0 = i8x8_f32(pb + 16 * (i + e)), w1 = i8x8_f32(pb + 16 * (i + e) + 8);
-                const int s = SETS == 2 ? e : 0;
-                for (int r = 0; r < MT; r++) {
+                const int c = CH == 2 ? e & 1 : 0;
+                _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) {
                     const f32x8 xv = splat_f32x8(x[r * k + i + e]);
-                    acc[r][0][s] += xv * w0;
-                    acc[r][1][s] += xv * w1;
+                    acc[r][0][c] += xv * w0;
+                    acc[r][1][c] += xv * w1;
                 }
             }
         }
-        const f32x8 sc[2] = {f16x8(sb + g * 16), f16x8(sb + g * 16 + 8)};
-        for (int r = 0; r < MT; r++)
-            for (int h = 0; h < 2; h++) {
-                const f32x8 a = SETS == 2 ? acc[r][h][0] + acc[r][h][1] : acc[r][h][0];
-                out[r][h] += sc[h] * a;
+        const f32x8 s0 = f16x8(sb + g * 16), s1 = f16x8(sb + g * 16 + 8);
+        _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) {
+            f32x8 a0 = acc[r][0][0], a1 = acc[r][1][0];
+            _Pragma("GCC unroll 2") for (int c = 1; c < CH; c++) {
+                a0 += acc[r][0][c];
+                a1 += acc[r][1][c];
             }
+            out[r][0] += s0 * a0;
+            out[r][1] += s1 * a1;
+        }
         if (zb) {
-            const f32x8 ze[2] = {f16x8(zb + g * 16), f16x8(zb + g * 16 + 8)};
-            for (int r = 0; r < MT; r++)
-                for (int h = 0; h < 2; h++) out[r][h] += ze[h] * xs[r * groups + g];
+            const f32x8 z0 = f16x8(zb + g * 16), z1 = f16x8(zb + g * 16 + 8);
+            _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++) {
+                out[r][0] += z0 * xs[r * groups + g];
+                out[r][1] += z1 * xs[r * groups + g];
+            }
         }
     }
-    for (int r = 0; r < MT; r++) store_bf16x16(y + r * y_stride, out[r][0], out[r][1], count);
+    _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++)
+        store_bf16x16(y + r * y_stride, out[r][0], out[r][1], count);
 }
 
 #define PORTABLE_TILE 4
