@@ -371,16 +371,6 @@ static inline __attribute__((always_inline)) void block_rows_portable(
         store_bf16x16(y + r * y_stride, out[r][0], out[r][1], count);
 }
 
-/* Row tiles of at most 4 rows (16 registers of eight lanes hold a tile's accumulators),
- * their sizes within one of each other, as tile_start above. */
-#define PORTABLE_TILE 4
-static inline int64_t ptile_count(int64_t m) { return (m + PORTABLE_TILE - 1) / PORTABLE_TILE; }
-
-static inline int64_t ptile_start(int64_t m, int64_t i) {
-    const int64_t t = ptile_count(m), base = m / t, extra = m % t;
-    return i * base + (i < extra ? i : extra);
-}
-
 int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
                           const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
                           uint16_t *y, int64_t y_stride, int num_threads) {
@@ -389,16 +379,7 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
     const int64_t groups = k / group, octets = k / 8, blocks = (n + 15) / 16;
     float *xf = malloc((size_t)(m * k) * sizeof(float));
     if (!xf) return -2;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int64_t i = 0; i < group; i++) {
-                const float v = bf16_to_f32(x[r * k + g * group + i]);
-                xf[r * k + g * group + i] = v;
-                s += v;
-            }
-            xs[r * groups + g] = s;
-        }
+    widen_rows(x, m, k, group, xf, xs);
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t b = 0; b < blocks; b++) {
         const uint32_t *pb = panels + b * octets * 16;

@@ -379,13 +379,6 @@ int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const 
 void int8_panels_set_dp_rows(int rows) { (void)rows; } /* pairs need vdpbf16ps */
 int int8_panels_dp_rows(void) { return 0; }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* Rows [0, MT) of x (float32, rows k apart) against one output block: each input's 16
  * codes widened to float32 once for the tile's rows, multiply-adds in float32 per group,
  * then out += scale * acc + zero * sum(x over the group), as the AVX-512 path. Four inputs
@@ -438,30 +431,13 @@ static inline __attribute__((always_inline)) void block_rows_portable(
         store_bf16x16(y + r * y_stride, out[r][0], out[r][1], count);
 }
 
-#define PORTABLE_TILE 4
-static inline int64_t ptile_count(int64_t m) { return (m + PORTABLE_TILE - 1) / PORTABLE_TILE; }
-
-static inline int64_t ptile_start(int64_t m, int64_t i) {
-    const int64_t t = ptile_count(m), base = m / t, extra = m % t;
-    return i * base + (i < extra ? i : extra);
-}
-
 /* The entry point of the AVX-512 path above; xt holds x as float32 [m][k] here. */
 int int8_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const int8_t *panels,
                           const uint16_t *scale, const uint16_t *zero, int64_t n, int64_t group,
                           float *xt, float *xs, uint16_t *y, int64_t y_stride, int num_threads) {
     if (group % 4 || k % group || m < 1) return -1;
     const int64_t groups = k / group, blocks = (n + 15) / 16;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.0f;
-            for (int64_t i = 0; i < group; i++) {
-                const float v = bf16_to_f32(x[r * k + g * group + i]);
-                xt[r * k + g * group + i] = v;
-                s += v;
-            }
-            xs[r * groups + g] = s;
-        }
+    widen_rows(x, m, k, group, xt, xs);
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t b = 0; b < blocks; b++) {
         const int8_t *pb = panels + b * k * 16;

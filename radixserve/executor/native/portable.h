@@ -105,4 +105,34 @@ static inline void store_bf16x16(uint16_t *y, f32x8 lo, f32x8 hi, int64_t count)
     memcpy(v + 8, &b, sizeof b);
     memcpy(y, v, (size_t)(count < 16 ? count : 16) * sizeof(uint16_t));
 }
+
+/* x [m][k] bfloat16 widened to float32 into xf (same layout), and each row's sum over each
+ * group of `group` inputs into xs [m][k / group] */
+static inline void widen_rows(const uint16_t *x, int64_t m, int64_t k, int64_t group, float *xf,
+                              float *xs) {
+    const int64_t groups = k / group;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t i = g * group; i < (g + 1) * group; i++) {
+                uint32_t u = (uint32_t)x[r * k + i] << 16;
+                float v;
+                memcpy(&v, &u, sizeof v);
+                xf[r * k + i] = v;
+                s += v;
+            }
+            xs[r * groups + g] = s;
+        }
+}
+
+/* Row tiles of the portable GEMMs: at most PORTABLE_TILE rows each (a tile's accumulators in
+ * 16 registers of eight lanes; a 3-row tile measured slower for int4 although 4 rows spill a
+ * little), their sizes within one of each other; tile i starts at ptile_start(m, i). */
+#define PORTABLE_TILE 4
+static inline int64_t ptile_count(int64_t m) { return (m + PORTABLE_TILE - 1) / PORTABLE_TILE; }
+
+static inline int64_t ptile_start(int64_t m, int64_t i) {
+    const int64_t t = ptile_count(m), base = m / t, extra = m % t;
+    return i * base + (i < extra ? i : extra);
+}
 #endif
