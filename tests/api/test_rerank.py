@@ -64,7 +64,11 @@ def test_rerank_scores_are_the_models_yes_probability_in_order(server, model):
     body = r.json()
     expected = _reference(model, [(QUERY, d) for d in DOCS])
     results = body["results"]
-    assert [x["index"] for x in results] == sorted(range(4), key=lambda i: -expected[i])[:3]
+    # ordered by score, the top 3 of the 4; where the reference's scores tie (this tiny
+    # model can give "yes" and "no" the same logit), float32 rounding may order them either way
+    scores = [x["relevance_score"] for x in results]
+    assert len(results) == 3 and scores == sorted(scores, reverse=True)
+    assert min(scores) >= sorted(expected, reverse=True)[2] - 1e-4
     for x in results:
         assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-4)
         assert x["document"] == {"text": DOCS[x["index"]]}
@@ -75,7 +79,9 @@ def test_rerank_scores_are_the_models_yes_probability_in_order(server, model):
         json={"query": QUERY, "documents": [{"text": d} for d in DOCS], "return_documents": False},
         timeout=60,
     ).json()
-    assert [x["index"] for x in v2["results"]][:3] == [x["index"] for x in results]
+    assert [x["relevance_score"] for x in v2["results"]][:3] == pytest.approx(scores, abs=1e-4)
+    for x in v2["results"]:  # ties may come back in either order (see above)
+        assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=1e-4)
     assert all("document" not in x for x in v2["results"])
     score = httpx.post(
         server.url + "/v1/score", json={"text_1": QUERY, "text_2": DOCS}, timeout=60
