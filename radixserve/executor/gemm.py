@@ -42,9 +42,16 @@ def _wide(x: torch.Tensor) -> bool:
     )
 
 
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """x as ``mm`` wants it for a loop over a weight's chunks: widened to float32 once where
+    its products run in float32, else x itself."""
+    return x.float() if _wide(x) else x
+
+
 def mm(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
-    """``x @ wt`` for x [m, k] and wt [k, n] (a cache-sized chunk of a dequantized weight)."""
-    if _wide(x) and wt.dtype == torch.bfloat16:
+    """``x @ wt`` in bfloat16 for x [m, k] (bfloat16, or ``widen``'s float32 copy) and wt
+    [k, n] bfloat16 (a cache-sized chunk of a dequantized weight)."""
+    if wt.dtype == torch.bfloat16 and (x.dtype == torch.float32 or _wide(x)):
         return torch.mm(x.float(), wt.float()).to(torch.bfloat16)
     return torch.mm(x, wt)
 

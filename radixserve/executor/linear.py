@@ -11,11 +11,11 @@ _PACK_BATCH_HINT = 256  # oneDNN picks the packed layout for about this many row
 
 def _can_pack(weight: torch.Tensor) -> bool:
     return (
-        not gemm.float32_products()  # below AVX-512 the plain weight serves both paths
-        and weight.dtype == torch.bfloat16
+        weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and not gemm.float32_products()  # below AVX-512 the plain weight serves both paths
     )
 
 

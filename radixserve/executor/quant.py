@@ -425,6 +425,7 @@ class Int4Linear:
         k = self.in_features
         chunk = max(64, (_CHUNK_ELEMENTS // k) // 64 * 64)
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        xw = gemm.widen(x)  # once for all chunks
         for first in range(0, self.out_features, chunk):
             count = min(chunk, n_pad - first)
             wt = _Scratch.take(k, count)
@@ -442,7 +443,7 @@ class Int4Linear:
             if rc != 0:
                 raise RuntimeError(f"qdequant_int4pack_bf16 refused its arguments ({rc})")
             last = min(first + count, self.out_features)
-            y[:, first:last] = gemm.mm(x, wt[:, : last - first])
+            y[:, first:last] = gemm.mm(xw, wt[:, : last - first])
         return y if self.bias is None else y + self.bias
 
     def _panel_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
@@ -476,6 +477,7 @@ class Int4Linear:
         blocks = self.panels.shape[0]
         chunk = max(4, (_CHUNK_ELEMENTS // k) // 16 // 4 * 4)  # output blocks of 16
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        xw = gemm.widen(x)  # once for all chunks
         for first in range(0, blocks, chunk):
             count = min(chunk, blocks - first)
             wt = _Scratch.take(k, 16 * count)
@@ -492,7 +494,7 @@ class Int4Linear:
             if rc != 0:
                 raise RuntimeError(f"int4_panels_dequant_bf16 refused its arguments ({rc})")
             lo, hi = 16 * first, min(16 * (first + count), self.out_features)
-            y[:, lo:hi] = gemm.mm(x, wt[:, : hi - lo])
+            y[:, lo:hi] = gemm.mm(xw, wt[:, : hi - lo])
         return y if self.bias is None else y + self.bias
 
     def codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -818,12 +820,13 @@ class Int8GroupLinear:
         blocks = self.panels.shape[0]
         chunk = max(4, (_CHUNK_ELEMENTS // k) // 16 // 4 * 4)  # output blocks of 16
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        xw = gemm.widen(x)  # once for all chunks
         for first in range(0, blocks, chunk):
             count = min(chunk, blocks - first)
             wt = _Scratch.take(k, 16 * count)
             self.dequant_blocks(lib, first, count, wt)
             lo, hi = 16 * first, min(16 * (first + count), self.out_features)
-            y[:, lo:hi] = gemm.mm(x, wt[:, : hi - lo])
+            y[:, lo:hi] = gemm.mm(xw, wt[:, : hi - lo])
         return y if self.bias is None else y + self.bias
 
     def dequant_blocks(self, lib: Any, first: int, count: int, wt: torch.Tensor) -> None:
@@ -857,9 +860,9 @@ def linear_from_codes(codes: GroupCodes) -> Int4Linear | Int8GroupLinear | Linea
     """The layer executing ``codes`` exactly (up to the 16-bit rounding of scales and zeros):
     4-bit codes in groups of 32 as ``Int4Linear`` (its panels, or PyTorch's int4 layout
     where the panel kernel is not built), the others as ``Int8GroupLinear`` where its
-    kernel is built; else (no AVX-512 BF16 build, or a scale beyond float16) a bfloat16
-    ``Linear`` of the dequantized codes: never below the file's precision, and through
-    oneDNN rather than the per-call dequantizing fallback."""
+    kernel is built (every kernel tier); else (native kernels off, or a scale beyond
+    float16) a bfloat16 ``Linear`` of the dequantized codes: never below the file's
+    precision, and through oneDNN rather than the per-call dequantizing fallback."""
     if codes.bits == 4 and codes.group == 32:
         zero = codes.zero if codes.zero is not None else torch.zeros_like(codes.scale)
         q4 = torch.from_numpy(codes.q.numpy().view(np.uint8) + np.uint8(8))  # q + 8 (wraps)

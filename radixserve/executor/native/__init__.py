@@ -62,26 +62,55 @@ def _cpu_flags() -> str:
 X86_TIERS = ("avx512bf16", "avx512", "avx2", "scalar")
 ARM_TIERS = ("neon", "scalar")
 TIERS = ("avx512bf16", "avx512", "avx2", "neon", "scalar")
-# what each tier needs of /proc/cpuinfo's flags (x86) or features (aarch64)
+# What each x86 SIMD tier enables, spelled feature by feature rather than as an x86-64
+# level (-march=x86-64-v3 needs GCC 11 or clang 12), over the baseline -march=x86-64:
+# /proc/cpuinfo's name of each feature, and its compiler flag.
+_AVX2_FEATURES = (
+    ("ssse3", "-mssse3"),
+    ("sse4_1", "-msse4.1"),
+    ("sse4_2", "-msse4.2"),
+    ("popcnt", "-mpopcnt"),
+    ("avx", "-mavx"),
+    ("avx2", "-mavx2"),
+    ("fma", "-mfma"),
+    ("f16c", "-mf16c"),
+    ("bmi1", "-mbmi"),
+    ("bmi2", "-mbmi2"),
+)
+_AVX512_FEATURES = (
+    *_AVX2_FEATURES,
+    ("avx512f", "-mavx512f"),
+    ("avx512bw", "-mavx512bw"),
+    ("avx512vl", "-mavx512vl"),
+    ("avx512dq", "-mavx512dq"),
+    ("avx512cd", "-mavx512cd"),
+)
+# what each tier needs of /proc/cpuinfo's flags (x86) or features (aarch64): every feature
+# its flags let the compiler use
 _TIER_NEEDS = {
-    "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "f16c"),
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "fma", "f16c"),
-    "avx2": ("avx2", "fma", "f16c", "bmi2"),
+    "avx512bf16": (*(f for f, _ in _AVX512_FEATURES), "avx512_bf16"),
+    "avx512": tuple(f for f, _ in _AVX512_FEATURES),
+    "avx2": tuple(f for f, _ in _AVX2_FEATURES),
     "neon": ("asimd",),
     "scalar": (),
 }
+_X86 = platform.machine() in ("x86_64", "AMD64")
+_ARM = platform.machine() in ("aarch64", "arm64")
 # the compiler flags of each tier: the AVX-512 BF16 tier is this CPU's own (-march=native:
-# AMX where it has it), the others the x86-64 levels (v4: AVX-512 F/BW/CD/DQ/VL; v3: AVX2,
-# FMA, F16C, BMI2; the baseline: SSE2) tuned for this CPU, or ARMv8's
+# AMX where it has it), the other x86 tiers the baseline plus their features, tuned for this
+# CPU; ARM's NEON tier this CPU's own, its scalar tier without Advanced SIMD; on any other
+# machine the compiler's defaults
 _TIER_FLAGS = {
     "avx512bf16": ("-march=native",),
-    "avx512": ("-march=x86-64-v4", "-mtune=native"),
-    "avx2": ("-march=x86-64-v3", "-mtune=native"),
+    "avx512": ("-march=x86-64", "-mtune=native", *(f for _, f in _AVX512_FEATURES)),
+    "avx2": ("-march=x86-64", "-mtune=native", *(f for _, f in _AVX2_FEATURES)),
     "neon": ("-mcpu=native",),
     "scalar": (
         ("-march=x86-64", "-mtune=generic", "-Wno-psabi")
-        if platform.machine() in ("x86_64", "AMD64")
+        if _X86
         else ("-march=armv8-a+nosimd",)
+        if _ARM
+        else ()
     ),
 }
 
@@ -93,7 +122,7 @@ def cpu_tiers(flags: str | None = None, machine: str | None = None) -> tuple[str
     have = set((_cpu_flags() if flags is None else flags).split())
     if machine in ("x86_64", "AMD64"):
         names = X86_TIERS
-    elif machine in ("aarch64", "arm64"):
+    elif machine in ("aarch64", "arm64") and sys.platform == "linux":  # /proc/cpuinfo
         names = ARM_TIERS
     else:
         return ("scalar",)
@@ -696,8 +725,8 @@ def _amx_controls(lib: ctypes.CDLL, prefix: str, rows: int) -> None:
 @cache
 def load_int4_panels(tier: str | None = None) -> ctypes.CDLL | None:
     """The int4 "panels" GEMM (a few rows) and dequantizer (None: Int4Linear keeps
-    PyTorch's int4 layout and kernels). Only returned where the GEMM has its AVX-512 BF16
-    build: the panel layout is worth holding only with it."""
+    PyTorch's int4 layout and kernels): the AVX-512 BF16 code on that tier, the portable
+    path on the others (``int4_panels_has_gemm()``: 1 or 2)."""
     lib = _load(_SOURCE.with_name("int4_panels.c"), tier=tier)
     if lib is None:
         return None
@@ -716,8 +745,9 @@ def load_int4_panels(tier: str | None = None) -> ctypes.CDLL | None:
 
 @cache
 def load_int8_panels(tier: str | None = None) -> ctypes.CDLL | None:
-    """The group-wise int8 "panels" GEMM (a few rows) and dequantizer (None: without the
-    AVX-512 BF16 build; Int8GroupLinear then runs its plain-torch fallback)."""
+    """The group-wise int8 "panels" GEMM (a few rows) and dequantizer (None: native kernels
+    off or not built; Int8GroupLinear then runs its plain-torch fallback): AVX-512 BF16 code
+    on that tier, the portable path on the others."""
     lib = _load(_SOURCE.with_name("int8_panels.c"), tier=tier)
     if lib is None:
         return None
