@@ -32,6 +32,21 @@ def float32_products() -> bool:
     return kernel_tier() in ("avx2", "neon", "scalar")
 
 
+_buffer = torch.empty(0, dtype=torch.float32)
+
+
+def _chunk_buffer(elements: int) -> torch.Tensor:
+    """One growing float32 buffer for a weight chunk, so a step allocates none. Valid until
+    the next call (layers run one at a time on the engine thread)."""
+    global _buffer
+    if _buffer.numel() < elements:
+        # a normal tensor, not an inference one: the engine's steps run under inference
+        # mode, direct calls (tests, benchmarks) outside it, and both write into it
+        with torch.inference_mode(False):
+            _buffer = torch.empty(elements, dtype=torch.float32)
+    return _buffer[:elements]
+
+
 def _wide(x: torch.Tensor) -> bool:
     return (
         x.dtype == torch.bfloat16
@@ -66,7 +81,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     x32 = x.float()
     y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     step = max(16, _CHUNK // max(k, 1))
-    buf = torch.empty(min(step, n), k, dtype=torch.float32)
+    buf = _chunk_buffer(min(step, n) * k).view(-1, k)
     for lo in range(0, n, step):
         hi = min(lo + step, n)
         wc = buf[: hi - lo]

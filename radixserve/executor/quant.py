@@ -451,7 +451,7 @@ class Int4Linear:
         m, k = x.shape
         y = torch.empty(m, self.out_features, dtype=x.dtype)
         xs = torch.empty(m * (k // self.group_size), dtype=torch.float32)
-        xp = torch.empty(m * k // 2, dtype=torch.int32)
+        xp = torch.empty(m * k, dtype=torch.int32)  # the portable path's float32 copy of x
         rc = lib.int4_panels_gemm_bf16(
             x.data_ptr(),
             m,

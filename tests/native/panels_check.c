@@ -99,7 +99,7 @@ static void check_int4(int64_t m, int64_t n, int64_t k, int64_t group) {
         for (int64_t j = 0; j < n; j++)
             for (int64_t i = 0; i < k; i++) ref[r * n + j] += bf16(x[r * k + i]) * w[j * k + i];
     float *xs = malloc(m * groups * 4);
-    int32_t *xp = malloc(m * k * 2);
+    int32_t *xp = malloc(m * k * 4); /* m * k 32-bit words */
     if (int4_panels_gemm_bf16(x, m, k, panels, sz, n, group, xs, xp, y, n, 2)) failures++;
     compare("int4 gemm", m, n, y, ref);
     uint16_t *wt = malloc(k * 16 * blocks * 2);

@@ -94,8 +94,9 @@ _TIER_NEEDS = {
     "neon": ("asimd",),
     "scalar": (),
 }
-_X86 = platform.machine() in ("x86_64", "AMD64")
-_ARM = platform.machine() in ("aarch64", "arm64")
+_X86_MACHINES, _ARM_MACHINES = ("x86_64", "AMD64"), ("aarch64", "arm64")
+_X86 = platform.machine() in _X86_MACHINES
+_ARM = platform.machine() in _ARM_MACHINES
 # the compiler flags of each tier: the AVX-512 BF16 tier is this CPU's own (-march=native:
 # AMX where it has it), the other x86 tiers the baseline plus their features, tuned for this
 # CPU; ARM's NEON tier this CPU's own, its scalar tier without Advanced SIMD; on any other
@@ -120,9 +121,9 @@ def cpu_tiers(flags: str | None = None, machine: str | None = None) -> tuple[str
     Features line; ``machine``: ``platform.machine()``; both default to this machine's)."""
     machine = machine or platform.machine()
     have = set((_cpu_flags() if flags is None else flags).split())
-    if machine in ("x86_64", "AMD64"):
+    if machine in _X86_MACHINES:
         names = X86_TIERS
-    elif machine in ("aarch64", "arm64") and sys.platform == "linux":  # /proc/cpuinfo
+    elif machine in _ARM_MACHINES and sys.platform == "linux":  # /proc/cpuinfo
         names = ARM_TIERS
     else:
         return ("scalar",)
@@ -161,7 +162,7 @@ def _cache_dir() -> Path:
 # elementwise kernels need no inf/NaN semantics beyond what the hardware gives, except the
 # argmax, which finds NaN by compare instructions and bit tests that fast-math keeps
 _EXTRA_FLAGS = {"elementwise.c": ["-ffast-math"]}
-if platform.machine() in ("x86_64", "AMD64"):
+if _X86:
     # the LoRA products' loops in full AVX-512 vectors where the CPU has them (gcc's default
     # for -march=native is 256 bits): 1.4x at 16 rows here
     _EXTRA_FLAGS["lora.c"] = ["-mprefer-vector-width=512"]
@@ -171,15 +172,13 @@ if platform.machine() in ("x86_64", "AMD64"):
 _RECIPE = "compile-then-link-2"
 
 
-def _build(
-    source: Path, variant_flags: tuple[str, ...] = (), tier: str | None = None
-) -> Path | None:
+def _build(source: Path, tier: str | None = None) -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler found: native kernels disabled")
         return None
     tier = tier or kernel_tier()
-    flags = [*_FLAGS, *_TIER_FLAGS[tier], *_EXTRA_FLAGS.get(source.name, []), *variant_flags]
+    flags = [*_FLAGS, *_TIER_FLAGS[tier], *_EXTRA_FLAGS.get(source.name, [])]
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
         source.read_bytes()
@@ -224,9 +223,7 @@ def _build(
     return target
 
 
-def _load(
-    source: Path, variant_flags: tuple[str, ...] = (), tier: str | None = None
-) -> ctypes.CDLL | None:
+def _load(source: Path, tier: str | None = None) -> ctypes.CDLL | None:
     """The library built from ``source`` for ``tier`` (default: ``kernel_tier()``; one this
     CPU lacks is a ValueError), or None when native kernels are off or it cannot be built or
     loaded."""
@@ -237,7 +234,7 @@ def _load(
             f"kernel tier {tier}: this CPU lacks it (it runs {', '.join(cpu_tiers())})"
         )
     try:
-        path = _build(source, variant_flags, tier)
+        path = _build(source, tier)
     except OSError as exc:  # e.g. an unwritable cache directory
         log.warning("native kernels unavailable: %s", exc)
         return None

@@ -245,9 +245,10 @@ static inline int64_t tile_start(int64_t m, int64_t i) {
 }
 
 /* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart. xs is
- * scratch for m * (k / group) floats, xp for m * k / 2 int32 (x repacked per row tile as
- * [pair][row], so a pair's broadcasts for the tile's rows read one cache line instead of
- * rows k apart, which alias in L1 at k = 2048). Returns 0, or -1 on bad shapes. */
+ * scratch for m * (k / group) floats, xp for m * k 32-bit words (here x repacked per row
+ * tile as [pair][row] in the first half, so a pair's broadcasts for the tile's rows read one
+ * cache line instead of rows k apart, which alias in L1 at k = 2048; the portable path
+ * widens x to float32 into all of it). Returns 0, or -1 on bad shapes. */
 int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
                           const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
                           uint16_t *y, int64_t y_stride, int num_threads) {
@@ -304,7 +305,6 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
     return 0;
 }
 #else /* the portable path (portable.h): AVX2, SSE or NEON, by the tier's flags */
-#include <stdlib.h>
 /* the products and sums exactly as written: with -fassociative-math GCC regrouped them into
  * separate multiplies and adds and kept the accumulators on the stack (125 instructions an
  * octet instead of about 60); portable.h inside, so that its helpers inline */
@@ -374,11 +374,9 @@ static inline __attribute__((always_inline)) void block_rows_portable(
 int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
                           const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
                           uint16_t *y, int64_t y_stride, int num_threads) {
-    (void)xp; /* x is widened to float32 instead (broadcasts from memory) */
     if (k % group || group % 8 || m < 1) return -1;
     const int64_t groups = k / group, octets = k / 8, blocks = (n + 15) / 16;
-    float *xf = malloc((size_t)(m * k) * sizeof(float));
-    if (!xf) return -2;
+    float *xf = (float *)xp; /* x widened to float32 (broadcasts from memory), in xp */
     widen_rows(x, m, k, group, xf, xs);
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t b = 0; b < blocks; b++) {
@@ -397,7 +395,6 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
 #undef TILE
         }
     }
-    free(xf);
     return 0;
 }
 
