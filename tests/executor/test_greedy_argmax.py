@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixserve.executor import sampler
+from radixserve.executor.native import cpu_tiers
 from radixserve.executor.sampler import first_max_indices
 
 native = pytest.mark.skipif(
@@ -62,19 +63,16 @@ def test_other_inputs_take_pytorch_s_path():
     assert torch.equal(first_max_indices(strided), strided.max(dim=-1).indices)
 
 
-def test_the_scalar_build_agrees_too():
-    """Built without AVX-512 BF16 (the kernel's scalar loop, under the file's -ffast-math),
-    the argmax still finds the first maximum and the first NaN."""
-    import ctypes
-
+@pytest.mark.parametrize("tier", [t for t in cpu_tiers() if t != "avx512bf16"])
+def test_the_scalar_build_agrees_too(tier):
+    """Built for a tier below AVX-512 BF16 (the kernel's scalar loop, under the file's
+    -ffast-math), the argmax still finds the first maximum and the first NaN."""
     from radixserve.executor import native
 
-    lib = native._load(native._SOURCE.with_name("elementwise.c"), ("-mno-avx512bf16",))
+    lib = native.load_elementwise(tier)  # argtypes declared by the loader
     if lib is None:
         pytest.skip("no C compiler: the native kernels are not built")
     fn = lib.argmax_rows_bf16
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = None
     x = _with_ties(6, 1000, 0)
     x[2, 300], x[2, 900] = float("nan"), float("nan")
     x[3] = float("-inf")
