@@ -6,6 +6,7 @@ router`` and ``radixserve --help`` never import torch."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -21,12 +22,13 @@ ENGINE_FLAG_GROUPS = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every ``EngineConfig`` setting as a flag (defined with the field: core/settings.py)."""
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Every ``EngineConfig`` setting but ``skip`` as a flag (defined with the field:
+    core/settings.py)."""
     from radixserve.core.settings import add_flags
     from radixserve.engine.config import EngineConfig
 
-    add_flags(parser, EngineConfig, ENGINE_FLAG_GROUPS)
+    add_flags(parser, EngineConfig, ENGINE_FLAG_GROUPS, skip)
 
 
 SERVER_FLAG_GROUPS = {
@@ -34,6 +36,7 @@ SERVER_FLAG_GROUPS = {
     "limits": "per-request limits (a 400 naming the limit)",
     "dp": "data parallel",
     "reliability": "reliability",
+    "models": "several models (docs/multi-model.md)",
 }
 
 
@@ -96,6 +99,15 @@ def add_generate_args(gen: argparse.ArgumentParser) -> None:
     add_engine_args(gen)
 
 
+class _ModelFlag(argparse.Action):
+    """serve's ``--model``: every value is kept in ``model_entries`` (several models give
+    NAME=PATH each) and the last is ``model`` (the one model's path)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[override]
+        namespace.model_entries = [*namespace.model_entries, values]
+        namespace.model = values
+
+
 def add_serve_args(srv: argparse.ArgumentParser) -> None:
     from radixserve.api.router.cli import add_dp_args
 
@@ -107,7 +119,17 @@ def add_serve_args(srv: argparse.ArgumentParser) -> None:
     )
     add_server_config_args(srv)
     add_dp_args(srv)
-    add_engine_args(srv)
+    add_engine_args(srv, skip=("model",))
+    # serve's --model also names several models: NAME=PATH, repeatable (split_models)
+    srv.set_defaults(model_entries=[])
+    srv.add_argument(
+        "--model",
+        action=_ModelFlag,
+        default=None,
+        metavar="PATH|NAME=PATH",
+        help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct); NAME=PATH, "
+        "repeated, serves several models (loaded on demand, like --models-dir)",
+    )
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
@@ -324,7 +346,20 @@ def is_loopback(host: str) -> bool:
         return False  # a name: it may resolve to anything
 
 
+def split_models(args: argparse.Namespace) -> None:
+    """serve's ``--model``: one PATH (``args.model``), or NAME=PATH for each of several
+    models (``args.model_entries``, with ``args.model`` None), never both."""
+    entries = args.model_entries
+    named = [e for e in entries if "=" in e.split("/")[0]]
+    several = bool(named or args.models_dir)
+    if (several and len(named) < len(entries)) or (not several and len(entries) > 1):
+        raise ValueError("give --model PATH once (one model), or NAME=PATH for each of several")
+    args.model = None if several else (entries[0] if entries else None)
+    args.model_entries = named
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    split_models(args)
     if (code := run_worker_node(args)) is not None:
         return code
     from radixserve.api.serve import serve
@@ -332,10 +367,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from radixserve.engine.faults import FaultInjector
 
     FaultInjector.from_env()  # a malformed RADIXSERVE_FAULTS fails here, not in the engine
-
+    config = dataclasses.replace(server_config(args), model_entries=tuple(args.model_entries))
     serve(
         EngineConfig(**engine_kwargs(args)),
-        server_config(args),
+        config,
         host=args.host,
         port=args.port,
         shutdown_timeout_s=args.shutdown_timeout,

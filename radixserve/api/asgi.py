@@ -38,6 +38,7 @@ class APIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -47,6 +48,7 @@ class APIError(Exception):
             param,
             code,
         )
+        self.retry_after_s = retry_after_s  # answered as Retry-After (whole seconds)
 
     def body(self) -> dict:
         return {
@@ -70,6 +72,14 @@ class HTTPRequest:
     body: bytes
     query: str = ""
     path_params: dict[str, str] = field(default_factory=dict)  # ``{name}`` of the route
+    # run once the answer is sent (or the client left): what the handler holds for the
+    # answer's whole life, such as its model's lease, is given back here
+    on_done: list[Callable[[], None]] = field(default_factory=list)
+
+    def finish(self) -> None:
+        callbacks, self.on_done = self.on_done, []
+        for callback in callbacks:
+            callback()
 
 
 @dataclass
@@ -142,10 +152,19 @@ class ASGIApp:
 
     def error(self, path: str, error: APIError) -> Response:
         """``error`` answered in the shape of the API that ``path`` belongs to."""
-        for prefix, render in self.error_shapes.items():
-            if path.startswith(prefix):
-                return render(error)
-        return error_response(error)
+        answer = next(
+            (
+                render(error)
+                for prefix, render in self.error_shapes.items()
+                if path.startswith(prefix)
+            ),
+            None,
+        ) or error_response(error)
+        if error.retry_after_s is not None:
+            answer.headers.append(
+                (b"retry-after", str(max(1, round(error.retry_after_s))).encode())
+            )
+        return answer
 
     def route(self, method: str, path: str, **options: Any) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:
@@ -228,10 +247,13 @@ class ASGIApp:
                 error = APIError(413, f"request body exceeds {self.max_body_bytes} bytes")
                 return await _send_response(send, self.error(path, error))
             request.body = body
-        if route.watch_disconnect:
-            await self._run_watched(route, request, receive, send)
-        else:
-            await _send_response(send, await self._answer(route, request))
+        try:
+            if route.watch_disconnect:
+                await self._run_watched(route, request, receive, send)
+            else:
+                await _send_response(send, await self._answer(route, request))
+        finally:
+            request.finish()
 
     async def _read_body(self, receive: Callable) -> bytes | None:
         chunks: list[bytes] = []

@@ -83,10 +83,12 @@ def add_flags(
     parser: argparse.ArgumentParser,
     config: type,
     groups: dict[str | None, str] | None = None,
+    skip: tuple[str, ...] = (),
 ) -> None:
-    """Add every flag of ``config`` to ``parser`` (``dest`` = the field's name), in help
-    sections by ``Flag.group`` (``groups`` maps a group to its title; a group not there
-    is a section of that name)."""
+    """Add every flag of ``config`` but the fields in ``skip`` (which the command defines
+    its own way) to ``parser`` (``dest`` = the field's name), in help sections by
+    ``Flag.group`` (``groups`` maps a group to its title; a group not there is a section
+    of that name)."""
     sections: dict[str | None, Any] = {}
 
     def section(name: str | None) -> Any:
@@ -97,6 +99,8 @@ def add_flags(
 
     hints = typing.get_type_hints(config)  # (annotations are strings here)
     for f, fl in flag_fields(config):
+        if f.name in skip:
+            continue
         g = section(fl.group)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         names = [flag_name(f, fl), *fl.aliases]
@@ -148,6 +152,45 @@ def from_args(args: argparse.Namespace, config: type) -> dict[str, Any]:
         f.name: tuple(getattr(args, f.name)) if fl.repeat else getattr(args, f.name)
         for f, fl in flag_fields(config)
     }
+
+
+def from_mapping(config: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """The keyword arguments of ``config`` that ``values`` sets (a config file's table),
+    each key a flag's name without its dashes (``kv-cache-memory``) or a field's name
+    (``kv_cache_memory_gb``), each value the flag's text or a value of the field's type (a
+    list for a repeated flag; a number for a flag that parses its text means what that text
+    would), within its choices. ``ValueError`` naming ``where`` (a
+    file, a section) and the key for anything else."""
+    hints = typing.get_type_hints(config)
+    by_name: dict[str, tuple[dataclasses.Field, Flag]] = {}
+    for f, fl in flag_fields(config):
+        for name in (f.name, flag_name(f, fl), *fl.aliases):
+            by_name[name.lstrip("-").replace("-", "_")] = (f, fl)
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        found = by_name.get(key.lstrip("-").replace("-", "_"))
+        if found is None:
+            raise ValueError(f"{where}: {key!r} is not a setting")
+        f, fl = found
+        kind = _base_type(hints[f.name])
+        try:
+            if fl.repeat:
+                items = value if isinstance(value, list) else [value]
+                value = tuple(items if fl.parse is None else map(fl.parse, map(str, items)))
+            elif fl.parse is not None and not isinstance(value, bool | list | dict):
+                value = fl.parse(str(value))  # (a number means what the flag's text means)
+            elif isinstance(value, str) and kind in (int, float):
+                value = kind(value)
+            elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(f"give a {kind.__name__}")
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
+            raise ValueError(f"{where}: {key} = {value!r}: {exc}") from None
+        if fl.choices is not None and value not in fl.choices:
+            raise ValueError(f"{where}: {key} = {value!r}: one of {list(fl.choices)}")
+        out[f.name] = value
+    return out
 
 
 # -- parse helpers for flags whose text is not the field's value as it stands ----------------

@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from radixserve.serving.protocol import EngineStats
@@ -165,6 +165,35 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ByModel(Collector):
+    """The series of several models' registries as one family each, every sample labelled
+    with its ``model`` (Prometheus wants a family's samples together, under one TYPE)."""
+
+    def __init__(self, registries: list[tuple[str, CollectorRegistry]]) -> None:
+        self._registries = registries
+
+    def collect(self) -> Iterator:
+        families: dict[str, Metric] = {}
+        for model, registry in self._registries:
+            for family in registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit
+                    )
+                merged.samples.extend(
+                    s._replace(labels={"model": model, **s.labels}) for s in family.samples
+                )
+        yield from families.values()
+
+
+def render_by_model(metrics: list[tuple[str, Metrics]]) -> bytes:
+    """Several models' metrics in one exposition, each series labelled ``model``."""
+    registry = CollectorRegistry()
+    registry.register(_ByModel([(name, m.registry) for name, m in metrics]))
+    return generate_latest(registry)
 
 
 class RequestTimer:

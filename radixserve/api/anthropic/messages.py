@@ -46,6 +46,7 @@ from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving import reasoning as rp
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
+from radixserve.serving.frontend import Frontend
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import Routing
 
@@ -182,13 +183,13 @@ def _thinking(server: OpenAIServer, body: Any) -> tuple[bool | None, int | None]
 
 
 async def _prompt(
-    server: OpenAIServer, body: Any, tools: ToolContext, think: bool | None = None
+    frontend: Frontend, body: Any, tools: ToolContext, think: bool | None = None
 ) -> list[int]:
     template: dict[str, Any] = {"tools": tools.tools} if tools.active else {}
     if think is not None:  # Qwen3's hybrid templates read it; others ignore it
         template["enable_thinking"] = think
     try:
-        return await server.frontend.chat_ids(chat_messages(body), True, False, template)
+        return await frontend.chat_ids(chat_messages(body), True, False, template)
     except InputError as exc:
         raise cv.input_error(exc) from None
 
@@ -237,7 +238,7 @@ def _budgeted(server: OpenAIServer, budget: int | None) -> Any:
 
     def run(prompts: list[list[int]], params: SamplingParams, routing: Routing) -> Any:
         return rp.run_with_thinking_budget(
-            server.frontend, prompts[0], params, routing, parser, budget
+            server.frontend_of(routing), prompts[0], params, routing, parser, budget
         )
 
     return run
@@ -254,17 +255,16 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
-    frontend = server.frontend
     app.error_shapes[PREFIX] = anthropic_error
 
     @app.route("POST", PREFIX, watch_disconnect=True, body_schema=body_schema(MessagesRequest))
     async def messages(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = server.parse_routed(request, MessagesRequest)
+        body, routing = await server.parse_routed(request, MessagesRequest)
+        frontend = server.frontend_of(routing)
         _reject_refused(body)
-        server.check_model(body.model)
         tools = tools_of(body, server.config.tool_call_parser)
         think, budget = _thinking(server, body)
-        ids = await _prompt(server, body, tools, think)
+        ids = await _prompt(frontend, body, tools, think)
         params = cv.checked_sampling_params(
             frontend,
             {"stop": "stop_sequences"},
@@ -289,11 +289,11 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("POST", PREFIX + "/count_tokens", body_schema=body_schema(CountTokensRequest))
     async def count_tokens(request: HTTPRequest) -> Response:
-        body: CountTokensRequest = server.parse(request, CountTokensRequest)
+        body, routing = await server.parse_routed(request, CountTokensRequest)
         _reject_refused(body)
-        server.check_model(body.model)
         tools = tools_of(body, server.config.tool_call_parser)
-        return json_response({"input_tokens": len(await _prompt(server, body, tools))})
+        ids = await _prompt(server.frontend_of(routing), body, tools)
+        return json_response({"input_tokens": len(ids)})
 
 
 async def _whole(
@@ -327,7 +327,7 @@ async def _whole(
             "id": message_id,
             "type": "message",
             "role": "assistant",
-            "model": server.served_name(routing, server.frontend.model_name),
+            "model": server.served_name(routing),
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": out.stop_str if stop_reason == "stop_sequence" else None,
@@ -350,13 +350,13 @@ async def _stream(
     ``--reasoning-parser``, as thinking_delta and an empty signature_delta; text next, then each tool_use
     with its input as one input_json_delta), message_delta (stop_reason, usage),
     message_stop. A failure after the start is an ``error`` event."""
-    frontend = server.frontend
+    frontend = server.frontend_of(routing)
     timer = RequestTimer(frontend.metrics, routing.tag.label)
     start = {
         "id": message_id,
         "type": "message",
         "role": "assistant",
-        "model": server.served_name(routing, frontend.model_name),
+        "model": server.served_name(routing),
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
 class _Body(BaseModel):
@@ -38,6 +38,9 @@ class ToolChoice(BaseModel):
 
 class MessagesRequest(_Body):
     model: str | None = None
+    # ollama's: how long the model stays loaded after this request (seconds, '5m'; 0: unload
+    # at once; negative: keep), where the server serves several models
+    keep_alive: StrictInt | StrictFloat | str | None = None
     max_tokens: StrictInt = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -56,6 +59,9 @@ class MessagesRequest(_Body):
 
 class CountTokensRequest(_Body):
     model: str | None = None
+    # ollama's: how long the model stays loaded after this request (seconds, '5m'; 0: unload
+    # at once; negative: keep), where the server serves several models
+    keep_alive: StrictInt | StrictFloat | str | None = None
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[Tool] | None = None

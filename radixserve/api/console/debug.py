@@ -11,19 +11,21 @@ key when one is set): what a soak test needs to check the server from outside.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from radixserve.api.asgi import APIError, ASGIApp, HTTPRequest, Response, json_response
 from radixserve.serving.engine_streams import EngineDead
 
 
-def add_debug_routes(app: ASGIApp, server: Any) -> None:
-    """Register the debug routes of ``server`` (the serving ``Frontend``) on ``app``."""
+def add_debug_routes(app: ASGIApp, frontend: Callable[[], Any]) -> None:
+    """Register the debug routes on ``app``; ``frontend`` gives the serving ``Frontend``
+    they look at (a several-model server's first model)."""
 
     @app.route("POST", "/debug/flush_cache", in_schema=False)
     async def flush_cache(_: HTTPRequest) -> Response:
         try:
-            answer = await server.client.flush_cache()
+            answer = await frontend().client.flush_cache()
         except EngineDead as exc:
             raise APIError(503, str(exc), "service_unavailable_error", code=exc.code) from None
         return json_response(
@@ -41,7 +43,7 @@ def add_debug_routes(app: ASGIApp, server: Any) -> None:
 
     @app.route("GET", "/debug/engine", in_schema=False)
     async def engine(_: HTTPRequest) -> Response:
-        client = server.client
+        client = frontend().client
         process = client.process
         return json_response(
             {

@@ -53,9 +53,13 @@ def _int_param(query: dict[str, list[str]], name: str, default: int, top: int) -
 
 
 def register_console(
-    app: ASGIApp, server: Frontend, may_read_prompts: Callable[[HTTPRequest], bool]
+    app: ASGIApp,
+    frontend: Callable[[], Frontend],
+    may_read_prompts: Callable[[HTTPRequest], bool],
 ) -> None:
-    """Add the console pages and its JSON routes to ``app``. The radix view's token ids
+    """Add the console pages and its JSON routes to ``app``; ``frontend`` gives the model
+    they show (the first one: the console's view of a several-model server is that
+    model's). The radix view's token ids
     and text (other users' prompts) are in its answer only when ``may_read_prompts``
     says so for the request (the admin key); otherwise it shows counts alone."""
     files = {name: _static(name) for name in _STATIC}  # read once: the package is immutable
@@ -81,7 +85,7 @@ def register_console(
 
     @app.route("GET", "/v1/engine/stats")
     async def engine_stats(_: HTTPRequest) -> Response:
-        client = server.client
+        client = frontend().client
         s = client.stats
         engine: dict[str, Any] = {"alive": client.alive}
         if s is not None:
@@ -111,11 +115,11 @@ def register_console(
                     1 + s.spec_accepted_tokens / s.spec_verify_rows if s.spec_verify_rows else 0.0
                 ),
             )
-        tracker = server.client.tracker
+        tracker = frontend().client.tracker
         return json_response(
             {
                 "object": "engine_stats",
-                "model": server.model_name,
+                "model": frontend().model_name,
                 "time": time.time(),
                 "uptime_s": time.time() - tracker.started_at,
                 "engine": engine,
@@ -130,12 +134,12 @@ def register_console(
         max_nodes = _int_param(query, "max_nodes", 256, _RADIX_MAX_NODES)
         max_depth = _int_param(query, "max_depth", 8, _RADIX_MAX_DEPTH)
         try:
-            s = await server.client.radix_summary(max_nodes, max_depth)
+            s = await frontend().client.radix_summary(max_nodes, max_depth)
         except EngineDead as exc:
             raise APIError(503, str(exc), "service_unavailable_error", code="engine_dead") from None
         if s.error is not None:
             raise APIError(400, s.error)
-        decode = server.tokenizer.decode
+        decode = frontend().tokenizer.decode
         readable = may_read_prompts(request)
         nodes = []
         for (

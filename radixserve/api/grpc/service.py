@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,9 @@ from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving import reasoning as rp
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
+from radixserve.serving.frontend import Frontend
 from radixserve.serving.metrics import RequestTimer
+from radixserve.serving.model_set import Lease
 from radixserve.serving.tenancy import DEFAULT_TAG, Routing, TenantTag
 
 log = logging.getLogger(__name__)
@@ -149,9 +151,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
 
     def __init__(self, server: OpenAIServer) -> None:
         self.server = server
-        self.frontend = server.frontend
         # (tenant, the caller's request id) -> engine id: a tenant sees and aborts its own
         self.running: dict[tuple[str, str], str] = {}
+        self.served_by: dict[str, Frontend] = {}  # engine id -> its model's frontend
         # engine request ids: unique in this process, and apart from the HTTP API's
         self._prefix = uuid.uuid4().hex[:12]
         self._count = itertools.count()
@@ -179,14 +181,16 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     ) -> None:
         await context.abort(_status(error), _details(error, input_name))
 
-    def _ready(self) -> None:
-        client = self.frontend.client
+    @staticmethod
+    def _ready(frontend: Frontend) -> None:
+        client = frontend.client
         if client.ready is None or not client.alive:
             raise APIError(503, "the engine is not running", code="engine_dead")
 
-    async def _prompt(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def _prompt(
+        self, request: pb.GenerateRequest, frontend: Frontend
+    ) -> tuple[list[int], SamplingParams]:
         """Token ids and SamplingParams, converted as the HTTP routes convert theirs."""
-        frontend = self.frontend
         kind = request.WhichOneof("input")
         if kind is None:
             raise APIError(400, "give text, token_ids or chat", param="input")
@@ -236,12 +240,13 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         d.text = text  # (this request's own delta)
         return d
 
-    def _add(self, out: pb.GenerateResponse, d: Any, wants_logprobs: bool) -> None:
-        """Append delta ``d`` (of ``out``'s sample) to ``out``."""
+    @staticmethod
+    def _add(out: pb.GenerateResponse, d: Any, text: Callable[[int], str] | None) -> None:
+        """Append delta ``d`` (of ``out``'s sample) to ``out`` (its logprobs too, named
+        by ``text``, when asked)."""
         out.token_ids.extend(d.token_ids)
         out.text += d.text
-        if wants_logprobs and d.logprobs:
-            text = self.frontend.token_text
+        if text is not None and d.logprobs:
             out.logprobs.extend(
                 pb.TokenLogprob(
                     token_id=t,
@@ -268,16 +273,18 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             )
         self.running[key] = engine_id  # (taken before any await: no two calls share it)
         error: APIError | None = None
+        lease: Lease | None = None
         try:
             try:  # (a dead engine is found by generate_batches: UNAVAILABLE)
-                ids, params = await self._prompt(request)
-                lora = self.server.lora_of(request.model or None, tag)  # (NOT_FOUND)
+                served, lora = self.server.model_of(request.model or None, tag)  # (NOT_FOUND)
+                lease = await self.server.lease(served)
+                frontend = self.served_by[engine_id] = lease.frontend
+                ids, params = await self._prompt(request, frontend)
             except APIError as exc:
                 error = exc
                 return
-            frontend = self.frontend
             timer = RequestTimer(frontend.metrics, tag.label)
-            wants_logprobs = params.logprobs is not None
+            token_text = frontend.token_text if params.logprobs is not None else None
             completion: dict[int, int] = {}
             # chat input with a reasoning parser: the thinking apart, as Chat Completions
             parser = self.server.config.reasoning_parser if input_name == "chat" else None
@@ -285,7 +292,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             sample_ids: dict[int, list[int]] = {}
             # one message per sample for everything that arrived while the last one was
             # being written: a stream that keeps up gets a message per engine step
-            routing = Routing(tag, request.cache_salt or None, request.priority, lora)
+            routing = Routing(tag, request.cache_salt or None, request.priority, lora, served)
             engine_request = routing.request(engine_id, ids, params)
             async for batch in frontend.client.generate_batches(engine_request):
                 outs: dict[int, pb.GenerateResponse] = {}
@@ -297,7 +304,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
                         out = outs[d.index] = pb.GenerateResponse(request_id=rid, index=d.index)
                     if parser is not None:
                         d = self._think(d, parser, thinkers, sample_ids, out)
-                    self._add(out, d, wants_logprobs)
+                    self._add(out, d, token_text)
                     completion[d.index] = completion.get(d.index, 0) + len(d.token_ids)
                     if d.finished:
                         out.finish_reason = d.finish_reason or ""
@@ -318,6 +325,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             error = cv.engine_error(exc)
         finally:
             self.running.pop(key, None)
+            self.served_by.pop(engine_id, None)
+            if lease is not None:
+                lease.release()
             if error is not None:
                 await self._fail(context, error, input_name)
 
@@ -326,17 +336,18 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     ) -> pb.AbortResponse:
         tag = await self._authorize(context)
         engine_id = self.running.get((tag.tenant.name, request.request_id))
-        found = engine_id is not None and self.frontend.client.abort(engine_id)
+        frontend = self.served_by.get(engine_id) if engine_id is not None else None
+        found = frontend is not None and frontend.client.abort(engine_id)
         return pb.AbortResponse(found=found)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         await self._authorize(context)
-        frontend = self.frontend
         kind = request.WhichOneof("input") or "input"
         try:
-            self._ready()
+            frontend = self.server.frontend  # (the first model, with several)
+            self._ready(frontend)
             if kind == "chat":
                 body = cv.parse_body(ChatCompletionRequest, _chat_body(request.chat))
                 ids = await cv.chat_prompt(frontend, body)
@@ -358,9 +369,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         await self._authorize(context)
-        frontend = self.frontend
         try:
-            self._ready()
+            frontend = self.server.frontend  # (the first model, with several)
+            self._ready(frontend)
             bad = [t for t in request.token_ids if not 0 <= t < frontend.vocab_size]
             if bad:
                 raise APIError(
@@ -376,13 +387,15 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     ) -> pb.ModelInfo:
         await self._authorize(context)
         try:
-            self._ready()
+            frontend = self.server.frontend  # (the first model, with several)
+            self._ready(frontend)
         except APIError as error:
             await self._fail(context, error)
+            raise AssertionError("unreachable") from None
         return pb.ModelInfo(
-            model_name=self.frontend.model_name,
-            vocab_size=self.frontend.vocab_size,
-            max_model_len=self.frontend.max_model_len,
+            model_name=frontend.model_name,
+            vocab_size=frontend.vocab_size,
+            max_model_len=frontend.max_model_len,
         )
 
 
@@ -432,7 +445,7 @@ class GrpcFrontend:
     async def _set_health(self) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if self.server.frontend.client.alive
+            if all(f.client.alive for _, f in self.server.models.frontends())
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for service in ("", SERVICE_NAME):

@@ -36,9 +36,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body_schema=body_schema(ChatCompletionRequest),
     )
     async def chat_completions(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = server.parse_routed(request, ChatCompletionRequest)
-        server.check_model(body.model)
-        frontend = server.frontend
+        body, routing = await server.parse_routed(request, ChatCompletionRequest)
+        frontend = server.frontend_of(routing)
         tools = tool_context(body, server.config.tool_call_parser)
         ids = await cv.chat_prompt(frontend, body, tools)
         max_tokens = cv.chat_max_tokens(frontend, body, len(ids))
@@ -73,7 +72,9 @@ async def _whole(
         text = o.text
         if parser is not None:
             reply = rp.split(o.text, parser)
-            thinking += rp.reasoning_tokens(server.frontend.tokenizer, o.token_ids, reply)
+            thinking += rp.reasoning_tokens(
+                server.frontend_of(routing).tokenizer, o.token_ids, reply
+            )
             text = reply.content or ""
             message = {
                 "role": "assistant",
@@ -88,7 +89,7 @@ async def _whole(
                 reason = "length" if reason == "length" else "tool_calls"
         logprobs = None
         if params.logprobs is not None:
-            logprobs = chat_logprobs(server.frontend.token_text, o.logprobs)
+            logprobs = chat_logprobs(server.frontend_of(routing).token_text, o.logprobs)
         choices.append(
             {"index": idx, "message": message, "logprobs": logprobs, "finish_reason": reason}
         )
@@ -97,7 +98,7 @@ async def _whole(
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": server.served_name(routing, server.frontend.model_name),
+            "model": server.served_name(routing),
             "choices": choices,
             "usage": usage(
                 [ids],
@@ -118,12 +119,12 @@ def _stream(
     routing: Routing,
     tools: ToolContext,
 ):
-    token_text = server.frontend.token_text
+    token_text = server.frontend_of(routing).token_text
     base = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
-        "model": server.served_name(routing, server.frontend.model_name),
+        "model": server.served_name(routing),
     }
 
     def frame(idx: int, delta: dict, finish_reason: str | None = None) -> bytes:
@@ -168,7 +169,7 @@ def _stream(
             if text:
                 frames += frame(idx, {"content": text})
             thinking[idx] = rp.reasoning_tokens(
-                server.frontend.tokenizer, reply_ids.pop(idx, []), thinker.reply()
+                server.frontend_of(routing).tokenizer, reply_ids.pop(idx, []), thinker.reply()
             )
         streamer = streamers.pop(idx, None)
         if streamer is not None:

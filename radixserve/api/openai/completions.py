@@ -26,9 +26,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body_schema=body_schema(CompletionRequest),
     )
     async def completions(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = server.parse_routed(request, CompletionRequest)
-        server.check_model(body.model)
-        frontend = server.frontend
+        body, routing = await server.parse_routed(request, CompletionRequest)
+        frontend = server.frontend_of(routing)
         texts, prompts = await cv.completion_prompts(
             frontend, body.prompt, server.config.max_prompts_per_request
         )
@@ -75,7 +74,7 @@ async def _whole(
     prompt_only: bool = False,
 ) -> Response:
     done = await collect(server, prompts, params, routing)
-    token_text, n = server.frontend.token_text, params.n
+    token_text, n = server.frontend_of(routing).token_text, params.n
     choices = []
     for idx, o in done.outputs.items():
         prefix = (texts[idx // n] or "") if body.echo else ""
@@ -97,7 +96,7 @@ async def _whole(
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": server.served_name(routing, server.frontend.model_name),
+            "model": server.served_name(routing),
             "choices": choices,
             "usage": usage(
                 prompts, 0 if prompt_only else done.completion_tokens, done.cached_tokens
@@ -116,12 +115,12 @@ def _stream(
     routing: Routing,
     prompt_only: bool = False,
 ):
-    n, token_text = params.n, server.frontend.token_text
+    n, token_text = params.n, server.frontend_of(routing).token_text
     base = {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": server.served_name(routing, server.frontend.model_name),
+        "model": server.served_name(routing),
     }
     # with logprobs, a prompt's echo waits for its first delta (which brings the prompt's
     # logprobs); without, it goes out at once

@@ -131,6 +131,37 @@ class ServerConfig:
         "re-read on SIGHUP",
     )
 
+    # several models behind one server (serving/model_set.py, docs/multi-model.md)
+    models_dir: str | None = setting(
+        None,
+        metavar="DIR",
+        group="models",
+        help="serve every GGUF file and HF model folder in DIR, each named by its file or "
+        "folder name (or by DIR/models.toml: aliases, pinned, engine flags per model) and "
+        "loaded on the first request that names it; --memory-budget then covers them all",
+    )
+    model_entries: tuple[str, ...] = ()  # serve's --model NAME=PATH, repeated
+    idle_unload_s: float = setting(
+        300.0,
+        name="--idle-unload",
+        metavar="SECONDS",
+        group="models",
+        help="several models: unload a model this long after its last request (a "
+        "request's keep_alive overrides; 0: at once; negative: never)",
+    )
+    max_load_wait_s: float = setting(
+        120.0,
+        name="--max-load-wait",
+        metavar="SECONDS",
+        group="models",
+        help="several models: how long a request waits for its model to load (then 503 "
+        "with Retry-After)",
+    )
+
+    @property
+    def many_models(self) -> bool:
+        return bool(self.models_dir or self.model_entries)
+
     def __post_init__(self) -> None:
         self.serving()  # its checks (the data-parallel size) hold here too
 

@@ -20,6 +20,7 @@ from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.errors import InputError
 from radixserve.core.request import POOLING_PARAMS
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
+from radixserve.serving.frontend import Frontend
 
 # what the wire carries for a pooling request (the engine makes its own)
 _INPUT_SHAPES = (
@@ -27,17 +28,17 @@ _INPUT_SHAPES = (
 )
 
 
-def pooling_kind(server: OpenAIServer) -> str:
+def pooling_kind(server: OpenAIServer, frontend: Frontend) -> str:
     """How this server pools: ``--embedding-pooling`` if given, else the model's own,
     else last-token (a decoder LM's natural summary, as vLLM pools causal LMs); a 400
     when embeddings are not served at all."""
-    ready = server.frontend.client.ready
+    ready = frontend.client.ready
     model_pooling = ready.model_pooling if ready is not None else None
     config = server.config
     if model_pooling is None and not config.enable_embeddings:
         raise APIError(
             400,
-            f"The model `{server.frontend.model_name}` is not an embedding model; start the "
+            f"The model `{frontend.model_name}` is not an embedding model; start the "
             "server with --enable-embeddings to serve its pooled hidden states at "
             "/v1/embeddings",
             code="embeddings_not_enabled",
@@ -45,10 +46,10 @@ def pooling_kind(server: OpenAIServer) -> str:
     return config.embedding_pooling or model_pooling or "last"
 
 
-def check_dimensions(server: OpenAIServer, dimensions: int | None) -> int | None:
+def check_dimensions(frontend: Frontend, dimensions: int | None) -> int | None:
     """The size to truncate to (None: the full vector). Only a Matryoshka model may be
     truncated (to its listed sizes, if it lists them); a 400 naming ``dimensions``."""
-    ready = server.frontend.client.ready
+    ready = frontend.client.ready
     hidden = ready.hidden_size if ready is not None else 0
     if dimensions is None or dimensions == hidden:
         return None
@@ -58,7 +59,7 @@ def check_dimensions(server: OpenAIServer, dimensions: int | None) -> int | None
     if allowed is None:
         raise APIError(
             400,
-            f"The model `{server.frontend.model_name}` does not support matryoshka "
+            f"The model `{frontend.model_name}` does not support matryoshka "
             f"representations: dimensions must be its embedding size ({hidden}) or unset",
             param="dimensions",
         )
@@ -92,16 +93,15 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body_schema=body_schema(EmbeddingRequest),
     )
     async def embeddings(request: HTTPRequest) -> Response:
-        kind = pooling_kind(server)
         try:
-            body, routing = server.parse_routed(request, EmbeddingRequest)
+            body, routing = await server.parse_routed(request, EmbeddingRequest)
         except APIError as exc:  # (pydantic names the union member: "input.str")
             if exc.param is None or not exc.param.startswith("input."):
                 raise
             raise APIError(400, _INPUT_SHAPES, param="input") from None
-        server.check_model(body.model)
-        dimensions = check_dimensions(server, body.dimensions)
-        frontend, config = server.frontend, server.config
+        frontend, config = server.frontend_of(routing), server.config
+        kind = pooling_kind(server, frontend)
+        dimensions = check_dimensions(frontend, body.dimensions)
         _, prompts = await cv.completion_prompts(
             frontend, body.input, config.max_prompts_per_request, param="input"
         )
@@ -139,7 +139,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             {
                 "object": "list",
                 "data": data,
-                "model": server.served_name(routing, frontend.model_name),
+                "model": server.served_name(routing),
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
             }
         )

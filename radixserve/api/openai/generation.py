@@ -87,7 +87,7 @@ async def collect(
 ) -> Collected:
     """Run the request to its end; a sample that failed in the engine is a 500. ``run``:
     what yields the (prompt index, delta) pairs (None: ``Frontend.run``)."""
-    frontend, n = server.frontend, params.n
+    frontend, n = server.frontend_of(routing), params.n
     started = time.monotonic()
     try:
         items = [x async for x in (run or frontend.run)(prompts, params, routing)]
@@ -149,7 +149,7 @@ async def stream_events(
     frame follows at once), as vLLM's completions stream does: the client sees its first
     token when it is made, not one engine step later. Otherwise such deltas are skipped."""
     n = params.n
-    timer = RequestTimer(server.frontend.metrics, routing.tag.label)
+    timer = RequestTimer(server.frontend_of(routing).metrics, routing.tag.label)
     cached: dict[int, int] = {}
     options = body.stream_options
     continuous = options is not None and options.continuous_usage_stats
@@ -158,7 +158,7 @@ async def stream_events(
             usage_obj["usage"] = usage(prompts, 0, 0)
         for frame in head():
             yield frame
-        async for i, d in server.frontend.run(prompts, params, routing):
+        async for i, d in server.frontend_of(routing).run(prompts, params, routing):
             idx = i * n + d.index
             timer.delta(idx, d)
             if on_tokens is not None:  # every delta's ids, text or not (reasoning tokens)

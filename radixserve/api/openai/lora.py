@@ -13,13 +13,13 @@ LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
-    frontend = server.frontend
+    # (with several models, adapters load onto the first: models.toml gives the others theirs)
 
     @app.route("POST", "/v1/load_lora_adapter", in_schema=False)
     async def load(request: HTTPRequest) -> Response:
         body = server.parse(request, LoadLoRARequest)
         try:
-            await frontend.load_lora(body.lora_name, body.lora_path)
+            await server.frontend.load_lora(body.lora_name, body.lora_path)
         except LoRAError as exc:
             raise APIError(400, str(exc), param="lora_path") from None
         except EngineDead as exc:
@@ -32,7 +32,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     async def unload(request: HTTPRequest) -> Response:
         body = server.parse(request, UnloadLoRARequest)
         try:
-            await frontend.unload_lora(body.lora_name)
+            await server.frontend.unload_lora(body.lora_name)
         except LoRANotFound:
             raise server.model_not_found(body.lora_name) from None
         except LoRAError as exc:

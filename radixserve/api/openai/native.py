@@ -29,11 +29,11 @@ from radixserve.serving.engine_streams import EngineDead, RequestRejected
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
-    frontend = server.frontend
 
     @app.route("POST", "/tokenize", body_schema=body_schema(TokenizeRequest))
     async def tokenize(request: HTTPRequest) -> Response:
-        body = server.parse(request, TokenizeRequest)
+        body, routing = await server.parse_routed(request, TokenizeRequest)
+        frontend = server.frontend_of(routing)
         if body.messages is not None:
             messages = [
                 template_message(m, i, cv.message_text(m, i)) for i, m in enumerate(body.messages)
@@ -52,7 +52,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("POST", "/detokenize", body_schema=body_schema(DetokenizeRequest))
     async def detokenize(request: HTTPRequest) -> Response:
-        body = server.parse(request, DetokenizeRequest)
+        body, routing = await server.parse_routed(request, DetokenizeRequest)
+        frontend = server.frontend_of(routing)
         bad = [t for t in body.tokens if not 0 <= t < frontend.vocab_size]
         if bad:
             raise APIError(400, f"token ids must be in [0, {frontend.vocab_size})", param="tokens")
@@ -60,7 +61,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("POST", "/generate", watch_disconnect=True, body_schema=body_schema(GenerateRequest))
     async def generate(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = server.parse_routed(request, GenerateRequest)
+        body, routing = await server.parse_routed(request, GenerateRequest)
+        frontend = server.frontend_of(routing)
         if body.input_ids is not None:
             ids = body.input_ids
         elif body.text is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
 class StreamOptions(BaseModel):
@@ -23,6 +23,9 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    # ollama's: how long the model stays loaded after this request (seconds, '5m'; 0: unload
+    # at once; negative: keep), where the server serves several models
+    keep_alive: StrictInt | StrictFloat | str | None = None
     max_tokens: StrictInt | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -95,6 +98,9 @@ class ChatCompletionRequest(_Sampling):
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
 
+    model: str | None = None
+    keep_alive: StrictInt | StrictFloat | str | None = None
+
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
@@ -102,6 +108,9 @@ class TokenizeRequest(BaseModel):
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
+
+    model: str | None = None
+    keep_alive: StrictInt | StrictFloat | str | None = None
 
     tokens: list[StrictInt]
 
@@ -111,6 +120,8 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")  # undeclared fields: a 400 (see _Sampling)
 
+    model: str | None = None
+    keep_alive: StrictInt | StrictFloat | str | None = None
     text: str | None = None
     input_ids: list[StrictInt] | None = None
     sampling_params: dict[str, Any] | None = None
@@ -142,6 +153,9 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    # ollama's: how long the model stays loaded after this request (seconds, '5m'; 0: unload
+    # at once; negative: keep), where the server serves several models
+    keep_alive: StrictInt | StrictFloat | str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: StrictInt | None = None
@@ -178,6 +192,9 @@ class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    # ollama's: how long the model stays loaded after this request (seconds, '5m'; 0: unload
+    # at once; negative: keep), where the server serves several models
+    keep_alive: StrictInt | StrictFloat | str | None = None
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None
@@ -197,6 +214,9 @@ class RerankRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    # ollama's: how long the model stays loaded after this request (seconds, '5m'; 0: unload
+    # at once; negative: keep), where the server serves several models
+    keep_alive: StrictInt | StrictFloat | str | None = None
     query: str
     documents: list[str | dict[str, Any]]
     top_n: StrictInt | None = None
@@ -213,6 +233,9 @@ class ScoreRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    # ollama's: how long the model stays loaded after this request (seconds, '5m'; 0: unload
+    # at once; negative: keep), where the server serves several models
+    keep_alive: StrictInt | StrictFloat | str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
     instruction: str | None = None

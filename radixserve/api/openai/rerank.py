@@ -29,6 +29,7 @@ from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
+from radixserve.serving.frontend import Frontend
 from radixserve.serving.tenancy import Routing
 
 RERANK_TEMPLATES = {
@@ -73,20 +74,21 @@ def fill_template(template: str, query: str, document: str, instruction: str) ->
     )
 
 
-def _serves_rerank(server: OpenAIServer) -> None:
-    if server.config.enable_rerank or "rerank" in server.frontend.model_name.lower():
+def _serves_rerank(server: OpenAIServer, routing: Routing) -> None:
+    name = server.frontend_of(routing).model_name
+    if server.config.enable_rerank or "rerank" in name.lower():
         return
     raise APIError(
         400,
-        f"The model `{server.frontend.model_name}` is not a reranker; start the server with "
+        f"The model `{name}` is not a reranker; start the server with "
         "--enable-rerank to score documents with it",
         code="rerank_not_enabled",
     )
 
 
-def _answer_ids(server: OpenAIServer) -> tuple[int, int]:
+def _answer_ids(frontend: Frontend) -> tuple[int, int]:
     """The one-token ids of "yes" and "no" (a 400 if the vocabulary splits either)."""
-    tokenizer = server.frontend.tokenizer
+    tokenizer = frontend.tokenizer
     ids = []
     for word in ("yes", "no"):
         encoded = tokenizer.encode(word, add_special_tokens=False)
@@ -108,7 +110,7 @@ async def score_pairs(
     param: str,
 ) -> tuple[list[float], int]:
     """The relevance of each (query, document) pair, and the prompt tokens read."""
-    frontend, config = server.frontend, server.config
+    frontend, config = server.frontend_of(routing), server.config
     if not pairs:
         raise APIError(400, "give at least one document", param=param)
     if len(pairs) > config.max_prompts_per_request:
@@ -119,7 +121,7 @@ async def score_pairs(
             param=param,
         )
     template = rerank_template(config.rerank_template)
-    yes, no = _answer_ids(server)
+    yes, no = _answer_ids(frontend)
     prompts = []
     for query, document in pairs:
         text = fill_template(template, query, document, instruction or DEFAULT_INSTRUCTION)
@@ -166,9 +168,8 @@ def _document_text(doc: str | dict[str, Any], i: int) -> str:
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     async def rerank(request: HTTPRequest) -> Response:
-        body, routing = server.parse_routed(request, RerankRequest)
-        server.check_model(body.model)
-        _serves_rerank(server)
+        body, routing = await server.parse_routed(request, RerankRequest)
+        _serves_rerank(server, routing)
         if not body.query.strip():
             raise APIError(400, "query is empty", param="query")
         if body.top_n is not None and body.top_n < 1:
@@ -187,7 +188,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         return json_response(
             {
                 "id": f"rerank-{uuid.uuid4().hex}",
-                "model": server.served_name(routing, server.frontend.model_name),
+                "model": server.served_name(routing),
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "results": results,
             }
@@ -199,9 +200,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         )
 
     async def score(request: HTTPRequest) -> Response:
-        body, routing = server.parse_routed(request, ScoreRequest)
-        server.check_model(body.model)
-        _serves_rerank(server)
+        body, routing = await server.parse_routed(request, ScoreRequest)
+        _serves_rerank(server, routing)
         firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         if len(firsts) == 1:
@@ -218,7 +218,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
                 "id": f"score-{uuid.uuid4().hex}",
                 "object": "list",
                 "created": int(time.time()),
-                "model": server.served_name(routing, server.frontend.model_name),
+                "model": server.served_name(routing),
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }

@@ -260,7 +260,7 @@ class _Responder:
             "status": status,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "error": None,
-            "model": self.server.served_name(self.routing, self.server.frontend.model_name),
+            "model": self.server.served_name(self.routing),
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature,
@@ -313,15 +313,14 @@ class _Responder:
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
-    frontend = server.frontend
     store: ResponseStore = server.responses
 
     @app.route(
         "POST", "/v1/responses", watch_disconnect=True, body_schema=body_schema(ResponsesRequest)
     )
     async def create(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = server.parse_routed(request, ResponsesRequest)
-        server.check_model(body.model)
+        body, routing = await server.parse_routed(request, ResponsesRequest)
+        frontend = server.frontend_of(routing)
         _refuse_unsupported(body)
         conversation: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
@@ -431,7 +430,7 @@ async def _stream(
     function_call_arguments.delta, .done, output_item.done; then response.completed (or
     response.incomplete). A failure ends the stream with response.failed."""
     server = responder.server
-    frontend = server.frontend
+    frontend = server.frontend_of(responder.routing)
     seq = 0
 
     def event(kind: str, **data: Any) -> bytes:

@@ -22,11 +22,22 @@ from radixserve.api.asgi import (
 )
 from radixserve.api.console.debug import add_debug_routes
 from radixserve.api.console.routes import register_console
-from radixserve.api.openai import chat, completions, embeddings, lora, native, rerank, responses
+from radixserve.api.openai import (
+    chat,
+    completions,
+    embeddings,
+    lora,
+    model_admin,
+    native,
+    rerank,
+    responses,
+)
 from radixserve.api.openai.config import ServerConfig
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.version import __version__
 from radixserve.serving.frontend import EngineConfig
+from radixserve.serving.metrics import render_by_model
+from radixserve.serving.tenancy import TenantTag
 
 __all__ = ["OpenAIServer", "ServerConfig", "create_app", "openapi_document"]
 
@@ -49,7 +60,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     config = config or ServerConfig()
     rerank.rerank_template(config.rerank_template)  # a missing template file fails here
     server = OpenAIServer(engine_config, config)
-    frontend = server.frontend
+    models = server.models
 
     policy = server.policy
 
@@ -60,26 +71,33 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     async def start() -> None:
         if config.api_keys_file is not None:
             _watch_sighup(server)
-        await frontend.start()
+        await models.start()
 
     app = ASGIApp(
         config.max_body_bytes,
         authorize,
         start,
-        frontend.shutdown,
+        models.shutdown,
         body_timeout_s=config.body_timeout_s,
     )
-    register_console(app, frontend, lambda request: policy.may_read_prompts(request.headers))
+    register_console(
+        app, lambda: server.frontend, lambda request: policy.may_read_prompts(request.headers)
+    )
     if config.enable_debug_endpoints:
-        add_debug_routes(app, frontend)
+        add_debug_routes(app, lambda: server.frontend)
     app.server = server  # type: ignore[attr-defined] # (the gRPC frontend shares it)
 
     @app.route("GET", "/health")
     async def health(_: HTTPRequest) -> Response:
-        reason = frontend.client.unhealthy_reason()
-        if reason is None:
+        # every loaded model's engines (a several-model server with none loaded is healthy)
+        reasons = [
+            f"{name}: {reason}" if models.many else reason
+            for name, frontend in models.frontends()
+            if (reason := frontend.client.unhealthy_reason()) is not None
+        ]
+        if not reasons:
             return Response(headers=[])
-        return error_response(APIError(503, reason, "service_unavailable_error"))
+        return error_response(APIError(503, "; ".join(reasons), "service_unavailable_error"))
 
     @app.route("GET", "/version")
     async def version(_: HTTPRequest) -> Response:
@@ -87,40 +105,54 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
 
     @app.route("GET", "/metrics")
     async def metrics(_: HTTPRequest) -> Response:
-        return Response(
-            frontend.metrics.render(), headers=[(b"content-type", b"text/plain; version=0.0.4")]
-        )
+        loaded = [(name, frontend.metrics) for name, frontend in models.frontends()]
+        text = render_by_model(loaded) if models.many else server.frontend.metrics.render()
+        return Response(text, headers=[(b"content-type", b"text/plain; version=0.0.4")])
 
     @app.route("GET", "/openapi.json")
     async def openapi(_: HTTPRequest) -> Response:
         return json_response(openapi_document(app))
 
-    def model_card(adapter: str | None = None) -> dict:
-        """The base model's card, or a LoRA adapter's (vLLM's ``root`` and ``parent``)."""
-        card = {
-            "id": adapter or frontend.model_name,
-            "object": "model",
-            "created": frontend.created,
-            "owned_by": "radixserve",
-            "max_model_len": frontend.max_model_len,
-        }
-        if adapter is not None:
-            card.update(root=frontend.loras.get(adapter), parent=frontend.model_name)
-        return card
+    def model_cards(tag: TenantTag) -> list[dict]:
+        """Each served model's card (``status``: loaded, loading or unloaded) and each of
+        its LoRA adapters ``tag``'s key may use (vLLM's ``root`` and ``parent``)."""
+        cards = []
+        adapters = server.adapters()
+        for state in models.status():
+            name = state.pop("id")
+            frontend = models.loaded(name)
+            card = {"id": name, "object": "model", "owned_by": "radixserve", **state}
+            if frontend is not None:
+                card.update(created=frontend.created, max_model_len=frontend.max_model_len)
+            cards.append(card)
+            for adapter, root in adapters[name].items():
+                if tag.may_use(adapter):
+                    cards.append(
+                        {
+                            "id": adapter,
+                            "object": "model",
+                            "owned_by": "radixserve",
+                            "root": root,
+                            "parent": name,
+                        }
+                    )
+        return cards
 
     @app.route("GET", "/v1/models")
-    async def models(request: HTTPRequest) -> Response:
-        tag = server.tenant_tag(request.headers)  # (the adapters its key may use)
-        adapters = [name for name in frontend.loras if tag.may_use(name)]
-        cards = [model_card(), *(model_card(name) for name in adapters)]
+    async def list_models(request: HTTPRequest) -> Response:
+        cards = model_cards(server.tenant_tag(request.headers))
         return json_response({"object": "list", "data": cards})
 
     @app.route("GET", "/v1/models/{model}")
     async def model(request: HTTPRequest) -> Response:
         name = unquote(request.path_params["model"])
-        adapter = server.lora_of(name, server.tenant_tag(request.headers))
-        return json_response(model_card(adapter))
+        for card in model_cards(server.tenant_tag(request.headers)):
+            if card["id"] == name or name in card.get("aliases", ()):
+                return json_response(card)
+        raise server.model_not_found(name)
 
+    if config.many_models:  # (a single model stays loaded: nothing to do by hand)
+        model_admin.add_routes(app, server)
     lora.add_routes(app, server)
     native.add_routes(app, server)
     completions.add_routes(app, server)

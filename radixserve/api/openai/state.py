@@ -18,7 +18,17 @@ from radixserve.api.openai.config import ServerConfig
 from radixserve.api.openai.converter import parse_body
 from radixserve.api.openai.response_store import ANY_TENANT, ResponseStore
 from radixserve.api.tenants import load_keys_file, tenant_tag
+from radixserve.engine.tokenizer import load_model_tokenizer
 from radixserve.serving.frontend import EngineConfig, Frontend
+from radixserve.serving.model_set import (
+    Lease,
+    ModelNotFound,
+    ModelSet,
+    ModelSpec,
+    ModelUnavailable,
+    model_specs,
+    parse_keep_alive,
+)
 from radixserve.serving.tenancy import Routing, TenantTag
 
 log = logging.getLogger(__name__)
@@ -27,7 +37,17 @@ _PROTECTED_PREFIXES = ("/v1/", "/debug/")  # (/v1/messages takes x-api-key too)
 _PROTECTED_PATHS = frozenset({"/generate", "/tokenize", "/detokenize"})
 ADMIN_PREFIXES = ("/v1/engine/", "/debug/")
 # (and vLLM's routes that load and unload LoRA adapters)
-ADMIN_PATHS = frozenset({"/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+ADMIN_PATHS = frozenset(
+    {
+        "/metrics",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        # several models: load, unload and pin one by hand (api/openai/model_admin.py)
+        "/v1/models/load",
+        "/v1/models/unload",
+        "/v1/models/pin",
+    }
+)
 # what the server stores for tenants (GET/DELETE /v1/responses/{id}): an admin key may read
 # and delete any tenant's
 STORED_PREFIX = "/v1/responses/"
@@ -60,8 +80,28 @@ class OpenAIServer:
 
     def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
         file_entries = () if config.api_keys_file is None else load_keys_file(config.api_keys_file)
-        self.frontend = Frontend(engine_config, config.serving())
-        self.config = config = _resolve_auto(config, self.frontend.tokenizer)
+        serving = config.serving()
+        self._only: Frontend | None = None  # a single model's (there before it starts)
+        if config.many_models:
+            specs = model_specs(engine_config, config.model_entries, config.models_dir)
+            budget = engine_config.memory_budget_gb
+            self.models = ModelSet(
+                specs,
+                serving,
+                None if budget is None else int(budget * 2**30),
+                config.idle_unload_s,
+                config.max_load_wait_s,
+            )
+            # ("auto" parsers read the first model's chat template)
+            auto = "auto" in (config.tool_call_parser, config.reasoning_parser)
+            tokenizer = load_model_tokenizer(specs[0].config.model)[1] if auto else None
+        else:  # one model, loaded at start and kept
+            frontend = Frontend(engine_config, serving)
+            spec = ModelSpec(frontend.model_name, engine_config, pinned=True)
+            self.models = ModelSet([spec], serving, make_frontend=lambda *_: frontend)
+            tokenizer = frontend.tokenizer
+            self._only = frontend
+        self.config = config = _resolve_auto(config, tokenizer)
         self.keys = auth.ApiKeys(config.api_keys, file_entries)
         self.admin_keys = auth.ApiKeys(config.admin_api_keys)
         self.policy = auth.AccessPolicy(
@@ -81,14 +121,7 @@ class OpenAIServer:
         return path is not None and auth.reload_keys_file(self.keys, path)
 
     def parse(self, request: HTTPRequest, model: type[BaseModel]) -> Any:
-        """The JSON body of ``request`` validated as ``model`` (400 naming the field, or
-        naming ``X-Tenant``/``user`` for a bad sub-tenant)."""
-        return self.parse_routed(request, model)[0]
-
-    def parse_routed(self, request: HTTPRequest, model: type[BaseModel]) -> tuple[Any, Routing]:
-        """``parse``, and the request's ``Routing``: its tenant (its key's, refined by
-        ``X-Tenant`` or ``user`` when the key allows sub-tenants) and the body's
-        ``cache_salt`` and ``priority`` where the model has them."""
+        """The JSON body of ``request`` validated as ``model`` (400 naming the field)."""
         content_type = request.headers.get("content-type", "")
         if "application/json" not in content_type:
             raise APIError(400, "Content-Type must be application/json")
@@ -96,25 +129,98 @@ class OpenAIServer:
             data = orjson.loads(request.body)
         except orjson.JSONDecodeError as exc:
             raise APIError(400, f"could not parse the JSON body: {exc}") from None
-        body = parse_body(model, data)
+        return parse_body(model, data)
+
+    async def parse_routed(
+        self, request: HTTPRequest, model: type[BaseModel]
+    ) -> tuple[Any, Routing]:
+        """``parse``, and the request's ``Routing``: its tenant (its key's, refined by
+        ``X-Tenant`` or ``user`` when the key allows sub-tenants), its served model and
+        LoRA adapter (``model``: 404 for a name not served), the body's ``cache_salt``
+        and ``priority`` where the model has them. The model is loaded if it is not, and
+        held until the answer is sent (``HTTPRequest.on_done``)."""
+        body = self.parse(request, model)
         tag = self.tenant_tag(request.headers, getattr(body, "user", None))
+        served, lora = self.model_of(getattr(body, "model", None), tag)
+        lease = await self.lease(served, getattr(body, "keep_alive", None))
+        request.on_done.append(lease.release)
         routing = Routing(
             tag,
             getattr(body, "cache_salt", None) or None,  # ("" is no salt, as over gRPC)
             getattr(body, "priority", None) or 0,
-            self.lora_of(getattr(body, "model", None), tag),
+            lora,
+            served,
         )
         return body, routing
 
-    def lora_of(self, name: str | None, tag: TenantTag) -> str | None:
-        """The LoRA adapter model ``name`` is (None: the base model, or no name); a 404
-        ``model_not_found`` for a name that is neither, or an adapter ``tag``'s key may not
-        use (not told apart: a tenant learns nothing of adapters it may not use)."""
-        if name is None or name == self.frontend.model_name:
-            return None
-        if name in self.frontend.loras and tag.may_use(name):
-            return name
+    def model_of(self, name: str | None, tag: TenantTag) -> tuple[str, str | None]:
+        """(served model, LoRA adapter or None) that a request's ``model`` names (None: the
+        first model); a 404 ``model_not_found`` for a name that is neither a model, an
+        alias nor an adapter ``tag``'s key may use (not told apart: a tenant learns
+        nothing of adapters it may not use)."""
+        try:
+            return self.models.resolve(name), None
+        except ModelNotFound:
+            pass
+        assert name is not None
+        if tag.may_use(name):
+            for served, adapters in self.adapters().items():
+                if name in adapters:
+                    return served, name
         raise self.model_not_found(name)
+
+    def adapters(self) -> dict[str, dict[str, str]]:
+        """Each served model's LoRA adapters (name -> folder): a loaded model's as they are
+        now, an unloaded one's as its settings give them."""
+        out: dict[str, dict[str, str]] = {}
+        for name, entry in self.models.entries.items():
+            if entry.frontend is not None:
+                out[name] = entry.frontend.loras
+            else:
+                items = entry.spec.config.lora_modules
+                out[name] = dict(item.partition("=")[::2] for item in items)
+        return out
+
+    async def lease(self, name: str, keep_alive: Any = None) -> Lease:
+        """A hold on served model ``name``, loaded first if it is not: 400 for a bad
+        ``keep_alive``; 503 (with Retry-After) when it could not be loaded in time, 500
+        naming the reason when loading it failed."""
+        try:
+            keep = parse_keep_alive(keep_alive)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="keep_alive") from None
+        try:
+            return await self.models.acquire(name, keep)
+        except ModelUnavailable as exc:
+            if exc.retry_after_s is None:
+                raise APIError(
+                    500, str(exc), "model_load_error", code="model_load_failed"
+                ) from None
+            raise APIError(
+                503,
+                str(exc),
+                "service_unavailable_error",
+                code="model_loading",
+                retry_after_s=exc.retry_after_s,
+            ) from None
+
+    @property
+    def frontend(self) -> Frontend:
+        """The first model's frontend (a single-model server's only one; with several
+        models, loaded or not: ``frontend_of`` serves requests)."""
+        frontend = self._only or self.models.loaded(self.models.default)
+        if frontend is None:
+            raise APIError(
+                503, f"model {self.models.default!r} is not loaded", "service_unavailable_error"
+            )
+        return frontend
+
+    def frontend_of(self, routing: Routing) -> Frontend:
+        """The frontend of the model a routed request holds (``parse_routed``)."""
+        frontend = self.models.loaded(routing.model or self.models.default)
+        if frontend is None:  # (parse_routed's lease keeps it loaded: never here)
+            raise RuntimeError(f"model {routing.model!r} is not loaded")
+        return frontend
 
     @staticmethod
     def model_not_found(name: str) -> APIError:
@@ -126,10 +232,9 @@ class OpenAIServer:
             code="model_not_found",
         )
 
-    @staticmethod
-    def served_name(routing: Routing, base: str) -> str:
-        """The ``model`` an answer names: the adapter it ran on, else the base model."""
-        return routing.lora or base
+    def served_name(self, routing: Routing) -> str:
+        """The ``model`` an answer names: the adapter it ran on, else its model."""
+        return routing.lora or routing.model or self.models.default
 
     def tenant_tag(self, headers: dict[str, str], user: Any = None) -> TenantTag:
         """The tenant of a request with these headers (or gRPC metadata) and ``user``
@@ -147,13 +252,3 @@ class OpenAIServer:
         if self.policy.is_admin(headers):
             return ANY_TENANT
         return self.tenant_tag(headers).tenant.name
-
-    def check_model(self, name: str | None) -> None:
-        """A 404 ``model_not_found`` unless ``name`` is the base model or an adapter served
-        (``parse_routed`` also checks the tenant may use it)."""
-        if (
-            name is not None
-            and name != self.frontend.model_name
-            and name not in self.frontend.loras
-        ):
-            raise self.model_not_found(name)

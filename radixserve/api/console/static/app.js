@@ -203,6 +203,7 @@
       temperature: Number($("temperature").value),
       top_p: Number($("top-p").value),
       max_tokens: Number($("max-tokens").value) || undefined,
+      model: $("model-picker").value || undefined,
     };
     controller = new AbortController();
     setBusy(true);
@@ -571,7 +572,30 @@
     renderMarkdown,
   };
 
+  // a server with several models (or LoRA adapters): the playground picks one
+  async function listModels() {
+    let cards;
+    try {
+      const r = await api("/v1/models");
+      if (!r.ok) return;
+      cards = (await r.json()).data;
+    } catch (e) {
+      return;
+    }
+    if (cards.length < 2) return;
+    const picker = $("model-picker");
+    for (const card of cards) {
+      const option = document.createElement("option");
+      option.value = card.id;
+      const state = card.status && card.status !== "loaded" ? " (" + card.status + ")" : "";
+      option.textContent = (card.parent ? card.parent + " / " : "") + card.id + state;
+      picker.append(option);
+    }
+    $("model-picker-label").hidden = false;
+  }
+
   // -- start ------------------------------------------------------------------------------
+  listModels();
   showTab();
   setBusy(false);
   pollStats();

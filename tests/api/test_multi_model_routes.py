@@ -1,0 +1,110 @@
+"""Several models behind one server, fast: two names for the tiny model, engines on threads
+of the test process, a ``--memory-budget`` for one. A request holds its model until its
+answer is sent (a stream to its end): the model is not unloaded meanwhile, another model
+waits for the memory and is answered 503 with Retry-After; ``keep_alive``, pins and the
+admin routes; metrics by model."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.api.server_helpers import InProcessServer
+
+GREEDY = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
+
+
+def _status(url: str) -> dict[str, dict]:
+    return {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+
+
+def _wait_for(check, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def two_models(tiny_llama, monkeypatch):
+    # every step 10 ms: a stream of 300 tokens is still running while the test looks
+    monkeypatch.setenv("RADIXSERVE_FAULTS", "slow_step_ms:10")
+    srv = InProcessServer(
+        "--model", f"a={tiny_llama}", "--model", f"b={tiny_llama}",
+        "--dtype", "float32", "--kv-cache-memory", "0.05",
+        "--memory-budget", "0.5",  # one of them (each counts ~0.37 GiB before it loads)
+        "--max-load-wait", "1.5", "--idle-unload", "-1",
+    )  # fmt: skip
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_a_request_holds_its_model_until_its_answer_is_sent(two_models):
+    url = two_models.url
+    status = _status(url)
+    assert [status[n]["status"] for n in "ab"] == ["unloaded", "unloaded"]
+    body = {**GREEDY, "model": "a", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        card = _status(url)["a"]
+        assert card["status"] == "loaded" and card["in_flight"] == 1 and card["loads"] == 1
+        r = httpx.post(url + "/v1/models/unload", json={"model": "a"})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "model_busy"
+        # b needs a's memory, which a's stream holds: b waits, then is told to come back
+        r = httpx.post(url + "/v1/completions", json={**GREEDY, "model": "b"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
+        assert int(r.headers["retry-after"]) >= 1
+        assert _status(url)["a"]["in_flight"] == 1  # (still streaming)
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    _wait_for(lambda: _status(url)["a"]["in_flight"] == 0, "the stream's lease was kept")
+    # now a is idle: b takes its place
+    r = httpx.post(url + "/v1/completions", json={**GREEDY, "model": "b"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "b"
+    status = _status(url)
+    assert (status["a"]["status"], status["b"]["status"]) == ("unloaded", "loaded")
+    assert status["a"]["memory_bytes"] == 0 and status["b"]["memory_bytes"] > 0
+    assert 'model="b"' in httpx.get(url + "/metrics").text
+
+
+def test_keep_alive_pins_and_the_admin_routes(two_models):
+    url = two_models.url
+
+    def complete(model: str | None = None, **extra) -> httpx.Response:
+        body = {**GREEDY, **extra} if model is None else {**GREEDY, "model": model, **extra}
+        return httpx.post(url + "/v1/chat/completions" if "messages" in extra else
+                          url + "/v1/completions", json=body, timeout=60)  # fmt: skip
+
+    # no model: the first one; keep_alive 0 unloads it once answered, and the next request
+    # without keep_alive falls back to the server's default (never, here)
+    r = complete(keep_alive=0)
+    assert r.status_code == 200 and r.json()["model"] == "a"
+    _wait_for(lambda: _status(url)["a"]["status"] == "unloaded", "keep_alive 0 kept it")
+    assert complete("a").status_code == 200
+    time.sleep(0.3)
+    assert _status(url)["a"]["status"] == "loaded"
+    for bad in ("5x", "nan", True):
+        r = complete("a", keep_alive=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("keep_alive"), bad
+    # a pinned model is not unloaded to make room, nor by hand
+    r = httpx.post(url + "/v1/models/pin", json={"model": "a"})
+    assert r.status_code == 200 and r.json()["pinned"] is True
+    r = complete("b")
+    assert r.status_code == 500 and "pinned models hold" in r.json()["error"]["message"]
+    assert httpx.post(url + "/v1/models/unload", json={"model": "a"}).status_code == 409
+    httpx.post(url + "/v1/models/pin", json={"model": "a", "pinned": False})
+    r = httpx.post(url + "/v1/models/load", json={"model": "b"}, timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "loaded"
+    assert _status(url)["a"]["status"] == "unloaded"
+    r = httpx.post(url + "/v1/models/unload", json={"model": "b"})
+    assert r.status_code == 200 and r.json()["status"] == "unloaded"
+    r = httpx.post(url + "/v1/models/load", json={"model": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = complete("nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(url + "/v1/models/b").json()["status"] == "unloaded"
