@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import httpx
 import pytest
 
-from tests.api.server_helpers import InProcessServer
+from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2 as pb
+from radixserve.api.grpc.proto.radixserve.v1 import generate_pb2_grpc as pb_grpc
+from tests.api.server_helpers import InProcessServer, free_port
 
 GREEDY = {"prompt": "hello", "max_tokens": 4, "temperature": 0}
 
@@ -35,7 +38,7 @@ def two_models(tiny_llama, monkeypatch):
         "--model", f"a={tiny_llama}", "--model", f"b={tiny_llama}",
         "--dtype", "float32", "--kv-cache-memory", "0.05",
         "--memory-budget", "0.5",  # one of them (each counts ~0.37 GiB before it loads)
-        "--max-load-wait", "1.5", "--idle-unload", "-1",
+        "--max-load-wait", "1.5", "--idle-unload", "-1", "--grpc-port", str(free_port()),
     )  # fmt: skip
     try:
         yield srv
@@ -108,3 +111,16 @@ def test_keep_alive_pins_and_the_admin_routes(two_models):
     r = complete("nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.get(url + "/v1/models/b").json()["status"] == "unloaded"
+
+    # gRPC names its model too: b is loaded for the call and let go after it
+    with grpc.insecure_channel(f"127.0.0.1:{two_models.grpc_port}") as channel:
+        stub = pb_grpc.GenerateServiceStub(channel)
+        params = pb.SamplingParams(max_tokens=3, temperature=0)
+        request = pb.GenerateRequest(text="hello", model="b", sampling_params=params)
+        out = list(stub.Generate(request, timeout=60))
+        assert out[-1].finish_reason == "length" and len(out[-1].token_ids) >= 1
+        card = _status(url)["b"]
+        assert card["status"] == "loaded" and card["in_flight"] == 0
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi", model="nope"), timeout=30))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
