@@ -96,3 +96,23 @@ def model_matryoshka(source: ModelSource) -> list[int] | None:
     if isinstance(dims, list) and dims and all(isinstance(d, int) for d in dims):
         return sorted(dims)
     return [] if config.get("is_matryoshka") is True else None
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    """A GGUF model's weights as the engine holds them: every tensor from its codes, as in
+    the file, but the token embeddings, which are widened to bfloat16 (a tied LM head keeps
+    their codes as well)."""
+    import numpy as np
+
+    from radixserve.executor.loader.gguf_file import GGUFFile
+
+    try:
+        tensors = {t.name: t for t in GGUFFile(path).tensors}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a GGUF file the server can read ({exc})") from None
+    total = sum(t.data.nbytes for t in tensors.values())
+    embedding = tensors.get("token_embd.weight")
+    if embedding is not None:
+        widened = 2 * int(np.prod(embedding.shape))
+        total += widened if "output.weight" not in tensors else widened - embedding.data.nbytes
+    return total

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from radixserve.engine.config import EngineConfig
+from radixserve.engine.model_source import gguf_weight_bytes
+from radixserve.engine.tokenizer import load_model_tokenizer
 from radixserve.serving.frontend import Frontend, ServingConfig
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,8 @@ def parse_keep_alive(value: Any) -> float | None:
 def estimate_bytes(config: EngineConfig) -> int:
     """What loading the model of ``config`` is expected to take before it was ever loaded:
     an engine process, its weight files (a GGUF file runs from its codes; a checkpoint is at
-    most its size in memory once cast to the serving dtype) and its KV cache, or its
-    ``--memory-budget``. (Once loaded, a model counts what its processes hold.)"""
+    most its size in memory once cast to the serving dtype), its KV cache and host KV tier,
+    or its ``--memory-budget``. (Once loaded, a model counts what its processes hold.)"""
     if config.memory_budget_gb is not None:
         return ENGINE_OVERHEAD_BYTES + int(config.memory_budget_gb * 2**30)
     path = Path(config.model) if config.model else None
@@ -110,25 +110,13 @@ def estimate_bytes(config: EngineConfig) -> int:
             if f.suffix in (".safetensors", ".bin", ".gguf")
         )
     kv = config.kv_cache_memory_gb if config.kv_cache_memory_gb is not None else DEFAULT_MODEL_KV_GB
-    return ENGINE_OVERHEAD_BYTES + weights + int(kv * 2**30)
+    # (and its host KV tier, pinned memory too)
+    return ENGINE_OVERHEAD_BYTES + weights + int((kv + config.kv_host_gb) * 2**30)
 
 
-def gguf_weight_bytes(path: Path) -> int:
-    """A GGUF model's weights as the engine holds them: every tensor from its codes, as in
-    the file, but the token embeddings, which are widened to bfloat16 (a tied LM head keeps
-    their codes as well)."""
-    from radixserve.executor.loader.gguf_file import GGUFFile
-
-    try:
-        tensors = {t.name: t for t in GGUFFile(path).tensors}
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a GGUF file the server can read ({exc})") from None
-    total = sum(t.data.nbytes for t in tensors.values())
-    embedding = tensors.get("token_embd.weight")
-    if embedding is not None:
-        widened = 2 * int(np.prod(embedding.shape))
-        total += widened if "output.weight" not in tensors else widened - embedding.data.nbytes
-    return total
+def tokenizer_of(spec: ModelSpec) -> Any:
+    """A model's tokenizer, without loading the model (``auto`` parsers read its template)."""
+    return load_model_tokenizer(spec.config.model)[1]
 
 
 def process_rss_bytes(pid: int) -> int:

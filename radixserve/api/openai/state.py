@@ -18,7 +18,6 @@ from radixserve.api.openai.config import ServerConfig
 from radixserve.api.openai.converter import parse_body
 from radixserve.api.openai.response_store import ANY_TENANT, ResponseStore
 from radixserve.api.tenants import load_keys_file, tenant_tag
-from radixserve.engine.tokenizer import load_model_tokenizer
 from radixserve.serving.frontend import EngineConfig, Frontend
 from radixserve.serving.model_set import (
     Lease,
@@ -28,6 +27,7 @@ from radixserve.serving.model_set import (
     ModelUnavailable,
     model_specs,
     parse_keep_alive,
+    tokenizer_of,
 )
 from radixserve.serving.tenancy import Routing, TenantTag
 
@@ -94,7 +94,7 @@ class OpenAIServer:
             )
             # ("auto" parsers read the first model's chat template)
             auto = "auto" in (config.tool_call_parser, config.reasoning_parser)
-            tokenizer = load_model_tokenizer(specs[0].config.model)[1] if auto else None
+            tokenizer = tokenizer_of(specs[0]) if auto else None
         else:  # one model, loaded at start and kept
             frontend = Frontend(engine_config, serving)
             spec = ModelSpec(frontend.model_name, engine_config, pinned=True)
