@@ -20,29 +20,37 @@ _HF_OUTPUTS: dict[tuple, list[int]] = {}  # (model, gguf file, max new tokens, p
 _HF_MODEL: dict[tuple, object] = {}  # the last model loaded (tests ask for one many times)
 
 
+def hf_model(model_path, gguf_file=None):
+    """The Hugging Face transformers model (float32) at ``model_path`` (a GGUF file in it
+    when ``gguf_file``), kept for the session while it is the last one asked for: loading
+    a GGUF file through transformers dequantizes every tensor in numpy (tens of seconds
+    for a 262k vocabulary)."""
+    from transformers import AutoModelForCausalLM
+
+    where = (str(model_path), str(gguf_file) if gguf_file else None)
+    model = _HF_MODEL.get(where)
+    if model is None:
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32, **kwargs)
+        model.eval()
+        # No early stop and no EOS masking: radixserve runs these with ignore_eos.
+        model.generation_config.eos_token_id = None
+        _HF_MODEL.clear()
+        _HF_MODEL[where] = model
+    return model
+
+
 def hf_greedy(
     model_path, prompts: list[list[int]], max_new_tokens: int, gguf_file=None
 ) -> list[list[int]]:
     """Greedy continuations from Hugging Face transformers (float32), one prompt at a time.
     Memoised for the session: the tiny models are built once, so a reference output asked
     for again (the same model, prompt and length) is the one computed before."""
-    from transformers import AutoModelForCausalLM
-
     where = (str(model_path), str(gguf_file) if gguf_file else None)
     keys = [(*where, max_new_tokens, tuple(ids)) for ids in prompts]
     missing = [ids for ids, key in zip(prompts, keys, strict=True) if key not in _HF_OUTPUTS]
     if missing:
-        model = _HF_MODEL.get(where)
-        if model is None:
-            kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-            model = AutoModelForCausalLM.from_pretrained(
-                str(model_path), dtype=torch.float32, **kwargs
-            )
-            model.eval()
-            # No early stop and no EOS masking: radixserve runs these with ignore_eos.
-            model.generation_config.eos_token_id = None
-            _HF_MODEL.clear()
-            _HF_MODEL[where] = model
+        model = hf_model(model_path, gguf_file)
         with torch.inference_mode():
             for ids in missing:
                 out = model.generate(

@@ -80,7 +80,9 @@ class DataParallelClient:
         policy: str = "cache-aware",
         balance: BalanceConfig | None = None,
         supervision: SupervisorConfig | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """``env``: more environment for every engine process (None: this process's)."""
         if size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {size}")
         if size > 1 and config.nnodes > 1:
@@ -103,9 +105,12 @@ class DataParallelClient:
         ):  # the engines share the cores instead of each taking them all
             config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // size))
         self.config = config
-        envs: list[dict[str, str] | None] = [None] * size
+        base = {**os.environ, **env} if env else None
+        envs: list[dict[str, str] | None] = [base] * size
         if config.resolved_device == "cuda" and not config.simulated_device:
-            envs = list(replica_environments(size, config.tensor_parallel_size, dict(os.environ)))
+            envs = list(
+                replica_environments(size, config.tensor_parallel_size, base or dict(os.environ))
+            )
         # each engine is supervised (watchdog, restarts) on its own
         self.clients = [
             EngineProcessClient(config, tokenizer, supervision=supervision, env=env) for env in envs

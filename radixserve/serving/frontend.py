@@ -11,6 +11,7 @@ into prompt ids + ``SamplingParams`` through it and stream the deltas back.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -46,6 +47,9 @@ class ServingConfig:
     # the engine on a thread of this process instead of its own process (one engine only:
     # tests and embedding; engine_host.EngineThread)
     engine_in_process: bool = False
+    # more environment for the engine processes (several models sharing the cores:
+    # model_set.SHARED_CORES_ENV)
+    engine_env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -65,6 +69,7 @@ def make_engine_client(
             engine_config,
             tokenizer,
             supervision=config.supervision,
+            env={**os.environ, **dict(config.engine_env)} if config.engine_env else None,
             in_process=config.engine_in_process,
         )
     return DataParallelClient(
@@ -74,6 +79,7 @@ def make_engine_client(
         config.dp_policy,
         config.dp_balance,
         supervision=config.supervision,
+        env=dict(config.engine_env),
     )
 
 

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import re
 import subprocess
 import time
@@ -39,6 +40,10 @@ DEFAULT_MODEL_KV_GB = 0.5
 # measured at about 0.3 GiB on the development machine: counted for a model not yet seen
 ENGINE_OVERHEAD_BYTES = 320 * 2**20
 DEFAULT_MAX_LOAD_WAIT_S = 120.0
+# engines of several models share the cores: an OpenMP thread waiting for work sleeps at
+# once instead of spinning on a core another model's engine is computing on (two busy
+# models at 0.26-0.72 of their throughput alone, summed; 1.3 with it: docs/benchmarks.md)
+SHARED_CORES_ENV = (("OMP_WAIT_POLICY", "PASSIVE"),)
 UNLOADED, LOADING, LOADED, UNLOADING = "unloaded", "loading", "loaded", "unloading"
 # names the admin routes take under /v1/models/
 RESERVED_NAMES = frozenset({"load", "unload", "pin"})
@@ -237,6 +242,9 @@ class ModelSet:
         self.idle_unload_s = None if never else idle_unload_s
         self.max_load_wait_s = max_load_wait_s
         self.make_frontend = make_frontend
+        # (the user's own OpenMP wait policy stands)
+        shared = len(self.entries) > 1 and "OMP_WAIT_POLICY" not in os.environ
+        self._env = SHARED_CORES_ENV if shared else ()
         self._room_lock: asyncio.Lock | None = None
         self._released: asyncio.Event | None = None
         self._reaper: asyncio.Task | None = None
@@ -371,7 +379,9 @@ class ModelSet:
             need = max(entry.seen_bytes, estimate_bytes(entry.spec.config))
             await self._reserve(entry, need)
             started = time.monotonic()
-            serving = dataclasses.replace(self.serving, served_model_name=entry.spec.name)
+            serving = dataclasses.replace(
+                self.serving, served_model_name=entry.spec.name, engine_env=self._env
+            )
             frontend = await asyncio.to_thread(self.make_frontend, entry.spec.config, serving)
             try:
                 await frontend.start()

@@ -294,7 +294,7 @@ def _soak(tiny_llama, *soak_args: str) -> dict:
 
 
 def test_soak_without_faults(tiny_llama):
-    report = _soak(tiny_llama, "--duration", "25")
+    report = _soak(tiny_llama, "--duration", "15")
     assert report["outcomes"]["fault"] == 0 and report["engine_restarts"] == 0
     assert report["rss_growth"]["server"] is not None and report["rss_growth"]["engine"] is not None
 

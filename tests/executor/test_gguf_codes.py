@@ -25,7 +25,7 @@ from radixserve.executor.quant import (
     dequantize_int4,
     linear_from_codes,
 )
-from tests.helpers import generate_ids, greedy, hf_greedy
+from tests.helpers import generate_ids, greedy, hf_greedy, hf_model
 
 TYPES = sorted(CODE_TYPES)
 QK_K = 256
@@ -420,9 +420,7 @@ TIE_MARGIN = 0.7
 def _hf_top(folder: Path, name: str, sequences: list[list[int]]) -> list[tuple]:
     """transformers (float32, the file's dequantized weights): per sequence and position,
     the best next token and its lead over the second-best logit."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=name, dtype=torch.float32)
+    model = hf_model(folder, name)  # (the one hf_greedy loaded, when it was)
     out = []
     with torch.inference_mode():
         for ids in sequences:
