@@ -319,6 +319,11 @@ class EngineConfig:
         "are read again from their folder when next asked for); 0: no limit",
     )
 
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """``lora_modules`` as adapter name -> path."""
+        return dict(item.partition("=")[::2] for item in self.lora_modules)
+
     def __post_init__(self) -> None:
         if self.simulated_device_time:
             self.simulated_device = True

@@ -62,7 +62,7 @@ class EngineProcessClient(RequestStreams):
         super().__init__(tokenizer)
         self.config = config
         # the LoRA adapters its engine serves (name -> path): --lora-modules, then changes
-        self._loras: dict[str, str] = dict(item.partition("=")[::2] for item in config.lora_modules)
+        self._loras: dict[str, str] = config.lora_adapters
         self.env = env
         self.in_process = in_process
         self.startup_timeout_s = startup_timeout_s
@@ -163,7 +163,7 @@ class EngineProcessClient(RequestStreams):
     async def _replay_loras(self) -> None:
         """Bring a restarted engine (it loaded ``--lora-modules``) to the adapters served
         before it died; an adapter that cannot be loaded again is logged and left out."""
-        started = dict(item.partition("=")[::2] for item in self.config.lora_modules)
+        started = self.config.lora_adapters
         changes = [(n, None) for n in started if n not in self._loras]
         changes += [(n, path) for n, path in self._loras.items() if started.get(n) != path]
         for name, path in changes:

@@ -100,9 +100,7 @@ class Frontend:
         self.tokenize = TokenizeBatcher(self.tokenizer)
         self.model_name = config.served_model_name or source_name
         # the LoRA adapters served beside the base model: name -> folder
-        self.loras: dict[str, str] = dict(
-            item.partition("=")[::2] for item in engine_config.lora_modules
-        )
+        self.loras: dict[str, str] = engine_config.lora_adapters
         self._loading: set[str] = set()  # adapters being loaded
         if self.model_name in self.loras:
             raise ValueError(

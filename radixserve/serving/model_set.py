@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from radixserve.core.process_memory import rss_bytes
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.model_source import gguf_weight_bytes
 from radixserve.engine.tokenizer import load_model_tokenizer
@@ -124,17 +125,6 @@ def tokenizer_of(spec: ModelSpec) -> Any:
     return load_model_tokenizer(spec.config.model)[1]
 
 
-def process_rss_bytes(pid: int) -> int:
-    """Resident memory of a process (0 where /proc does not say)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
 def engine_pids(frontend: Frontend) -> list[int]:
     """The engine processes behind a frontend (none for an engine on a thread)."""
     client = frontend.client
@@ -194,7 +184,6 @@ class Lease:
         self._entry = entry
         assert entry.frontend is not None
         self.frontend: Frontend = entry.frontend
-        self.name = entry.spec.name
         self.keep_alive_s = keep_alive_s
         self._held = True
 
@@ -280,7 +269,7 @@ class ModelSet:
                 await self._ensure(entry, deadline=None)
             except ModelUnavailable as exc:
                 await self.shutdown()
-                raise RuntimeError(str(exc)) from exc.__cause__
+                raise RuntimeError(str(exc)) from exc
             finally:
                 entry.leases -= 1
         self._reaper = asyncio.create_task(self._reap())
@@ -419,7 +408,7 @@ class ModelSet:
         """Count what a loaded model's engine processes hold now (the KV cache's pages
         become resident as they are used), never less than it was counted."""
         if entry.frontend is not None:
-            held = sum(process_rss_bytes(pid) for pid in engine_pids(entry.frontend))
+            held = sum(rss_bytes(pid) or 0 for pid in engine_pids(entry.frontend))
             entry.footprint = max(entry.footprint, held)
             entry.seen_bytes = max(entry.seen_bytes, held)
 

@@ -46,6 +46,8 @@ from typing import Any
 
 import orjson
 
+from radixserve.core.process_memory import rss_bytes
+
 OUTCOMES = ("ok", "rejected", "overloaded", "abandoned", "fault", "unexpected_5xx", "wrong", "lost")
 FAULT_CODES = {"engine_dead", "engine_hung", "engine_restarting"}
 WORDS = [
@@ -581,17 +583,6 @@ class Soak:
                 with contextlib.suppress(ValueError):
                     values[name] = float(value)
         return values
-
-
-def rss_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:

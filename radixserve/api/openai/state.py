@@ -177,8 +177,7 @@ class OpenAIServer:
             if entry.frontend is not None:
                 out[name] = entry.frontend.loras
             else:
-                items = entry.spec.config.lora_modules
-                out[name] = dict(item.partition("=")[::2] for item in items)
+                out[name] = entry.spec.config.lora_adapters
         return out
 
     async def lease(self, name: str, keep_alive: Any = None) -> Lease:
