@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from radixserve.core.kv_events import KVEventLog
 from radixserve.core.kv_tiers import (
     TIER_HOST,
     TIER_POOL,
@@ -32,11 +33,15 @@ class RadixNode:
     number of tokens on this edge and every edge below it. ``tier`` says where ``pages``
     live: pool page ids (``TIER_POOL``) or host-tier slot ids (``TIER_HOST``); a child's
     tier is never below its parent's; ``pool_children`` counts the children in the pool.
+    With KV events on (``RadixCache.events``), ``hashes[i]`` is the prefix hash of full
+    page i (``kv_tiers.page_prefix_hashes`` over the namespace's tokens up to its end);
+    otherwise ``hashes`` is None.
     """
 
     __slots__ = (
         "children",
         "first_tokens",
+        "hashes",
         "key",
         "last_access",
         "lock_count",
@@ -60,6 +65,7 @@ class RadixNode:
         self.subtree_tokens = key.size
         self.tier = TIER_POOL
         self.pool_children = 0
+        self.hashes: list[bytes] | None = None
 
     @property
     def is_leaf(self) -> bool:
@@ -131,7 +137,10 @@ class RadixCache:
         free_batch_pages: int = 256,
         host: TierSlots | None = None,
         transfer: KVTransfer | None = None,
+        events: KVEventLog | None = None,
     ) -> None:
+        """``events``: where the pool's full pages coming and going are told (KV events:
+        ``core/kv_events.py``); None: nowhere, and no page is hashed for it."""
         if (host is None) != (transfer is None):
             raise ValueError("a host tier needs a transfer and a transfer needs a host tier")
         self.pool = pool
@@ -153,6 +162,7 @@ class RadixCache:
         self.host = host
         self.transfer = transfer
         self.tiers = TierCounters()
+        self.events = events
 
     # -- helpers --------------------------------------------------------------------------
     def _root(self, namespace: Hashable) -> RadixNode:
@@ -160,6 +170,8 @@ class RadixCache:
         if root is None:
             root = RadixNode(np.zeros(0, dtype=np.int32), _EMPTY_PAGES, None)
             root.lock_count = 1  # never evicted
+            if self.events is not None:
+                root.hashes = [namespace_seed(namespace)]  # (the chain's start, not a page)
             self._roots[namespace] = root
         return root
 
@@ -319,6 +331,8 @@ class RadixCache:
             child = node.children.get(key)
             if child is None:
                 child = RadixNode(tokens[pos:], pages[pos // ps :], node)
+                if self.events is not None:
+                    self._hash_pages(child)
                 self._add_child(node, key, child)
                 self._add_subtree_tokens(node, child.key.size)
                 self.pool.incref(child.pages)
@@ -351,6 +365,23 @@ class RadixCache:
         tree_pages = np.concatenate(parts) if parts else _EMPTY_PAGES
         return min(already, n), tree_pages, node
 
+    def _hash_pages(self, node: RadixNode) -> None:
+        """KV events: hash a new pool node's full pages and tell that they are stored."""
+        parent = node.parent
+        assert parent is not None and parent.hashes and self.events is not None
+        seed = parent.hashes[-1]
+        node.hashes = page_prefix_hashes(
+            node.key, self.page_size, node.key.size // self.page_size, seed=seed
+        )
+        self.events.stored(node.hashes, self._parent_hash(node), node.key)
+
+    @staticmethod
+    def _parent_hash(node: RadixNode) -> bytes | None:
+        """The hash of the page before ``node``'s first (None: it starts its namespace)."""
+        parent = node.parent
+        assert parent is not None and parent.hashes is not None
+        return None if parent.parent is None else parent.hashes[-1]
+
     def _adopt(self, node: RadixNode, pages: np.ndarray) -> None:
         """A host-tier node whose tokens a caller holds in the pool: keep the caller's pages
         (one more reference) and free the host copy. Its parent is in the pool already."""
@@ -367,6 +398,8 @@ class RadixCache:
         parent = node.parent
         assert parent is not None
         parent.pool_children += 1
+        if self.events is not None and node.hashes is not None:
+            self.events.stored(node.hashes, self._parent_hash(node), node.key)
         if node.lock_count:
             self.protected_pages += pages.size
         else:
@@ -398,6 +431,8 @@ class RadixCache:
         upper.last_access = child.last_access
         upper.subtree_tokens = child.subtree_tokens
         upper.tier = child.tier
+        if child.hashes is not None:
+            upper.hashes, child.hashes = child.hashes[: at // ps], child.hashes[at // ps :]
         child.subtree_tokens -= at
         parent.children[self._child_key(child.key, 0)] = upper
         child.key = child.key[at:]
@@ -465,6 +500,8 @@ class RadixCache:
         transfer.save(node.pages, slots)
         self.tiers.demoted_pages += n
         self.evictable_pages -= n
+        if self.events is not None and node.hashes is not None:
+            self.events.removed(node.hashes)
         self._release_pool_pages(node.pages)
         node.pages = slots
         node.tier = TIER_HOST
@@ -541,6 +578,8 @@ class RadixCache:
         if node.tier == TIER_POOL:
             parent.pool_children -= 1
             self.evictable_pages -= node.pages.size
+            if self.events is not None and node.hashes is not None:
+                self.events.removed(node.hashes)
             self._release_pool_pages(node.pages)
         else:
             assert self.host is not None

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from radixserve.core.kv_events import KVEventLog
 from radixserve.core.kv_tiers import TierSlots
 from radixserve.core.page_pool import PagePool
 from radixserve.core.page_table import PageTable
@@ -22,6 +23,7 @@ from radixserve.core.radix_cache import RadixCache
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.inputs import InputProcessor, sampling_defaults
+from radixserve.engine.kv_publisher import KVEventPublisher
 from radixserve.engine.model_source import (
     ModelSource,
     model_matryoshka,
@@ -131,6 +133,7 @@ class EngineParts:
     kv_transfer: TierTransfer | None
     loaded: ModelParts
     loras: LoRARegistry | None = None  # None: a simulated device (no model to adapt)
+    kv_publisher: KVEventPublisher | None = None  # sends prefix_cache.events (if on)
     startup_line: str = ""
 
 
@@ -151,7 +154,10 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
     )
     pool = PagePool(m.num_pages, config.page_size)
     page_table = PageTable(config.max_num_seqs, pool.pages_for(m.max_model_len))
-    prefix_cache = None if config.disable_radix_cache else RadixCache(pool)
+    prefix_cache = None
+    if not config.disable_radix_cache:
+        events = KVEventLog(config.page_size) if config.kv_events_endpoint else None
+        prefix_cache = RadixCache(pool, events=events)
     kv_manager = KVManager(pool, page_table, prefix_cache)
     scheduler = Scheduler(scheduler_config(config), kv_manager)
     sampler: Any = Sampler(m.vocab_size, eos_ids)
@@ -194,6 +200,15 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
     loras, line = _build_loras(config, m, runner)
     if line:
         startup_line += "; " + line
+    kv_publisher = None
+    if config.kv_events_endpoint:  # last: nothing after it can fail with its socket open
+        kv_publisher = KVEventPublisher(
+            config.kv_events_endpoint,
+            config.kv_events_topic,
+            config.kv_events_replay_endpoint,
+            config.data_parallel_rank,
+        )
+        startup_line += f"; KV events on {kv_publisher.endpoint}"
     return EngineParts(
         config=config,
         source=source,
@@ -212,6 +227,7 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
         kv_transfer=kv_transfer,
         loaded=m,
         loras=loras,
+        kv_publisher=kv_publisher,
         startup_line=startup_line,
     )
 

@@ -84,6 +84,28 @@ class EngineConfig:
         "another's prompts from cached_tokens or time to first token (no-op without "
         "--api-keys-file); global: all tenants share (docs/many-users.md)",
     )
+    # KV-cache events for llm-d's indexer and Ray's KV-aware router (engine/kv_publisher.py)
+    kv_events_endpoint: str | None = setting(
+        None,
+        group="kv events",
+        metavar="ZMQ_ENDPOINT",
+        help="publish the radix tree's page inserts and evictions as vLLM's KV events "
+        "(msgpack KVEventBatch over ZMQ PUB), e.g. tcp://*:5557 (bound) or "
+        "tcp://indexer:5557 (connected to); data-parallel engine r adds r to the port",
+    )
+    kv_events_replay_endpoint: str | None = setting(
+        None,
+        group="kv events",
+        metavar="ZMQ_ENDPOINT",
+        help="a ROUTER socket that replays the buffered batches from a sequence number",
+    )
+    kv_events_topic: str = setting(
+        "",
+        group="kv events",
+        help="the first frame of each batch; llm-d reads kv@POD_IP:PORT@MODEL",
+    )
+    # which engine of a data-parallel group this is (dp_client sets it; KV events' port)
+    data_parallel_rank: int = 0
     schedule_policy: str = setting("fcfs", group="scheduler", choices=POLICIES)
     max_waiting_requests: int | None = setting(None, group="scheduler", help="refuse beyond this")
     max_queue_time_s: float | None = setting(
@@ -351,6 +373,7 @@ class EngineConfig:
                 raise ValueError(f"a LoRA module is NAME=PATH, got {item!r}")
         if self.kv_cache_requests < 1:
             raise ValueError(f"kv_cache_requests must be >= 1, got {self.kv_cache_requests}")
+        self._check_kv_events()
         for name in ("page_size", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -481,6 +504,19 @@ class EngineConfig:
             raise ValueError(
                 "speculative decoding needs a model on one rank (no simulated device, no TP)"
             )
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_endpoint is None:
+            if self.kv_events_replay_endpoint is not None:
+                raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+            return
+        from radixserve.engine.kv_publisher import check_endpoint
+
+        check_endpoint(self.kv_events_endpoint, "--kv-events-endpoint")
+        if self.kv_events_replay_endpoint is not None:
+            check_endpoint(self.kv_events_replay_endpoint, "--kv-events-replay-endpoint")
+        if self.disable_radix_cache:
+            raise ValueError("KV events are the radix cache's: it is disabled")
 
     def _check_tiers(self) -> None:
         if not self.kv_host_gb >= 0 or not self.kv_disk_gb >= 0:

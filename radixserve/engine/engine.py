@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,7 @@ class Engine:
         self.scheduler, self.sampler, self.runner = parts.scheduler, parts.sampler, parts.runner
         self.kv_transfer: TierTransfer | None = parts.kv_transfer
         self.loras: LoRARegistry | None = parts.loras  # the LoRA adapters it serves
+        self.kv_publisher = parts.kv_publisher  # the radix tree's KV events out (if on)
         self.overlap = config.overlap
         self.faults = parts.faults
         self.device = make_device(config, lambda step: self.runner.run(step), parts.faults)
@@ -211,6 +213,10 @@ class Engine:
             self.persist_cache()  # a restart of this model finds the tree's KV on disk
             self.kv_transfer.close()
             self.kv_transfer = None
+        if self.kv_publisher is not None:
+            self._publish_kv_events()
+            self.kv_publisher.close()
+            self.kv_publisher = None
         if self.tp is not None:
             self.tp.close()
             if self._threads_before is not None:  # the process may run other engines
@@ -427,7 +433,15 @@ class Engine:
                 time.sleep(min(max(0.0, wake - time.monotonic()), _IDLE_POLL_S))
             elif not outputs and not self.scheduler.has_unfinished():
                 self.grammars.wait(_IDLE_POLL_S)  # only compiles pending: doze on them
+        self._publish_kv_events()
         return self._with_text(outputs)
+
+    def _publish_kv_events(self) -> None:
+        """Hand the radix tree's events since the last step to the publisher (queued: it
+        sends them on a thread of its own)."""
+        cache = self.prefix_cache
+        if self.kv_publisher is not None and cache is not None and cache.events:
+            self.kv_publisher.publish(cache.events.drain())
 
     def _record_step(self, batch: ScheduledBatch, start: float, accepted: int) -> None:
         """Tell the cost controller what a pure decode step (every row its last token, plus
@@ -779,7 +793,19 @@ class Engine:
             spec_steps=self.spec_steps,
             spec_declined_steps=self.spec_declined,
             **self._tier_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, list[str]]:
+        """The adapters of running and of waiting requests (none without LoRA)."""
+        if self.loras is None:
+            return {}
+        s = self.scheduler
+
+        def names(requests: Iterable[Request]) -> list[str]:
+            return sorted({r.lora.name for r in requests if r.lora is not None})
+
+        return {"running_loras": names(s.running), "waiting_loras": names(s.waiting)}
 
     def _tier_stats(self) -> dict[str, Any]:
         """The KV tiers' fields of ``EngineStats`` (none when the tiers are off)."""
@@ -856,6 +882,9 @@ class Engine:
             error = f"page accounting: {exc}"
         if cache is not None:
             cache.reset()
+            if cache.events is not None and cache.num_nodes == 0:
+                cache.events.cleared()  # (after each page's removal: a point to resync at)
+            self._publish_kv_events()
         pool.flush()
         return CacheFlushResult(True, pool.num_pages, pool.num_free, nodes, error)
 

@@ -124,6 +124,9 @@ class EngineStats(msgspec.Struct):
     kv_disk_read_failures: int = 0  # records missing, corrupt or another model's: a miss
     kv_tier_bytes_moved: int = 0  # pool <-> host, disk -> pool, host -> disk
     kv_tier_move_seconds: float = 0.0  # pool <-> host copies and disk reads
+    # the LoRA adapters of running and of waiting requests, sorted (empty without LoRA)
+    running_loras: list[str] = msgspec.field(default_factory=list)
+    waiting_loras: list[str] = msgspec.field(default_factory=list)
 
 
 @dataclass(frozen=True)

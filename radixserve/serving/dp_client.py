@@ -113,7 +113,13 @@ class DataParallelClient:
             )
         # each engine is supervised (watchdog, restarts) on its own
         self.clients = [
-            EngineProcessClient(config, tokenizer, supervision=supervision, env=env) for env in envs
+            EngineProcessClient(
+                dataclasses.replace(config, data_parallel_rank=rank),
+                tokenizer,
+                supervision=supervision,
+                env=env,
+            )
+            for rank, env in enumerate(envs)
         ]
         self.tracker = RequestTracker()
         for client in self.clients:
@@ -214,7 +220,10 @@ class DataParallelClient:
         all_stats = [c.stats for c in self.clients if c.stats is not None]
         if not all_stats:
             return None
-        return p.EngineStats(**{k: sum(getattr(s, k) for s in all_stats) for k in _SUMMED})
+        merged = {k: sum(getattr(s, k) for s in all_stats) for k in _SUMMED}
+        for k in ("running_loras", "waiting_loras"):  # the union of the engines'
+            merged[k] = sorted({name for s in all_stats for name in getattr(s, k)})
+        return p.EngineStats(**merged)
 
     # -- requests -------------------------------------------------------------------------
     def _pick(self, request: EngineRequest) -> int:

@@ -28,7 +28,7 @@ from radixserve.serving.client import EngineClient
 from radixserve.serving.dp_client import DataParallelClient
 from radixserve.serving.engine_client import EngineProcessClient
 from radixserve.serving.grammar import GrammarChecker
-from radixserve.serving.metrics import Metrics
+from radixserve.serving.metrics import Metrics, VLLMNames
 from radixserve.serving.protocol import Delta
 from radixserve.serving.supervisor import SupervisionCollector, SupervisorConfig
 from radixserve.serving.tenancy import DEFAULT_ROUTING, Routing
@@ -50,6 +50,8 @@ class ServingConfig:
     # more environment for the engine processes (several models sharing the cores:
     # model_set.SHARED_CORES_ENV)
     engine_env: tuple[tuple[str, str], ...] = ()
+    # /metrics also under vLLM's names, for llm-d's endpoint picker (metrics.VLLMNames)
+    vllm_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
@@ -106,7 +108,10 @@ class Frontend:
             raise ValueError(
                 f"a LoRA adapter cannot take the base model's name {self.model_name!r}"
             )
-        self.metrics = Metrics(lambda: self.client.stats)
+        vllm = None
+        if config.vllm_metrics:  # (adapters may be loaded at any time: the LoRA gauge too)
+            vllm = VLLMNames(self.model_name, engine_config.page_size, engine_config.max_loras)
+        self.metrics = Metrics(lambda: self.client.stats, vllm)
         if isinstance(self.client, DataParallelClient):  # per-engine series
             self.metrics.registry.register(self.client.collector)
         self.metrics.registry.register(SupervisionCollector(lambda: self.client))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -110,12 +111,91 @@ def _tier_metrics(s: EngineStats) -> Iterator:
     )
 
 
-class Metrics:
-    """One registry per app (tests start several)."""
+@dataclass(frozen=True)
+class VLLMNames:
+    """What the vLLM-named series say about the server: its model's name (their
+    ``model_name`` label), KV page size and most adapters in one batch (None: no LoRA)."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats | None]) -> None:
+    model_name: str
+    page_size: int
+    max_loras: int | None = None
+
+
+class _VLLMCollector(Collector):
+    """The engine's state under the names vLLM exports and llm-d's / the Gateway API
+    Inference Extension's endpoint picker scrapes by default (its model-server protocol):
+    ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+    ``vllm:kv_cache_usage_perc`` (a fraction, 0 to 1; also as the older
+    ``vllm:gpu_cache_usage_perc``), the prefix-cache counters, ``vllm:cache_config_info``
+    (``block_size``, ``num_gpu_blocks``) and, with LoRA, ``vllm:lora_requests_info``.
+    Invariant: one series per family (the picker reads the first matching one), labelled
+    as vLLM labels them (``model_name``, ``engine``; the LoRA gauge with its own three
+    labels only, its value the time it was read, as vLLM sets it)."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None], names: VLLMNames) -> None:
+        self._stats = stats
+        self.names = names
+
+    def collect(self) -> Iterator:
+        s = self._stats()
+        if s is None:
+            return
+        labels, values = ["model_name", "engine"], [self.names.model_name, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch", s.running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", s.waiting)
+        used = 1 - s.kv_pages_free / s.kv_pages_total if s.kv_pages_total else 0.0
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 percent)", used)
+        yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (older name)", used)
+        yield counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up", s.cache_queried_tokens
+        )
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found cached", s.cache_hit_tokens)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "The KV cache's configuration (labels)",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "engine"],
+        )
+        info.add_metric([str(self.names.page_size), str(s.kv_pages_total), "True", "0"], 1.0)
+        yield info
+        if self.names.max_loras is not None:
+            lora = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on LoRA requests (the value: when they were read)",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            lora.add_metric(
+                [
+                    str(self.names.max_loras),
+                    ",".join(s.waiting_loras),
+                    ",".join(s.running_loras),
+                ],
+                time.time(),
+            )
+            yield lora
+
+
+class Metrics:
+    """One registry per app (tests start several). ``vllm``: also the series under vLLM's
+    names (``_VLLMCollector``)."""
+
+    def __init__(
+        self, engine_stats: Callable[[], EngineStats | None], vllm: VLLMNames | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine_stats))
+        if vllm is not None:
+            self.registry.register(_VLLMCollector(engine_stats, vllm))
         r = self.registry
         # request, token and latency series carry the tenant's label (tenancy.TenantTag:
         # "default" or a keys-file name, so bounded)

@@ -179,3 +179,131 @@ def test_a_whole_answer_on_its_way_survives_its_worker_being_taken_out(hang) -> 
             worker.close()
 
     asyncio.run(scenario())
+
+
+_DONE_BODY = orjson.dumps({"object": "text_completion", "choices": [{"text": "ok"}]})
+
+
+def _error_body(code: str) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": code, "type": "service_unavailable_error", "code": code}}
+    )
+
+
+async def _scripted_worker(
+    answers: list[tuple[int, bytes]], healthy: list[bool] | None = None
+) -> tuple[asyncio.AbstractServer, str, list[int]]:
+    """A worker answering completions with ``answers`` in turn (the last one from then
+    on) and ``/health`` with 200 while ``healthy[0]``; ``served`` counts the completions
+    it answered, per status."""
+    served: list[int] = []
+    healthy = healthy if healthy is not None else [True]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /health"):
+                    status, body = (200, b"") if healthy[0] else (503, _error_body("down"))
+                else:
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    await reader.readexactly(length)
+                    status, body = answers[min(len(served), len(answers) - 1)]
+                    served.append(status)
+                writer.write(
+                    b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (status, len(body), body)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", served
+
+
+def _completion() -> HTTPRequest:
+    body = orjson.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    return HTTPRequest("POST", "/v1/completions", {}, body)
+
+
+def _run_with(workers: list[tuple], config: dict, scenario) -> None:
+    async def main() -> None:
+        started = [await _scripted_worker(*w) for w in workers]
+        router = Router(RouterConfig(tuple(url for _, url, _ in started), **config))
+        await router.start()
+        try:
+            await scenario(router, [served for _, _, served in started])
+            assert router.balancer.load == [0] * len(started)
+            assert all(not w.flights for w in router.workers) and router.queued == 0
+        finally:
+            await router.shutdown()
+            for server, _, _ in started:
+                server.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_outlives_both_replicas_dying_under_it() -> None:
+    """Each replica's engine dies under the request once (503 engine_dead): it was sent to
+    one, then the other, and is sent again when the first is back (before, with both
+    tried, the client got the 503)."""
+    dead = (503, _error_body("engine_dead"))
+
+    async def scenario(router: Router, served: list[list[int]]) -> None:
+        response = await asyncio.wait_for(router.proxy_generation(_completion()), 10)
+        assert response.status == 200 and orjson.loads(response.body) == orjson.loads(_DONE_BODY)
+        assert sorted(map(len, served)) == [1, 2]
+        assert sum(router.retried.labels(w.url)._value.get() for w in router.workers) == 2
+        assert all(router.failed.labels(w.url)._value.get() == 0 for w in router.workers)
+
+    _run_with([([dead, (200, _DONE_BODY)],)] * 2, {"health_check_interval_s": 3600}, scenario)
+
+
+def test_a_request_every_replica_refuses_as_overloaded_waits_for_room() -> None:
+    """Backpressure: a replica refusing the request as overloaded (503 overloaded) is asked
+    again after a backoff, without using the failure budget (max_retries 0)."""
+    busy = (503, _error_body("overloaded"))
+
+    async def scenario(router: Router, served: list[list[int]]) -> None:
+        response = await asyncio.wait_for(router.proxy_generation(_completion()), 10)
+        assert response.status == 200
+        assert served == [[503, 503, 503, 200]]
+
+    config = {"health_check_interval_s": 3600, "max_retries": 0}
+    _run_with([([busy, busy, busy, (200, _DONE_BODY)],)], config, scenario)
+
+
+def test_a_request_waits_for_a_replica_to_come_back() -> None:
+    """No healthy replica when the request comes: it waits until one passes its health
+    check rather than failing at once."""
+    healthy = [False]
+
+    async def scenario(router: Router, served: list[list[int]]) -> None:
+        assert not router.workers[0].healthy
+        answer = asyncio.create_task(router.proxy_generation(_completion()))
+        await asyncio.sleep(0.3)
+        assert not answer.done() and router.queued == 1
+        healthy[0] = True
+        response = await asyncio.wait_for(answer, 5)
+        assert response.status == 200 and served == [[200]]
+
+    _run_with([([(200, _DONE_BODY)], healthy)], {"health_check_interval_s": 0.05}, scenario)
+
+
+@pytest.mark.parametrize("budget", ["retries", "time"])
+def test_the_last_failure_is_answered_when_the_budget_is_spent(budget) -> None:
+    """A replica that keeps failing: after max_retries failures (or past retry_timeout_s)
+    the client gets its 503 as it came."""
+    dead = (503, _error_body("engine_dead"))
+
+    async def scenario(router: Router, served: list[list[int]]) -> None:
+        response = await asyncio.wait_for(router.proxy_generation(_completion()), 10)
+        assert response.status == 503
+        assert orjson.loads(response.body)["error"]["code"] == "engine_dead"
+        assert served == [[503] * (2 if budget == "retries" else 1)]
+        assert router.failed.labels(router.workers[0].url)._value.get() == 1
+
+    config = {"health_check_interval_s": 3600}
+    config |= {"max_retries": 1} if budget == "retries" else {"retry_timeout_s": 0.3}
+    _run_with([([dead],)], config, scenario)

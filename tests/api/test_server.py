@@ -19,7 +19,9 @@ pytestmark = pytest.mark.slow  # starts servers (pytest -m "not slow" leaves it 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    srv = InProcessServer("--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4")
+    srv = InProcessServer(
+        "--model", str(tiny_llama), "--dtype", "float32", "--page-size", "4", "--vllm-metrics"
+    )
     yield srv
     srv.stop()
 
@@ -347,6 +349,15 @@ def test_metrics_parse_and_move(server, client):
         "radixserve_request_success_total[('finished_reason', 'length'), ('tenant', 'default')]"
     )
     assert after[reason] - before.get(reason, 0) == 1
+    # --vllm-metrics: the series llm-d's endpoint picker scrapes, as vLLM labels them
+    labels = f"[('engine', '0'), ('model_name', '{_model(client)}')]"
+    assert after["vllm:num_requests_running" + labels] == 0
+    assert after["vllm:num_requests_waiting" + labels] == 0
+    assert 0 <= after["vllm:kv_cache_usage_perc" + labels] <= 1
+    queries = "vllm:prefix_cache_queries_total" + labels
+    assert after[queries] > before[queries]
+    (info,) = [k for k in after if k.startswith("vllm:cache_config_info")]
+    assert "('block_size', '4')" in info and after[info] == 1
 
 
 def test_native_generate_and_detokenize(server):

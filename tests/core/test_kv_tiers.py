@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from radixserve.core.kv_events import KVEventLog, block_hash
 from radixserve.core.kv_tiers import TIER_HOST, TIER_POOL, TierSlots, page_prefix_hashes
 from radixserve.core.page_pool import OutOfPages, PagePool
 from radixserve.core.radix_cache import RadixCache
@@ -72,10 +73,12 @@ class FakeTransfer:
         return n
 
 
-def make_cache(num_pages: int, page_size: int, num_slots: int, disk: bool):
+def make_cache(num_pages: int, page_size: int, num_slots: int, disk: bool, events=None):
     pool = PagePool(num_pages, page_size)
     transfer = FakeTransfer(num_pages, num_slots, disk)
-    cache = RadixCache(pool, free_batch_pages=4, host=TierSlots(num_slots), transfer=transfer)
+    cache = RadixCache(
+        pool, free_batch_pages=4, host=TierSlots(num_slots), transfer=transfer, events=events
+    )
     return pool, cache, transfer
 
 
@@ -157,10 +160,15 @@ class TierMachine(RuleBasedStateMachine):
         num_pages=st.integers(6, 24),
         num_slots=st.integers(1, 16),
         disk=st.booleans(),
+        events=st.booleans(),
     )
-    def setup(self, page_size, num_pages, num_slots, disk):
-        self.pool, self.cache, self.transfer = make_cache(num_pages, page_size, num_slots, disk)
+    def setup(self, page_size, num_pages, num_slots, disk, events):
+        log = KVEventLog(page_size) if events else None
+        self.pool, self.cache, self.transfer = make_cache(
+            num_pages, page_size, num_slots, disk, log
+        )
         self.locks: list = []
+        self.blocks: set[int] = set()  # what a KV-event subscriber has rebuilt
 
     @rule(tokens=token_lists, salt=st.sampled_from([None, "t"]))
     def insert(self, tokens, salt):
@@ -201,11 +209,57 @@ class TierMachine(RuleBasedStateMachine):
         check_accounting(self.pool, self.cache, [p for _, p, _, _ in self.locks])
 
     @invariant()
+    def kv_events_rebuild_the_pool_s_full_pages(self):
+        """A subscriber replaying the events holds exactly the pool's full pages, by the
+        hash of their namespace's tokens up to their end; each stored run follows a page
+        it already holds (or starts its namespace), each removed page was held."""
+        if self.cache.events is None:
+            return
+        apply_kv_events(self.blocks, self.cache.events.drain())
+        assert self.blocks == pool_block_hashes(self.cache)
+
+    @invariant()
     def locked_pages_hold_their_kv(self):
         ps = self.pool.page_size
         for _, pages, tokens, _ in self.locks:
             for k, page in enumerate(pages.tolist()):
                 assert self.transfer.pool[page] == tag(tokens[: (k + 1) * ps])
+
+
+def apply_kv_events(blocks: set[int], events: list[dict]) -> None:
+    """What llm-d's indexer does with the events, checked as it goes."""
+    for event in events:
+        if event["type"] == "BlockStored":
+            parent = event["parent_block_hash"]
+            assert parent is None or parent in blocks, "stored after an unknown page"
+            n = len(event["block_hashes"])
+            assert len(event["token_ids"]) == n * event["block_size"]
+            assert not blocks & set(event["block_hashes"]), "stored twice"
+            blocks.update(event["block_hashes"])
+        elif event["type"] == "BlockRemoved":
+            assert set(event["block_hashes"]) <= blocks, "removed an unknown page"
+            blocks.difference_update(event["block_hashes"])
+        else:
+            assert event == {"type": "AllBlocksCleared"}
+            blocks.clear()
+
+
+def pool_block_hashes(cache: RadixCache) -> set[int]:
+    """The tree's full pool pages, each hashed from its namespace's tokens (checked)."""
+    ps = cache.page_size
+    out: set[int] = set()
+    for namespace, root in cache._roots.items():
+        stack = [(child, child.key) for child in root.children.values()]
+        while stack:
+            node, prefix = stack.pop()
+            full = node.key.size // ps
+            assert len(node.hashes) == full
+            if node.tier == TIER_POOL and full:
+                chain = page_prefix_hashes(prefix, ps, prefix.size // ps, namespace)
+                assert node.hashes == chain[-full:]
+                out.update(block_hash(h) for h in node.hashes)
+            stack.extend((c, np.concatenate([prefix, c.key])) for c in node.children.values())
+    return out
 
 
 TestTiers = TierMachine.TestCase

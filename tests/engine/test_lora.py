@@ -224,6 +224,11 @@ def test_max_loras_bounds_the_adapters_running_at_once(adapters):
         running = {r.lora.name for r in engine.scheduler.running if r.lora is not None}
         assert len(running) <= 1
         seen += len(running)
+        # the stats name them (vllm:lora_requests_info), the waiting ones apart
+        stats = engine.stats()
+        assert stats.running_loras == sorted(running)
+        waiting = {r.lora.name for r in engine.scheduler.waiting if r.lora is not None}
+        assert stats.waiting_loras == sorted(waiting)
     assert seen > 0
     engine.check_idle()
 

@@ -158,6 +158,14 @@ class ServerConfig:
         "with Retry-After)",
     )
 
+    vllm_metrics: bool = setting(
+        False,
+        help="/metrics also under vLLM's names (vllm:num_requests_waiting, "
+        "vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:lora_requests_info, "
+        "vllm:cache_config_info), the ones llm-d's and the Gateway API Inference "
+        "Extension's endpoint picker scrape",
+    )
+
     @property
     def many_models(self) -> bool:
         return bool(self.models_dir or self.model_entries)
@@ -174,4 +182,5 @@ class ServerConfig:
             dp_balance=self.dp_balance,
             supervision=self.supervision,
             engine_in_process=self.engine_in_process,
+            vllm_metrics=self.vllm_metrics,
         )

@@ -100,6 +100,19 @@ class RouterConfig:
         help="request body size limit (MiB; 8)",
     )
     connect_timeout_s: float = 5.0
+    retry_timeout_s: float = setting(
+        120.0,
+        name="--retry-timeout",
+        help="seconds a request that has sent nothing to its client may wait for a replica "
+        "that takes it (its replica died or refused it as overloaded, or none is healthy) "
+        "before the last failure is answered",
+    )
+    max_retries: int = setting(
+        6,
+        help="replica failures a request may meet before its answer is that failure (a "
+        "replica refusing it as overloaded does not count: that is waited out, up to "
+        "--retry-timeout)",
+    )
     # tenant = a prompt is matched only against the prompts sent with the same credentials
     # (the replicas cache per tenant); global = all
     prefix_cache_scope: str = setting(
@@ -126,6 +139,8 @@ class RouterConfig:
             raise ValueError("health check interval and timeout must be positive")
         if self.health_failure_threshold < 1:
             raise ValueError("health_failure_threshold must be at least 1")
+        if self.retry_timeout_s < 0 or self.max_retries < 0:
+            raise ValueError("retry_timeout_s and max_retries must not be negative")
 
 
 def routing_key(path: str, body: Any) -> str:
@@ -219,14 +234,54 @@ class _WorkerFailed(Exception):
 _ENGINE_DOWN = (b'"engine_dead"', b'"engine_restarting"', b'"engine_hung"')
 
 
+# a worker's 503 that says "not now" rather than "broken": the request waits and is sent
+# again (to it or another), without counting as a failure
+_BUSY_CODES = (b'"overloaded"', b'"model_loading"')
+# backoff before a worker that refused a request as busy is asked again (doubling)
+_BUSY_BACKOFF_S = (0.05, 2.0)
+# a worker that failed a request is tried again when it has come back (been taken out and
+# passed a health check), or after this long if the router never saw it go (doubling)
+_FAILED_BACKOFF_S = (1.0, 8.0)
+
+
 @dataclass
 class _Retry:
     """A worker failed before its answer had any output: try another. ``failure``: its
-    own answer (a 503), returned if no other worker is left."""
+    own answer (a 503), returned if no worker takes the request in time; ``busy``: it
+    refused the request as overloaded (or still loading its model), which is waited out
+    rather than counted as a failure."""
 
     message: str
     refused: bool = False
     failure: Any = None
+    busy: bool = False
+
+
+class _Avoid:
+    """The workers one request should not be sent to yet. Invariant: a worker is avoided
+    only while it has not come back since it failed or refused the request (its health
+    ``epoch`` is the one recorded) and its backoff has not passed."""
+
+    def __init__(self) -> None:
+        self.until: dict[int, tuple[int, float]] = {}  # worker -> (epoch, monotonic time)
+        self.tries: dict[int, int] = {}
+
+    def add(self, worker: int, epoch: int, backoff: tuple[float, float], now: float) -> None:
+        n = self.tries.get(worker, 0)
+        self.tries[worker] = n + 1
+        first, most = backoff
+        self.until[worker] = (epoch, now + min(first * 2**n, most))
+
+    def excluded(self, workers: list[Worker], now: float) -> frozenset[int]:
+        return frozenset(
+            i
+            for i, (epoch, until) in self.until.items()
+            if workers[i].epoch == epoch and now < until
+        )
+
+    def next_change(self, now: float) -> float:
+        """Seconds until the first avoided worker's backoff passes."""
+        return max(0.0, min((until for _, until in self.until.values()), default=now) - now)
 
 
 @dataclass(eq=False)
@@ -250,6 +305,7 @@ class Worker:
         self.healthy = False
         self.failures = 0  # consecutive failed health checks
         self.flights: set[_Flight] = set()
+        self.epoch = 0  # times it came back (passed a health check after being out)
 
 
 class Router:
@@ -270,6 +326,8 @@ class Router:
         self.http: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task | None = None
         self._rr = 0  # for requests that any worker can answer
+        self._back = asyncio.Event()  # set (and replaced) when a worker comes back
+        self.queued = 0  # requests waiting for a worker to take them
         # a stored Responses answer lives in the replica that made it: id -> (worker, the
         # requester digest of the request that made it)
         self.response_owner: OrderedDict[str, tuple[int, str]] = OrderedDict()
@@ -297,7 +355,7 @@ class Router:
         )
         self.retried = Counter(
             "radixserve_router_retries",
-            "Requests sent to another worker because theirs failed before any output",
+            "Requests sent again because their worker failed or refused them before any output",
             ["worker"],
             registry=self.registry,
         )
@@ -357,6 +415,7 @@ class Router:
                 log.info("worker %s is healthy", worker.url)
                 worker.healthy = True
                 self.balancer.set_available(i, True)
+                self._worker_back(i)
             return
         worker.failures += 1
         if worker.healthy and worker.failures >= self.config.health_failure_threshold:
@@ -448,31 +507,46 @@ class Router:
         self, request: HTTPRequest, pinned: int | None = None
     ) -> tuple[Response | StreamResponse, int]:
         """``proxy_generation``'s work; the answer and the worker that gave it. ``pinned``:
-        only that worker may answer (no other is tried when it fails)."""
+        only that worker may answer. A request that has sent nothing to its client is never
+        failed while a worker may still take it: when its worker dies under it, or every
+        worker refuses it as overloaded, or none is healthy, it waits (backpressure, up to
+        ``retry_timeout_s``) for one that can, and is sent again; after ``max_retries``
+        worker failures, or past the timeout, its answer is the last failure (a 503 with
+        Retry-After when no worker was left at all)."""
         try:
             body = orjson.loads(request.body)
         except orjson.JSONDecodeError:
             body = None  # the worker answers it (400)
         key = routing_key(request.path, body)
         namespace = routing_namespace(self.config.prefix_cache_scope, request.headers, body)
-        tried: set[int] = set()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.retry_timeout_s
+        avoid = _Avoid()
+        failures = 0
         last_failure: APIError | Response | None = None
         last_worker = -1
         while True:
+            now = loop.time()
+            if last_failure is not None and (failures > self.config.max_retries or now >= deadline):
+                return self._give_up(last_failure, last_worker)
+            excluded = avoid.excluded(self.workers, now)
             try:
                 if pinned is None:
-                    decision = self.balancer.choose(key, frozenset(tried), namespace)
-                elif pinned in tried or not self.workers[pinned].healthy:
+                    decision = self.balancer.choose(key, excluded, namespace)
+                elif pinned in excluded or not self.workers[pinned].healthy:
                     raise NoWorkerAvailable(self.workers[pinned].url)
                 else:
                     decision = Decision(pinned, "pinned", 0)
                     self.balancer.load[pinned] += 1  # released by _finish
             except NoWorkerAvailable:
-                if isinstance(last_failure, Response):
-                    return last_failure, last_worker
-                if last_failure is not None:  # no worker left to retry on: it fails now
-                    self.failed.labels(self.workers[last_worker].url).inc()
-                    raise last_failure from None
+                if now < deadline:
+                    wait = deadline - now
+                    if excluded:  # (else: none is healthy; one coming back wakes it)
+                        wait = min(wait, avoid.next_change(now))
+                    await self._wait_for_worker(wait)
+                    continue
+                if last_failure is not None:
+                    return self._give_up(last_failure, last_worker)
                 if pinned is not None:
                     raise _unavailable(self.workers[pinned].url) from None
                 raise APIError(
@@ -480,31 +554,61 @@ class Router:
                     "no healthy worker to send the request to",
                     type_="service_unavailable_error",
                     code="no_healthy_worker",
+                    retry_after_s=self.config.health_check_interval_s,
                 ) from None
             worker = decision.worker
             url = self.workers[worker].url
             self.requests.labels(url).inc()
             self.routing.labels(url, decision.outcome).inc()
+            epoch = self.workers[worker].epoch
             flight = self._launch(worker, "POST", request.path, request)
             try:
                 answer = await self._first_output(flight, request.path)
             except BaseException:
                 self._finish(flight)
                 raise
-            if isinstance(answer, _Retry):
-                self._finish(flight)
-                if answer.refused:  # nothing listens there: out at once
-                    self.take_out(worker, "refused a connection")
-                else:
-                    last_failure = answer.failure or self._failure(
-                        flight, answer.message, count=False
-                    )
-                tried.add(worker)
-                last_worker = worker
-                if pinned is None:
-                    self.retried.labels(url).inc()
-                continue
-            return answer, worker
+            if not isinstance(answer, _Retry):
+                return answer, worker
+            self._finish(flight)
+            if answer.refused:  # nothing listens there: out at once
+                self.take_out(worker, "refused a connection")
+            elif answer.failure is None:
+                answer.failure = self._failure(flight, answer.message, count=False)
+            last_failure = answer.failure if answer.failure is not None else last_failure
+            last_worker = worker
+            if answer.busy:
+                avoid.add(worker, epoch, _BUSY_BACKOFF_S, loop.time())
+            else:
+                failures += 1
+                avoid.add(worker, epoch, _FAILED_BACKOFF_S, loop.time())
+            self.retried.labels(url).inc()
+
+    def _give_up(
+        self, failure: APIError | Response, worker: int
+    ) -> tuple[Response | StreamResponse, int]:
+        """No worker took the request in time, or too many failed it: its answer is the
+        last failure (a worker's own 503 as it came, or the router's error)."""
+        self.failed.labels(self.workers[worker].url).inc()
+        if isinstance(failure, Response):
+            return failure, worker
+        raise failure
+
+    async def _wait_for_worker(self, timeout: float) -> None:
+        """Wait until a worker comes back (passes a health check after being out) or
+        ``timeout`` seconds pass (a backoff ends), counted as queued in the metrics."""
+        self.queued += 1
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._back.wait(), timeout=max(timeout, 0.01))
+        finally:
+            self.queued -= 1
+
+    def _worker_back(self, i: int) -> None:
+        """Worker ``i`` passed a health check after being out: requests waiting for a
+        worker look again."""
+        self.workers[i].epoch += 1
+        self._back.set()
+        self._back = asyncio.Event()
 
     # -- Responses: a stored response lives in the replica that made it ---------------------
     async def proxy_responses(self, request: HTTPRequest) -> Response | StreamResponse:
@@ -615,8 +719,9 @@ class Router:
         status, content_type = value
         if not (status == 200 and content_type and content_type.startswith("text/event-stream")):
             whole = await self._whole(flight, status, content_type)
-            if status == 503:  # the worker's engine is down or restarting: no output yet
-                return _Retry(f"worker answered {status}", failure=whole)
+            if status == 503:  # the worker's engine is down or restarting, or it is full
+                busy = any(code in whole.body[:400] for code in _BUSY_CODES)
+                return _Retry(f"worker answered {status}", failure=whole, busy=busy)
             return whole
         buffer = b""
         while True:
@@ -794,7 +899,8 @@ class _Frames:
 
 
 class _RouterCollector(Collector):
-    """Per-worker gauges: load (requests in flight), health, tree size."""
+    """Per-worker gauges (load: requests in flight, health, tree size) and the requests
+    waiting for a worker."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -812,6 +918,13 @@ class _RouterCollector(Collector):
             "Characters in the worker's approximate prefix tree",
             labels=["worker"],
         )
+        queued = GaugeMetricFamily(
+            "radixserve_router_queued_requests",
+            "Requests waiting for a worker to take them (theirs died or refused them as "
+            "overloaded, or none is healthy)",
+        )
+        queued.add_metric([], r.queued)
+        yield queued
         for i, w in enumerate(r.workers):
             load.add_metric([w.url], r.balancer.load[i])
             healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
