@@ -27,7 +27,7 @@ from radixserve.core.request import (
 )
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.core.step import ScheduledBatch
-from radixserve.engine.builder import build_engine, make_device
+from radixserve.engine.builder import EngineParts, build_engine, make_device
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.model_source import ModelSource
 from radixserve.engine.output_processor import RequestOutputProcessor
@@ -95,7 +95,17 @@ class Engine:
         not looked for — a frontend that detokenizes does both (the server does), with the
         same ``RequestOutputProcessor`` the engine uses otherwise."""
         parts = build_engine(config or EngineConfig(), detokenize)
-        self.config = config = parts.config
+        try:
+            self._start(parts)
+        except BaseException:
+            if parts.kv_publisher is not None:  # (the one part holding a socket open)
+                parts.kv_publisher.close()
+            raise
+
+    def _start(self, parts: EngineParts) -> None:
+        """``__init__``'s work on the built parts."""
+        config = parts.config
+        self.config = parts.config
         self.detokenize = parts.detokenize
         self.source: ModelSource = parts.source
         self.fatal_error: str | None = None  # set when the engine can run no more steps
@@ -206,17 +216,19 @@ class Engine:
 
     def close(self) -> None:
         """Finish the step in flight and stop the device's worker (if any)."""
-        self.drain()
-        self.device.close()
-        self.grammars.close()
-        if self.kv_transfer is not None:
-            self.persist_cache()  # a restart of this model finds the tree's KV on disk
-            self.kv_transfer.close()
-            self.kv_transfer = None
-        if self.kv_publisher is not None:
-            self._publish_kv_events()
-            self.kv_publisher.close()
-            self.kv_publisher = None
+        try:
+            self.drain()
+            self.device.close()
+            self.grammars.close()
+            if self.kv_transfer is not None:
+                self.persist_cache()  # a restart of this model finds the tree's KV on disk
+                self.kv_transfer.close()
+                self.kv_transfer = None
+        finally:
+            if self.kv_publisher is not None:  # its port is free for the next engine
+                self._publish_kv_events()
+                self.kv_publisher.close()
+                self.kv_publisher = None
         if self.tp is not None:
             self.tp.close()
             if self._threads_before is not None:  # the process may run other engines
@@ -766,6 +778,7 @@ class Engine:
         if self.prefix_cache is not None:
             assert self.prefix_cache.protected_pages == 0, "radix nodes still locked at idle"
             self.prefix_cache.reset()
+            self._publish_kv_events()
             host = self.prefix_cache.host
             if host is not None:
                 assert host.num_free == host.num_slots, "host-tier slots leaked at idle"

@@ -60,9 +60,12 @@ def _binds(endpoint: str) -> bool:
 class KVEventPublisher:
     """One engine's KV events out over ZMQ. ``publish`` only queues (the engine loop never
     waits on the network); a thread of its own encodes, sends and buffers the last
-    ``buffer_steps`` batches for replay. Invariant: batches go out in ``publish`` order,
-    numbered 0, 1, ... with no gap; a slow or absent subscriber loses batches at the PUB
-    socket's high-water mark (as with vLLM), never blocks the engine."""
+    ``buffer_steps`` batches for replay, and alone touches the sockets (it closes them).
+    Invariants: batches go out in ``publish`` order, numbered 0, 1, ... with no gap, the
+    first saying every block is cleared (a restarted engine starts empty); a slow or absent
+    subscriber loses batches at the PUB socket's high-water mark (as with vLLM), and past
+    ``max_queue`` queued batches new ones are dropped and counted (``dropped``): the engine
+    never blocks on it."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class KVEventPublisher:
         data_parallel_rank: int = 0,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
+        max_queue: int = 100_000,
     ) -> None:
         check_endpoint(endpoint, "--kv-events-endpoint")
         if replay_endpoint is not None:
@@ -84,7 +88,8 @@ class KVEventPublisher:
         )
         self.rank = data_parallel_rank
         self.topic = topic.encode()
-        self._queue: queue.Queue[tuple[float, list[dict[str, Any]]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[float, list[dict[str, Any]]] | None] = queue.Queue(max_queue)
+        self.dropped = 0  # batches the queue had no room for
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -101,19 +106,36 @@ class KVEventPublisher:
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise ValueError(f"KV events: cannot use {self.endpoint!r}: {exc}") from None
+        self._closing = False
+        self.publish([{"type": "AllBlocksCleared"}])
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
     def publish(self, events: list[dict[str, Any]]) -> None:
         """Queue one batch of events (``KVEventLog.drain``), stamped now."""
-        if events:
-            self._queue.put((time.time(), events))
+        if events and not self._closing:
+            try:
+                self._queue.put_nowait((time.time(), events))
+            except queue.Full:
+                self.dropped += 1
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Send what is queued (for up to ``timeout_s``), then close the sockets."""
-        self._queue.put(None)
+        """Send what is queued (for up to ``timeout_s``); the thread then closes the
+        sockets. A thread still busy past that is left to finish (it is a daemon)."""
+        if self._closing:
+            return
+        self._closing = True
+        while True:
+            try:
+                self._queue.put(None, timeout=timeout_s)
+                break
+            except queue.Full:  # (make room for the end: drop the oldest batch)
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get_nowait()
+                    self.dropped += 1
         self._thread.join(timeout_s)
-        self._close_sockets()
+        if self._thread.is_alive():
+            log.warning("KV events: the publisher did not stop in %.0f s", timeout_s)
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):
@@ -122,24 +144,33 @@ class KVEventPublisher:
         self._ctx.term()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._close_sockets()
+
+    def _loop(self) -> None:
         encode = msgspec.msgpack.Encoder().encode
         seq = 0
         while True:
-            if self._replay is not None and self._replay.poll(0):
-                with contextlib.suppress(zmq.ZMQError):
-                    self._serve_replay()
             try:
+                if self._replay is not None and self._replay.poll(0):
+                    self._serve_replay()
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:
+                continue
+            except zmq.ZMQError:
+                log.exception("KV events: a replay request failed")
                 continue
             if item is None:
                 return
             ts, events = item
-            payload = encode([ts, events, self.rank])
             try:
+                payload = encode([ts, events, self.rank])
                 self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
-            except zmq.ZMQError:
+            except (zmq.ZMQError, TypeError, ValueError):
                 log.exception("KV events: a batch could not be sent")
+                continue
             self._buffer.append((seq, payload))
             seq += 1
 

@@ -157,6 +157,13 @@ class DataParallelClient:
             return None
         return "; ".join(f"engine {i}: {r}" for i, r in enumerate(reasons))
 
+    def dead_reason(self) -> str | None:
+        """None while any engine runs or will again; else every engine's reason."""
+        reasons = [c.dead_reason() for c in self.clients]
+        if any(r is None for r in reasons):
+            return None
+        return "; ".join(f"engine {i}: {r}" for i, r in enumerate(reasons))
+
     @property
     def restarts(self) -> int:
         return sum(c.restarts for c in self.clients)

@@ -239,6 +239,11 @@ class EngineProcessClient(RequestStreams):
             return "the engine process has exited"
         return self._watch.hang_reason(self._owed > 0, self.supervision.hang_timeout_s)
 
+    def dead_reason(self) -> str | None:
+        """Why the engine is gone for good (dead, no restart coming: ``/live``), or None
+        while it runs, starts or is being restarted."""
+        return (self.reason or "the engine is dead") if self.state == "dead" else None
+
     def _engine_up(self) -> bool:
         return self.state == "running" and self.process is not None and self.process.poll() is None
 

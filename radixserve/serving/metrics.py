@@ -114,7 +114,8 @@ def _tier_metrics(s: EngineStats) -> Iterator:
 @dataclass(frozen=True)
 class VLLMNames:
     """What the vLLM-named series say about the server: its model's name (their
-    ``model_name`` label), KV page size and most adapters in one batch (None: no LoRA)."""
+    ``model_name`` label), KV page size and most adapters in one batch (None: no LoRA
+    gauge; a model that can load adapters at any time always has one)."""
 
     model_name: str
     page_size: int
@@ -125,10 +126,13 @@ class _VLLMCollector(Collector):
     """The engine's state under the names vLLM exports and llm-d's / the Gateway API
     Inference Extension's endpoint picker scrapes by default (its model-server protocol):
     ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
-    ``vllm:kv_cache_usage_perc`` (a fraction, 0 to 1; also as the older
-    ``vllm:gpu_cache_usage_perc``), the prefix-cache counters, ``vllm:cache_config_info``
-    (``block_size``, ``num_gpu_blocks``) and, with LoRA, ``vllm:lora_requests_info``.
-    Invariant: one series per family (the picker reads the first matching one), labelled
+    ``vllm:kv_cache_usage_perc`` (the pages held by requests, a fraction 0 to 1: those the
+    radix tree alone caches are free on demand, as vLLM counts its cached blocks; also as
+    the older ``vllm:gpu_cache_usage_perc``), the prefix-cache counters,
+    ``vllm:cache_config_info`` (``block_size``, ``num_gpu_blocks``) and, when adapters can
+    be served, ``vllm:lora_requests_info``. Invariant: one series per family for one model
+    (the picker reads the first matching one; a several-model server has one per model),
+    labelled
     as vLLM labels them (``model_name``, ``engine``; the LoRA gauge with its own three
     labels only, its value the time it was read, as vLLM sets it)."""
 
@@ -154,7 +158,9 @@ class _VLLMCollector(Collector):
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch", s.running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", s.waiting)
-        used = 1 - s.kv_pages_free / s.kv_pages_total if s.kv_pages_total else 0.0
+        # as vLLM counts it: pages cached by the radix tree alone are free (on demand)
+        held = s.kv_pages_total - s.kv_pages_free - s.kv_pages_evictable
+        used = held / s.kv_pages_total if s.kv_pages_total else 0.0
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (1 = 100 percent)", used)
         yield gauge("vllm:gpu_cache_usage_perc", "KV-cache usage (older name)", used)
         yield counter(

@@ -629,4 +629,22 @@ def model_specs(
         specs.append(ModelSpec(name, config, tuple(aliases), pinned))
     if not specs:
         raise ValueError("no model found: give --model NAME=PATH or --models-dir DIR")
+    _check_kv_event_endpoints(specs)
     return specs
+
+
+def _check_kv_event_endpoints(specs: list[ModelSpec]) -> None:
+    """Each model's KV events need a socket of their own (one PUB socket, one sequence of
+    numbers per engine): two models on one endpoint are refused, naming them."""
+    seen: dict[str, str] = {}
+    for spec in specs:
+        for endpoint in (spec.config.kv_events_endpoint, spec.config.kv_events_replay_endpoint):
+            if endpoint is None:
+                continue
+            if endpoint in seen:
+                raise ValueError(
+                    f"models {seen[endpoint]!r} and {spec.name!r} would publish KV events on "
+                    f"one endpoint ({endpoint}): give each its own kv_events_endpoint (and "
+                    "replay endpoint) in models.toml"
+                )
+            seen[endpoint] = spec.name

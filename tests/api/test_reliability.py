@@ -139,6 +139,7 @@ def test_sigkill_mid_stream_fails_the_stream_then_the_engine_restarts(tiny_llama
         # /health is 503 (saying why) while the new engine starts, then 200 again
         health = httpx.get(srv.url + "/health")
         saw_restart = health.status_code == 503 and "killed by SIGKILL" in health.text
+        assert httpx.get(srv.url + "/live").status_code == 200  # a restart is not a death
         while httpx.get(srv.url + "/health").status_code != 200:
             assert time.monotonic() - t0 < 90, "the engine was not restarted"
             time.sleep(0.1)

@@ -191,11 +191,11 @@ def _error_body(code: str) -> bytes:
 
 
 async def _scripted_worker(
-    answers: list[tuple[int, bytes]], healthy: list[bool] | None = None
+    answers: list[tuple], healthy: list[bool] | None = None
 ) -> tuple[asyncio.AbstractServer, str, list[int]]:
     """A worker answering completions with ``answers`` in turn (the last one from then
-    on) and ``/health`` with 200 while ``healthy[0]``; ``served`` counts the completions
-    it answered, per status."""
+    on): ``(status, body)``, or ``(status, body, content_type, delay_s)``; ``/health``
+    with 200 while ``healthy[0]``. ``served`` lists the statuses it answered with."""
     served: list[int] = []
     healthy = healthy if healthy is not None else [True]
 
@@ -208,11 +208,15 @@ async def _scripted_worker(
                 else:
                     length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                     await reader.readexactly(length)
-                    status, body = answers[min(len(served), len(answers) - 1)]
+                    status, body, *rest = answers[min(len(served), len(answers) - 1)]
+                    ctype, delay = rest if rest else (b"application/json", 0.0)
                     served.append(status)
+                    await asyncio.sleep(delay)
+                if head.startswith(b"GET /health"):
+                    ctype = b"application/json"
                 writer.write(
-                    b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (status, len(body), body)
+                    b"HTTP/1.1 %d X\r\ncontent-type: %s\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (status, ctype, len(body), body)
                 )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -307,3 +311,88 @@ def test_the_last_failure_is_answered_when_the_budget_is_spent(budget) -> None:
     config = {"health_check_interval_s": 3600}
     config |= {"max_retries": 1} if budget == "retries" else {"retry_timeout_s": 0.3}
     _run_with([([dead],)], config, scenario)
+
+
+_SSE = b"text/event-stream"
+
+
+def _stream_of(*events: bytes) -> bytes:
+    return b"".join(b"data: " + e + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+_ROLE = b'{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}'
+_TOKEN = b'{"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}'
+
+
+@pytest.mark.parametrize("code", ["engine_dead", "overloaded"])
+def test_a_stream_that_failed_before_any_output_goes_elsewhere(code) -> None:
+    """A chat stream whose role chunk came, then its engine's failure (or its refusal as
+    overloaded) before any token: nothing is passed on, the request goes to the other
+    worker, and the client sees one clean stream."""
+    failed = (200, _stream_of(_ROLE, _error_body(code)), _SSE, 0.0)
+    good = (200, _stream_of(_ROLE, _TOKEN), _SSE, 0.0)
+
+    async def scenario(router: Router, served: list[list[int]]) -> None:
+        body = orjson.dumps({"model": "tiny", "messages": [], "stream": True})
+        request = HTTPRequest("POST", "/v1/chat/completions", {}, body)
+        response = await asyncio.wait_for(router.proxy_generation(request), 10)
+        frames = b"".join([f async for f in response.frames])
+        assert b"error" not in frames and frames.count(_ROLE) == 1 and _TOKEN in frames
+        assert sorted(map(len, served)) == [1, 1]
+
+    config = {"health_check_interval_s": 3600, "policy": "round-robin"}
+    _run_with([([failed],), ([good],)], config, scenario)
+
+
+def test_a_messages_529_is_waited_out() -> None:
+    """Messages' overload answer is Anthropic's 529 overloaded_error: backpressure too."""
+    busy = (529, b'{"type":"error","error":{"type":"overloaded_error","message":"full"}}')
+    ok = (200, b'{"type":"message","content":[]}')
+
+    async def scenario(router: Router, served: list[list[int]]) -> None:
+        request = HTTPRequest("POST", "/v1/messages", {}, b'{"model":"tiny","messages":[]}')
+        response = await asyncio.wait_for(router.proxy_generation(request), 10)
+        assert response.status == 200 and served == [[529, 200]]
+
+    _run_with([([busy, ok],)], {"health_check_interval_s": 3600, "max_retries": 0}, scenario)
+
+
+def test_the_budget_counts_from_the_first_failure() -> None:
+    """A first attempt that outlasts --retry-timeout and then fails still goes to the
+    other worker (the budget is for waiting, not for the first answer)."""
+    slow_dead = (503, _error_body("engine_dead"), b"application/json", 0.5)
+
+    async def scenario(router: Router, served: list[list[int]]) -> None:
+        response = await asyncio.wait_for(router.proxy_generation(_completion()), 10)
+        assert response.status == 200 and served == [[503], [200]]
+
+    config = {"health_check_interval_s": 3600, "retry_timeout_s": 0.2, "policy": "round-robin"}
+    _run_with([([slow_dead],), ([(200, _DONE_BODY)],)], config, scenario)
+
+
+def test_a_client_leaving_while_its_request_waits_leaves_nothing_behind() -> None:
+    async def scenario(router: Router, served: list[list[int]]) -> None:
+        task = asyncio.create_task(router.proxy_generation(_completion()))
+        await asyncio.sleep(0.2)
+        assert router.queued == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    _run_with([([(200, _DONE_BODY)], [False])], {"health_check_interval_s": 3600}, scenario)
+
+
+def test_a_backoff_that_passed_is_not_waited_for() -> None:
+    """Only avoided workers whose backoff is still running set the next wake-up (an
+    expired entry would make a waiting request spin)."""
+    from radixserve.api.router.server import Worker, _Avoid
+
+    workers = [Worker("http://a"), Worker("http://b")]
+    avoid = _Avoid()
+    avoid.add(0, 0, (1.0, 8.0), now=100.0)  # until 101
+    avoid.add(1, 0, (5.0, 8.0), now=100.0)  # until 105
+    assert avoid.next_change(workers, 100.5) == pytest.approx(0.5)
+    assert avoid.next_change(workers, 102.0) == pytest.approx(3.0)  # 0's has passed
+    workers[1].epoch += 1  # 1 came back: no longer avoided
+    assert avoid.next_change(workers, 102.0) is None
+    assert avoid.excluded(workers, 102.0) == frozenset()

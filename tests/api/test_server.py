@@ -444,6 +444,8 @@ def test_engine_death_is_a_503_and_sigterm_drains(tiny_llama):
             time.sleep(0.05)
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        # no restart coming: not live either (a Kubernetes liveness probe restarts the pod)
+        assert httpx.get(srv.url + "/live").status_code == 503
     finally:
         srv.stop()
     assert srv.proc.returncode == 0

@@ -113,22 +113,29 @@ def test_a_subscriber_rebuilds_the_radix_tree_s_pages(tiny_llama, endpoints) -> 
                 kinds.update(type(e).__name__ for e in batch.events if round_ < 2)
                 seqs.append(seq)
             assert blocks == pool_block_hashes(engine.prefix_cache)
-        assert seqs == list(range(len(seqs)))  # numbered from 0, none lost
+        # numbered without a gap (from 0: the start's "all cleared", which this subscriber
+        # may have joined too late for)
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[0] <= 1
         assert not blocks and isinstance(batch.events[-1], AllBlocksCleared)
         assert kinds["BlockStored"] and kinds["BlockRemoved"]  # pages came and went
 
-        # a late subscriber asks the replay socket for everything from batch 1 on
+        # a late subscriber asks the replay socket for everything from the start
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(replay)
-        dealer.send_multipart((b"", (1).to_bytes(8, "big")))
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
         replayed = []
         while True:
             assert dealer.poll(5000), "no answer from the replay socket"
             _, topic, seq, payload = dealer.recv_multipart()
             if seq == END_SEQ:
                 break
-            replayed.append(int.from_bytes(seq, "big"))
-        assert replayed == seqs[1:]
+            replayed.append((int.from_bytes(seq, "big"), decode(payload)))
+        assert [seq for seq, _ in replayed] == list(range(seqs[-1] + 1))
+        assert replayed[0][1].events == [AllBlocksCleared()]  # a (re)started engine is empty
+        again: set[int] = set()
+        for _, batch in replayed:
+            apply_kv_events(again, _as_dicts(batch))
+        assert again == blocks
         dealer.close(0)
     finally:
         sub.close(0)
@@ -172,3 +179,34 @@ def test_endpoints_are_checked_and_offset_per_engine() -> None:
         EngineConfig(kv_events_replay_endpoint="tcp://*:5558")
     with pytest.raises(ValueError, match="radix cache"):
         EngineConfig(kv_events_endpoint="tcp://*:5557", disable_radix_cache=True)
+
+
+def test_a_closed_publisher_frees_its_endpoint_even_when_busy(endpoints) -> None:
+    from radixserve.engine.kv_publisher import KVEventPublisher
+
+    pub, replay = endpoints
+    first = KVEventPublisher(pub, replay_endpoint=replay, max_queue=50)
+    event = {"type": "BlockRemoved", "block_hashes": list(range(1000)), "medium": "GPU"}
+    for _ in range(200):  # more than the queue holds: the rest dropped, never blocking
+        first.publish([event])
+    first.close()
+    assert first.dropped > 0
+    assert not first._thread.is_alive() and first._pub.closed and first._replay.closed
+    second = KVEventPublisher(pub, replay_endpoint=replay)  # the same addresses: free again
+    second.close()
+
+
+def test_an_engine_that_fails_to_start_closes_its_publisher(tiny_llama, endpoints, monkeypatch):
+    from radixserve.engine import engine as engine_module
+
+    pub, _ = endpoints
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no device today")
+
+    monkeypatch.setattr(engine_module, "make_device", broken)
+    with pytest.raises(RuntimeError, match="no device today"):
+        LLM(str(tiny_llama), dtype="float32", kv_events_endpoint=pub)
+    monkeypatch.undo()
+    llm = LLM(str(tiny_llama), dtype="float32", kv_events_endpoint=pub)  # binds again
+    llm.engine.close()

@@ -16,7 +16,8 @@ def _stats(**kw) -> EngineStats:
         running=3,
         waiting=5,
         kv_pages_total=200,
-        kv_pages_free=150,
+        kv_pages_free=130,
+        kv_pages_evictable=20,  # cached by the radix tree alone: free on demand
         cache_hit_tokens=40,
         cache_queried_tokens=100,
         preemptions=0,

@@ -241,6 +241,18 @@ def test_models_found_in_a_folder_with_models_toml(tmp_path):
         model_specs(base, ["no-name"])
     with pytest.raises(ValueError, match="does not exist"):
         model_specs(base, ["x=/no/such/file.gguf"])
+    # KV events: one endpoint per model (a command-line endpoint would be every model's)
+    one = tmp_path / "one.gguf"
+    shared = dataclasses.replace(base, kv_events_endpoint="tcp://*:5557")
+    with pytest.raises(ValueError, match="'a' and 'b' would publish KV events on one"):
+        model_specs(shared, [f"a={one}", f"b={one}"])
+    (tmp_path / "models.toml").write_text(
+        '[models.a]\npath = "one.gguf"\nkv-events-endpoint = "tcp://*:5557"\n'
+        '[models.b]\npath = "one.gguf"\nkv-events-endpoint = "tcp://*:5567"\n'
+    )
+    (tmp_path / "hf" / "config.json").unlink()
+    own = {s.name: s.config.kv_events_endpoint for s in model_specs(base, (), str(tmp_path))}
+    assert own["a"] == "tcp://*:5557" and own["b"] == "tcp://*:5567"
 
 
 def test_a_load_waits_for_its_own_unload_to_end(tmp_path):

@@ -99,6 +99,19 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
             return Response(headers=[])
         return error_response(APIError(503, "; ".join(reasons), "service_unavailable_error"))
 
+    @app.route("GET", "/live")
+    async def live(_: HTTPRequest) -> Response:
+        # 503 only when a model's engines are gone for good (no restart coming): a process
+        # manager should restart the server then; loading or restarting is not that
+        reasons = [
+            f"{name}: {reason}" if models.many else reason
+            for name, frontend in models.frontends()
+            if (reason := frontend.client.dead_reason()) is not None
+        ]
+        if not reasons:
+            return Response(headers=[])
+        return error_response(APIError(503, "; ".join(reasons), "service_unavailable_error"))
+
     @app.route("GET", "/version")
     async def version(_: HTTPRequest) -> Response:
         return json_response({"version": __version__})

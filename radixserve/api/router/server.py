@@ -226,17 +226,44 @@ def _unavailable(url: str) -> APIError:
     )
 
 
-class _WorkerFailed(Exception):
-    pass
+def _failed_before_output(event: bytes) -> _Retry | None:
+    """A stream's first event after its preamble, when it says the request failed before
+    any output because its worker could not run it (its engine down, or it is full): a
+    ``_Retry``; else None (output, or an error of the request's own: passed on)."""
+    error = event.startswith((b'data: {"error"', b"event: error\n", b"event: response.failed\n"))
+    if not error:
+        return None
+    text = event[6:300].decode(errors="replace")
+    if any(code in event for code in _BUSY_CODES):
+        message = f"every worker is full; the last said: {text}"
+        overloaded = APIError(503, message, type_="overloaded_error", code="overloaded")
+        return _Retry(message, busy=True, failure=overloaded)
+    anthropic_down = event.startswith(b"event: error\n") and b'"api_error"' in event
+    if anthropic_down or any(code in event for code in _ENGINE_DOWN):
+        return _Retry(f"the worker's engine failed: {text}")
+    return None
 
 
 # a stream's first event saying the worker's engine cannot answer (nothing generated yet)
 _ENGINE_DOWN = (b'"engine_dead"', b'"engine_restarting"', b'"engine_hung"')
+# a stream's events that come before any output (a chat's role chunk, Messages' and
+# Responses' opening events): held back until output or a failure follows, so a request
+# whose worker fails before generating anything can still go elsewhere
+_PREAMBLE = (
+    b'"delta":{"role":"assistant","content":""}',
+    b"event: message_start\n",
+    b"event: ping\n",
+    b"event: content_block_start\n",
+    b"event: response.created\n",
+    b"event: response.in_progress\n",
+    b"event: response.output_item.added\n",
+    b"event: response.content_part.added\n",
+)
 
 
-# a worker's 503 that says "not now" rather than "broken": the request waits and is sent
-# again (to it or another), without counting as a failure
-_BUSY_CODES = (b'"overloaded"', b'"model_loading"')
+# a worker's 503 (Messages: 529) that says "not now" rather than "broken": the request
+# waits and is sent again (to it or another), without counting as a failure
+_BUSY_CODES = (b'"overloaded"', b'"model_loading"', b'"overloaded_error"')
 # backoff before a worker that refused a request as busy is asked again (doubling)
 _BUSY_BACKOFF_S = (0.05, 2.0)
 # a worker that failed a request is tried again when it has come back (been taken out and
@@ -279,9 +306,15 @@ class _Avoid:
             if workers[i].epoch == epoch and now < until
         )
 
-    def next_change(self, now: float) -> float:
-        """Seconds until the first avoided worker's backoff passes."""
-        return max(0.0, min((until for _, until in self.until.values()), default=now) - now)
+    def next_change(self, workers: list[Worker], now: float) -> float | None:
+        """Seconds until the first avoided worker's backoff passes (None: none is
+        avoided now; one coming back is what to wait for)."""
+        live = [
+            until
+            for i, (epoch, until) in self.until.items()
+            if workers[i].epoch == epoch and until > now
+        ]
+        return min(live) - now if live else None
 
 
 @dataclass(eq=False)
@@ -520,14 +553,14 @@ class Router:
         key = routing_key(request.path, body)
         namespace = routing_namespace(self.config.prefix_cache_scope, request.headers, body)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.retry_timeout_s
+        deadline: float | None = None  # set when the request first fails or waits
         avoid = _Avoid()
         failures = 0
         last_failure: APIError | Response | None = None
         last_worker = -1
         while True:
             now = loop.time()
-            if last_failure is not None and (failures > self.config.max_retries or now >= deadline):
+            if last_failure is not None and failures > self.config.max_retries:
                 return self._give_up(last_failure, last_worker)
             excluded = avoid.excluded(self.workers, now)
             try:
@@ -539,10 +572,13 @@ class Router:
                     decision = Decision(pinned, "pinned", 0)
                     self.balancer.load[pinned] += 1  # released by _finish
             except NoWorkerAvailable:
+                if deadline is None:
+                    deadline = now + self.config.retry_timeout_s
                 if now < deadline:
                     wait = deadline - now
-                    if excluded:  # (else: none is healthy; one coming back wakes it)
-                        wait = min(wait, avoid.next_change(now))
+                    backoff = avoid.next_change(self.workers, now)
+                    if backoff is not None:  # (else: one coming back wakes it)
+                        wait = min(wait, backoff)
                     await self._wait_for_worker(wait)
                     continue
                 if last_failure is not None:
@@ -570,12 +606,14 @@ class Router:
             if not isinstance(answer, _Retry):
                 return answer, worker
             self._finish(flight)
+            if deadline is None:  # the budget counts from the first failure
+                deadline = loop.time() + self.config.retry_timeout_s
             if answer.refused:  # nothing listens there: out at once
                 self.take_out(worker, "refused a connection")
-            elif answer.failure is None:
-                answer.failure = self._failure(flight, answer.message, count=False)
-            last_failure = answer.failure if answer.failure is not None else last_failure
-            last_worker = worker
+            else:
+                if answer.failure is None:
+                    answer.failure = self._failure(flight, answer.message, count=False)
+                last_failure, last_worker = answer.failure, worker
             if answer.busy:
                 avoid.add(worker, epoch, _BUSY_BACKOFF_S, loop.time())
             else:
@@ -591,7 +629,7 @@ class Router:
         self.failed.labels(self.workers[worker].url).inc()
         if isinstance(failure, Response):
             return failure, worker
-        raise failure
+        raise failure from None
 
     async def _wait_for_worker(self, timeout: float) -> None:
         """Wait until a worker comes back (passes a health check after being out) or
@@ -719,25 +757,25 @@ class Router:
         status, content_type = value
         if not (status == 200 and content_type and content_type.startswith("text/event-stream")):
             whole = await self._whole(flight, status, content_type)
-            if status == 503:  # the worker's engine is down or restarting, or it is full
-                busy = any(code in whole.body[:400] for code in _BUSY_CODES)
+            if status in (503, 529):  # its engine is down or restarting, or it is full
+                busy = status == 529 or any(code in whole.body[:400] for code in _BUSY_CODES)
                 return _Retry(f"worker answered {status}", failure=whole, busy=busy)
             return whole
         buffer = b""
+        start = 0  # where the next event not yet looked at begins
         while True:
             kind, value = await flight.queue.get()
             if kind != "data":
-                return _Retry(value if kind != "end" else "the stream ended empty")
+                return _Retry(value if kind != "end" else "the stream ended before any output")
             buffer += value
-            cut = buffer.find(b"\n\n")
-            if cut < 0:
-                continue
-            first = buffer[: cut + 2]
-            if first.startswith(b'data: {"error"') and any(code in first for code in _ENGINE_DOWN):
-                return _Retry(
-                    f"the worker's engine failed: {first[6:200].decode(errors='replace')}"
-                )
-            return StreamResponse(_Frames(self, flight, buffer, path == MESSAGES_PATH))
+            while (cut := buffer.find(b"\n\n", start)) >= 0:
+                event, start = buffer[start : cut + 2], cut + 2
+                if any(mark in event for mark in _PREAMBLE):
+                    continue  # nothing generated yet: hold it back
+                failed = _failed_before_output(event)
+                if failed is not None:
+                    return failed
+                return StreamResponse(_Frames(self, flight, buffer, path == MESSAGES_PATH))
 
     async def _whole(self, flight: _Flight, status: int, content_type: str | None) -> Response:
         chunks: list[bytes] = []
