@@ -62,8 +62,8 @@ def test_labelled_sum_adds_a_counter_over_its_labels():
 
 @pytest.mark.slow
 def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
-    """A 25 s soak through the router over two tiny replicas (no bursts), a replica's engine killed
-    within the first 12 s (kills are only made while both replicas serve, and the first
+    """A 16 s soak through the router over two tiny replicas (no bursts), a replica's engine killed
+    within the first 9 s (kills are only made while both replicas serve, and the first
     comes at most 3 x --kill-every after the start)."""
     proc = subprocess.Popen(
         [
@@ -73,9 +73,9 @@ def test_router_soak_loses_nothing_while_engines_are_killed(tiny_llama):
             "soak",
             "--router",
             "--duration",
-            "25",
+            "16",
             "--kill-every",
-            "4",
+            "3",
             "--light-alone-s",
             "3",
             "--flood-only-s",
