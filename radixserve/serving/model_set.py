@@ -517,22 +517,26 @@ class ModelSet:
         self.entries[self.resolve(name)].pinned = pinned
         self._wake()
 
-    def status(self) -> list[dict[str, Any]]:
-        """Each model's state, for ``/v1/models``."""
-        return [
-            {
+    def status(self, operator: bool = True) -> list[dict[str, Any]]:
+        """Each model's state, for ``/v1/models``; ``operator``: with how it runs (requests
+        in flight, memory, loads and their time, a failed load's reason), which only the
+        server's operator sees (an admin key, or a single-user server on loopback)."""
+        out = []
+        for name, e in self.entries.items():
+            card: dict[str, Any] = {
                 "id": name,
                 "status": e.state,
                 "aliases": list(e.spec.aliases),
                 "pinned": e.pinned,
-                "in_flight": e.leases,
-                "memory_bytes": e.footprint,
-                "loads": e.loads,
-                **({"error": e.error} if e.error else {}),
-                **({"load_s": round(e.load_s, 3)} if e.load_s is not None else {}),
             }
-            for name, e in self.entries.items()
-        ]
+            if operator:
+                card.update(in_flight=e.leases, memory_bytes=e.footprint, loads=e.loads)
+                if e.error:
+                    card["error"] = e.error
+                if e.load_s is not None:
+                    card["load_s"] = round(e.load_s, 3)
+            out.append(card)
+        return out
 
 
 # -- which models a server has ------------------------------------------------------------

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from radixserve.api.ray import APP_ARGS
 from radixserve.cli import build_parser, engine_kwargs, server_config
 from radixserve.engine.config import EngineConfig
 
@@ -28,3 +29,13 @@ def test_the_kubernetes_manifest_s_serve_flags_parse() -> None:
     pool = docs[2]["spec"]
     assert pool["selector"]["matchLabels"] == docs[0]["spec"]["selector"]["matchLabels"]
     assert pool["targetPorts"] == [{"number": 8000}]
+
+
+def test_the_rayservice_runs_build_app_with_arguments_it_knows() -> None:
+    (service,) = yaml.safe_load_all((DEPLOY / "kubernetes" / "rayservice.yaml").read_text())
+    assert service["kind"] == "RayService"
+    (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert app["import_path"] == "radixserve.api.ray.app:build_app"
+    assert set(app["args"]) <= APP_ARGS
+    parsed = build_parser().parse_args(["serve", *app["args"]["serve_args"].split()])
+    assert server_config(parsed).vllm_metrics

@@ -167,6 +167,9 @@ def test_a_failed_load_fails_that_models_requests_only(tmp_path):
         status = {s["id"]: s for s in models.status()}
         assert status["b"]["status"] == "unloaded" and "bad file" in status["b"]["error"]
         assert status["b"]["memory_bytes"] == 0 and status["b"]["in_flight"] == 0
+        # anyone else (a tenant's key) sees which models there are and their state only
+        public = {s["id"]: s for s in models.status(operator=False)}
+        assert public["b"] == {"id": "b", "status": "unloaded", "aliases": [], "pinned": False}
         a.release()
         await models.shutdown()
 

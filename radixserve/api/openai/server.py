@@ -126,12 +126,13 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     async def openapi(_: HTTPRequest) -> Response:
         return json_response(openapi_document(app))
 
-    def model_cards(tag: TenantTag) -> list[dict]:
-        """Each served model's card (``status``: loaded, loading or unloaded) and each of
-        its LoRA adapters ``tag``'s key may use (vLLM's ``root`` and ``parent``)."""
+    def model_cards(tag: TenantTag, operator: bool) -> list[dict]:
+        """Each served model's card (``status``: loaded, loading or unloaded; how it runs
+        for the ``operator`` only) and each of its LoRA adapters ``tag``'s key may use
+        (vLLM's ``root`` and ``parent``)."""
         cards = []
         adapters = server.adapters()
-        for state in models.status():
+        for state in models.status(operator):
             name = state.pop("id")
             frontend = models.loaded(name)
             card = {"id": name, "object": "model", "owned_by": "radixserve", **state}
@@ -153,13 +154,15 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
 
     @app.route("GET", "/v1/models")
     async def list_models(request: HTTPRequest) -> Response:
-        cards = model_cards(server.tenant_tag(request.headers))
+        operator = server.policy.may_read_prompts(request.headers)
+        cards = model_cards(server.tenant_tag(request.headers), operator)
         return json_response({"object": "list", "data": cards})
 
     @app.route("GET", "/v1/models/{model}")
     async def model(request: HTTPRequest) -> Response:
         name = unquote(request.path_params["model"])
-        for card in model_cards(server.tenant_tag(request.headers)):
+        operator = server.policy.may_read_prompts(request.headers)
+        for card in model_cards(server.tenant_tag(request.headers), operator):
             if card["id"] == name or name in card.get("aliases", ()):
                 return json_response(card)
         raise server.model_not_found(name)

@@ -30,6 +30,12 @@ from radixserve.api.asgi import (
     StreamResponse,
     json_response,
 )
+from radixserve.api.router.answers import (
+    PREAMBLE,
+    Retry,
+    failed_before_output,
+    retry_of_whole_answer,
+)
 from radixserve.core.request import PREFIX_CACHE_SCOPES
 from radixserve.core.settings import setting
 from radixserve.serving.balancer import (
@@ -226,62 +232,11 @@ def _unavailable(url: str) -> APIError:
     )
 
 
-def _failed_before_output(event: bytes) -> _Retry | None:
-    """A stream's first event after its preamble, when it says the request failed before
-    any output because its worker could not run it (its engine down, or it is full): a
-    ``_Retry``; else None (output, or an error of the request's own: passed on)."""
-    error = event.startswith((b'data: {"error"', b"event: error\n", b"event: response.failed\n"))
-    if not error:
-        return None
-    text = event[6:300].decode(errors="replace")
-    if any(code in event for code in _BUSY_CODES):
-        message = f"every worker is full; the last said: {text}"
-        overloaded = APIError(503, message, type_="overloaded_error", code="overloaded")
-        return _Retry(message, busy=True, failure=overloaded)
-    anthropic_down = event.startswith(b"event: error\n") and b'"api_error"' in event
-    if anthropic_down or any(code in event for code in _ENGINE_DOWN):
-        return _Retry(f"the worker's engine failed: {text}")
-    return None
-
-
-# a stream's first event saying the worker's engine cannot answer (nothing generated yet)
-_ENGINE_DOWN = (b'"engine_dead"', b'"engine_restarting"', b'"engine_hung"')
-# a stream's events that come before any output (a chat's role chunk, Messages' and
-# Responses' opening events): held back until output or a failure follows, so a request
-# whose worker fails before generating anything can still go elsewhere
-_PREAMBLE = (
-    b'"delta":{"role":"assistant","content":""}',
-    b"event: message_start\n",
-    b"event: ping\n",
-    b"event: content_block_start\n",
-    b"event: response.created\n",
-    b"event: response.in_progress\n",
-    b"event: response.output_item.added\n",
-    b"event: response.content_part.added\n",
-)
-
-
-# a worker's 503 (Messages: 529) that says "not now" rather than "broken": the request
-# waits and is sent again (to it or another), without counting as a failure
-_BUSY_CODES = (b'"overloaded"', b'"model_loading"', b'"overloaded_error"')
 # backoff before a worker that refused a request as busy is asked again (doubling)
 _BUSY_BACKOFF_S = (0.05, 2.0)
 # a worker that failed a request is tried again when it has come back (been taken out and
 # passed a health check), or after this long if the router never saw it go (doubling)
 _FAILED_BACKOFF_S = (1.0, 8.0)
-
-
-@dataclass
-class _Retry:
-    """A worker failed before its answer had any output: try another. ``failure``: its
-    own answer (a 503), returned if no worker takes the request in time; ``busy``: it
-    refused the request as overloaded (or still loading its model), which is waited out
-    rather than counted as a failure."""
-
-    message: str
-    refused: bool = False
-    failure: Any = None
-    busy: bool = False
 
 
 class _Avoid:
@@ -603,7 +558,7 @@ class Router:
             except BaseException:
                 self._finish(flight)
                 raise
-            if not isinstance(answer, _Retry):
+            if not isinstance(answer, Retry):
                 return answer, worker
             self._finish(flight)
             if deadline is None:  # the budget counts from the first failure
@@ -746,33 +701,34 @@ class Router:
                 return i
         return None
 
-    async def _first_output(self, flight: _Flight, path: str) -> Response | StreamResponse | _Retry:
+    async def _first_output(self, flight: _Flight, path: str) -> Response | StreamResponse | Retry:
         """The worker's answer once its first output is in: a whole response, or a stream
-        whose first complete event is there; ``_Retry`` if it failed before any."""
+        whose first complete event is there; ``Retry`` if it failed before any."""
         kind, value = await flight.queue.get()
         if kind == "connect":
-            return _Retry(value, refused=True)
+            return Retry(value, refused=True)
         if kind != "head":
-            return _Retry(value)
+            return Retry(value)
         status, content_type = value
         if not (status == 200 and content_type and content_type.startswith("text/event-stream")):
             whole = await self._whole(flight, status, content_type)
-            if status in (503, 529):  # its engine is down or restarting, or it is full
-                busy = status == 529 or any(code in whole.body[:400] for code in _BUSY_CODES)
-                return _Retry(f"worker answered {status}", failure=whole, busy=busy)
+            retry = retry_of_whole_answer(status, whole.body)
+            if retry is not None:
+                retry.failure = whole  # (answered as it came if no worker takes it)
+                return retry
             return whole
         buffer = b""
         start = 0  # where the next event not yet looked at begins
         while True:
             kind, value = await flight.queue.get()
             if kind != "data":
-                return _Retry(value if kind != "end" else "the stream ended before any output")
+                return Retry(value if kind != "end" else "the stream ended before any output")
             buffer += value
             while (cut := buffer.find(b"\n\n", start)) >= 0:
                 event, start = buffer[start : cut + 2], cut + 2
-                if any(mark in event for mark in _PREAMBLE):
+                if any(mark in event for mark in PREAMBLE):
                     continue  # nothing generated yet: hold it back
-                failed = _failed_before_output(event)
+                failed = failed_before_output(event)
                 if failed is not None:
                     return failed
                 return StreamResponse(_Frames(self, flight, buffer, path == MESSAGES_PATH))

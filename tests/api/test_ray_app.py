@@ -1,0 +1,143 @@
+"""radixserve as a Ray Serve application (``radixserve/api/ray/app.py``) on a real local
+Ray cluster: two replicas of a tiny model behind the ingress; answers equal one
+``radixserve serve``'s; a replica actor killed under load is replaced by Ray with nothing
+lost. And the prefix-aware request router alone, with stand-in replicas. Skipped without
+``ray[serve]``."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from radixserve.api.ray.app import PrefixAwareRouter, build_app  # noqa: E402
+from tests.api.server_helpers import ServerProcess, free_port  # noqa: E402
+
+
+@dataclass
+class _Replica:
+    replica_id: str
+    routing_stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    args: list
+
+
+class _Cache:
+    def get(self, replica_id):
+        return None
+
+
+def _router() -> tuple[PrefixAwareRouter, list[_Replica]]:
+    replicas = [_Replica("a"), _Replica("b")]
+
+    class Router(PrefixAwareRouter):
+        curr_replicas = property(lambda self: {r.replica_id: r for r in replicas})
+        replica_queue_len_cache = property(lambda self: _Cache())
+
+    router = Router.__new__(Router)  # (no Ray deployment around it)
+    router.initialize_state(cache_threshold=0.5)
+    return router, replicas
+
+
+def test_the_router_sends_a_prefix_back_where_it_went() -> None:
+    router, replicas = _router()
+
+    def choose(prompt: str, key: str = "k1") -> str:
+        body = orjson.dumps({"model": "m", "prompt": prompt})
+        pending = _Pending(["POST", "/v1/completions", {"authorization": key}, body])
+        ranks = asyncio.run(router.choose_replicas(replicas, pending))
+        ranked = sorted(r.replica_id for rank in ranks for r in rank)
+        assert ranked == sorted(r.replica_id for r in replicas)  # each once
+        return ranks[0][0].replica_id
+
+    story = "Once upon a time there was a very long shared system prompt. " * 4
+    first = choose(story + "first question")
+    assert choose(story + "second question") == first  # the prefix went there
+    other = choose("something else entirely, unrelated to the story above")
+    assert other != first  # a new prefix goes to the replica with room
+    # another tenant's identical prompt does not match (the namespace leads the key)
+    assert choose(story + "first question", key="k2") in ("a", "b")
+    # a replica Ray no longer has is forgotten: its tree goes with it
+    replicas.pop(["a", "b"].index(first))
+    assert choose(story + "third question") == other
+    assert first not in router.slots
+
+
+@pytest.fixture(scope="module")
+def ray_app(tiny_llama):
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app(
+        {
+            "replicas": "2",
+            "num_cpus": "0.5",
+            "serve_args": f"--model {tiny_llama} --dtype float32",
+        }
+    )
+    serve.run(app, name="radixserve", route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _complete(url: str, prompt: str) -> str:
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    answer = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["text"]
+
+
+@pytest.mark.slow
+def test_answers_equal_one_server_and_a_killed_replica_loses_nothing(ray_app, tiny_llama):
+    prompts = [f"request {i} about the weather" for i in range(6)]
+    single = ServerProcess("--model", str(tiny_llama), "--dtype", "float32")
+    try:
+        expected = [_complete(single.url, p) for p in prompts]
+    finally:
+        single.stop()
+    assert [_complete(ray_app, p) for p in prompts] == expected
+    # a streamed chat passes through whole
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", ray_app + "/v1/chat/completions", json=body, timeout=120) as r:
+        lines = [x for x in r.iter_lines() if x]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert not any('"error"' in x for x in lines)
+    assert httpx.get(ray_app + "/v1/models", timeout=30).json()["data"]
+
+    # kill one replica's actor while requests run: each is answered (retried on the
+    # other replica when it had produced nothing), and Ray starts a new replica
+    replicas = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "radixserve-replica" in a["name"]
+    ]
+    assert len(replicas) == 2
+    victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(_complete, ray_app, p) for p in prompts * 2]
+        time.sleep(0.3)
+        ray.kill(victim, no_restart=True)
+        answers = [f.result(timeout=180) for f in running]
+    assert answers == expected * 2
+    deadline = time.monotonic() + 180
+    while True:
+        status = serve.status().applications["radixserve"].deployments["radixserve-replica"]
+        if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == 2:
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(1)
+    assert [_complete(ray_app, p) for p in prompts] == expected
