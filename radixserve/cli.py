@@ -63,7 +63,7 @@ def server_config(args: argparse.Namespace):
     return ServerConfig(
         **from_args(args, ServerConfig),
         **dp_kwargs(args),
-        loopback_only=is_loopback(args.host),
+        loopback_only=is_loopback(args.host) and not args.behind_proxy,
         supervision=SupervisorConfig(**from_args(args, SupervisorConfig)),
     )
 

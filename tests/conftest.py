@@ -226,6 +226,34 @@ def pytest_configure(config):
     from tests import helpers
 
     helpers.FAST_LOOP = (config.option.markexpr or "").strip() == "not slow"
+    _share_gguf_readers()
+
+
+def _share_gguf_readers() -> None:
+    """One ``gguf.GGUFReader`` per file for the session. transformers, the reference these
+    tests compare with, opens a GGUF file with it for the config, again for the weights and
+    again for the tokenizer, and each opening parses every metadata element in a Python
+    loop: about 28 s for Gemma 3's 262k-token vocabulary on the 2-core CI machine, three
+    times. A reader only reads its file, so the same one can serve every opening (keyed by
+    the file's path, size and modification time: a file written again is read again)."""
+    try:
+        import gguf
+    except ImportError:
+        return
+    original = gguf.GGUFReader
+    readers: dict[tuple, object] = {}
+
+    def shared(path, mode="r"):
+        stat = os.stat(path)
+        key = (os.path.realpath(path), stat.st_size, stat.st_mtime_ns, mode)
+        if mode != "r":
+            return original(path, mode)
+        reader = readers.get(key)
+        if reader is None:
+            reader = readers[key] = original(path, mode)
+        return reader
+
+    gguf.GGUFReader = shared
 
 
 # fixtures that load the real SmolLM2 GGUF file (~100 MB): the full run's, not the fast loop's

@@ -3,6 +3,7 @@ Kubernetes manifest gives ``radixserve serve`` parses, and reaches the configs i
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import yaml
@@ -37,5 +38,5 @@ def test_the_rayservice_runs_build_app_with_arguments_it_knows() -> None:
     (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
     assert app["import_path"] == "radixserve.api.ray.app:build_app"
     assert set(app["args"]) <= APP_ARGS
-    parsed = build_parser().parse_args(["serve", *app["args"]["serve_args"].split()])
+    parsed = build_parser().parse_args(["serve", *shlex.split(app["args"]["serve_args"])])
     assert server_config(parsed).vllm_metrics

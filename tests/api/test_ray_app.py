@@ -10,15 +10,16 @@ import asyncio
 import concurrent.futures
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import httpx
-import orjson
 import pytest
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from radixserve.api.ray.app import PrefixAwareRouter, build_app  # noqa: E402
+from radixserve.api.router.server import routing_key, routing_namespace  # noqa: E402
 from tests.api.server_helpers import ServerProcess, free_port  # noqa: E402
 
 
@@ -30,7 +31,11 @@ class _Replica:
 
 @dataclass
 class _Pending:
-    args: list
+    kwargs: dict
+    args: list = field(default_factory=list)
+    routing_context: SimpleNamespace = field(
+        default_factory=lambda: SimpleNamespace(should_backoff=False)
+    )
 
 
 class _Cache:
@@ -53,10 +58,13 @@ def _router() -> tuple[PrefixAwareRouter, list[_Replica]]:
 def test_the_router_sends_a_prefix_back_where_it_went() -> None:
     router, replicas = _router()
 
-    def choose(prompt: str, key: str = "k1") -> str:
-        body = orjson.dumps({"model": "m", "prompt": prompt})
-        pending = _Pending(["POST", "/v1/completions", {"authorization": key}, body])
+    def choose(prompt: str, key: str = "k1", avoid: tuple[str, ...] = ()) -> str:
+        body = {"model": "m", "prompt": prompt}
+        headers = {"authorization": key}
+        routing = (routing_key("/v1/completions", body), routing_namespace("tenant", headers, body))
+        pending = _Pending({"routing": routing, "avoid": avoid})
         ranks = asyncio.run(router.choose_replicas(replicas, pending))
+        assert pending.routing_context.should_backoff  # (Ray waits when all are full)
         ranked = sorted(r.replica_id for rank in ranks for r in rank)
         assert ranked == sorted(r.replica_id for r in replicas)  # each once
         return ranks[0][0].replica_id
@@ -66,6 +74,8 @@ def test_the_router_sends_a_prefix_back_where_it_went() -> None:
     assert choose(story + "second question") == first  # the prefix went there
     other = choose("something else entirely, unrelated to the story above")
     assert other != first  # a new prefix goes to the replica with room
+    # a retry avoids the replica that failed it, even where its prefix is
+    assert choose(story + "second question", avoid=(first,)) == other
     # another tenant's identical prompt does not match (the namespace leads the key)
     assert choose(story + "first question", key="k2") in ("a", "b")
     # a replica Ray no longer has is forgotten: its tree goes with it
@@ -116,7 +126,11 @@ def test_answers_equal_one_server_and_a_killed_replica_loses_nothing(ray_app, ti
         lines = [x for x in r.iter_lines() if x]
     assert r.status_code == 200 and lines[-1] == "data: [DONE]"
     assert not any('"error"' in x for x in lines)
-    assert httpx.get(ray_app + "/v1/models", timeout=30).json()["data"]
+    (card,) = httpx.get(ray_app + "/v1/models", timeout=30).json()["data"]
+    # the network's clients are not the operator: no admin route, no operator's fields
+    assert "memory_bytes" not in card and "in_flight" not in card
+    for admin in ("/metrics", "/debug/engine", "/v1/models/load", "/console"):
+        assert httpx.get(ray_app + admin, timeout=30).status_code in (403, 404), admin
 
     # kill one replica's actor while requests run: each is answered (retried on the
     # other replica when it had produced nothing), and Ray starts a new replica

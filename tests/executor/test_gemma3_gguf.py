@@ -70,10 +70,28 @@ def test_tokenizer_equals_transformers(gemma3_file):
 NEAR_TIE = 0.05
 
 
-def test_greedy_tokens_equal_transformers_float32_and_auto(gemma3_file):
+@pytest.fixture(scope="module")
+def _float32_engine(gemma3_file):
     from radixserve import LLM
 
     llm = LLM(str(gemma3_file), dtype="float32", quantization="none")
+    yield llm
+    llm.engine.close()
+
+
+@pytest.fixture
+def float32_llm(_float32_engine):
+    """The file dequantized to float32 (the reference precision), loaded once for the
+    tests that compare with it; each starts with an empty prefix cache (what a fresh
+    process computes)."""
+    assert _float32_engine.engine.flush_cache().idle
+    return _float32_engine
+
+
+def test_greedy_tokens_equal_transformers_float32_and_auto(gemma3_file, float32_llm):
+    from radixserve import LLM
+
+    llm = float32_llm
     assert llm.engine.max_model_len == 32768  # the full context: windows are per layer
     texts = [
         "The capital of France is",
@@ -82,7 +100,6 @@ def test_greedy_tokens_equal_transformers_float32_and_auto(gemma3_file):
     ]
     prompts = [llm.engine.tokenize(t) for t in texts]
     ours = generate_ids(llm, prompts, greedy(16))
-    llm.engine.close()
     expected = hf_greedy(gemma3_file.parent, prompts, 16, gguf_file=gemma3_file.name)
     assert ours == expected
     # auto: bfloat16 activations, each tensor from its own codes (Q4_K in int4, Q5_0 /
@@ -106,16 +123,15 @@ def test_greedy_tokens_equal_transformers_float32_and_auto(gemma3_file):
         assert got[:tie] == want[:tie]
 
 
-def test_generate_runs_the_file_through_its_chat_template(gemma3_file):
+def test_generate_runs_the_file_through_its_chat_template(gemma3_file, float32_llm):
     """``radixserve generate`` renders Gemma's chat template (the file has none: the family's
     is used, as llama.cpp does) and streams the same greedy continuation the engine computes
     for that rendered prompt (which the test above ties to transformers). This 270M file is
     the pretrained model, not the instruction-tuned one: its chat answers are weak, so the
     check is the template and the tokens, not the answer's content."""
-    from radixserve import LLM
 
     question = "What is the capital of France?"
-    llm = LLM(str(gemma3_file), dtype="float32", quantization="none")
+    llm = float32_llm
     inputs = llm.engine.inputs
     rendered = inputs.render_chat([{"role": "user", "content": question}])
     assert rendered == f"<bos><start_of_turn>user\n{question}<end_of_turn>\n<start_of_turn>model\n"
@@ -208,7 +224,7 @@ def test_auto_runs_each_tensor_at_its_own_precision(gemma3_file):
     assert torch.equal(w, ref)  # Q8_0's float16 scales: exact
 
 
-def test_serve_answers_chat_through_the_files_template(gemma3_file):
+def test_serve_answers_chat_through_the_files_template(gemma3_file, float32_llm):
     """``radixserve serve`` on the real file: a Chat Completions request through the official
     ``openai`` client returns the greedy continuation the engine computes for the rendered
     Gemma template, stops on ``<end_of_turn>`` (an EOS of this file) or at ``max_tokens``, and
@@ -216,18 +232,16 @@ def test_serve_answers_chat_through_the_files_template(gemma3_file):
     the engine too."""
     import openai
 
-    from radixserve import LLM
     from tests.api.server_helpers import ServerProcess
 
     question = "Name three colours."
-    llm = LLM(str(gemma3_file), dtype="float32", quantization="none")
+    llm = float32_llm
     ids = llm.engine.inputs.chat_ids([{"role": "user", "content": question}])
     expected_chat = llm.engine.tokenizer.decode(
         generate_ids(llm, [ids], greedy(10))[0], skip_special_tokens=True
     )
     raw = llm.engine.tokenize("The capital of France is")
     expected_text = llm.engine.tokenizer.decode(generate_ids(llm, [raw], greedy(8))[0])
-    del llm
 
     server = ServerProcess(
         "--model", str(gemma3_file), "--dtype", "float32", "--quantization", "none",

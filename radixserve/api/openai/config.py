@@ -123,6 +123,12 @@ class ServerConfig:
         "(repeatable); without one those routes are served only on a loopback --host",
     )
     loopback_only: bool = True
+    behind_proxy: bool = setting(
+        False,
+        help="the server is reached through a proxy that forwards other machines' requests "
+        "(the Ray Serve application's replicas): a loopback --host is not trusted as one "
+        "user's machine (admin routes need --admin-api-key, as on a public address)",
+    )
     api_keys_file: str | None = setting(
         None,
         metavar="PATH",

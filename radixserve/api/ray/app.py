@@ -53,17 +53,21 @@ import orjson
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from radixserve.api.anthropic.errors import PREFIX as MESSAGES_PATH
+from radixserve.api.anthropic.errors import anthropic_error
 from radixserve.api.asgi import APIError
 from radixserve.api.ray import APP_ARGS
 from radixserve.api.router.answers import PREAMBLE, Retry, failed_before_output
 from radixserve.api.router.answers import retry_of_whole_answer as whole_retry
 from radixserve.api.router.server import routing_key, routing_namespace
-from radixserve.serving.balancer import BalanceConfig, Balancer, NoWorkerAvailable
+from radixserve.core.request import PREFIX_CACHE_SCOPES
+from radixserve.serving.balancer import POLICIES, BalanceConfig, Balancer, NoWorkerAvailable
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +81,30 @@ _FORWARDED = (
     "anthropic-version",
     "anthropic-beta",
 )
-# backoffs before sending again (doubling): after a refusal as full, after a failure
+# response headers passed back to the client
+_RETURNED = ("content-type", "retry-after", "cache-control", "allow")
+# what the application serves: inference and the read-only routes (the replicas' admin
+# routes, console and debug views act on one replica of many: not offered through it)
+_ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/score",
+    "/v1/models",
+    "/generate",
+    "/tokenize",
+    "/detokenize",
+    "/health",
+    "/live",
+    "/version",
+)
+# backoffs before sending again (doubling): after a refusal as full, after a failure (as
+# the router's)
 _BUSY_BACKOFF_S = (0.05, 2.0)
-_FAILED_BACKOFF_S = (0.5, 4.0)
+_FAILED_BACKOFF_S = (1.0, 8.0)
 # replica slots of the router's balancer (a replica gone frees its slot)
 MAX_REPLICAS = 256
 
@@ -90,10 +115,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+try:  # (resolved here, not in the forked child: nothing to load or allocate there)
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:
-    """In the child: SIGTERM when the replica's process dies, however it dies."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    """In the child: SIGTERM when the replica's thread that started it ends (it lives as
+    long as the replica), however the replica dies (PR_SET_PDEATHSIG)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)
 
 
 class ServeReplica:
@@ -112,6 +144,7 @@ class ServeReplica:
             "127.0.0.1",
             "--port",
             str(self.port),
+            "--behind-proxy",  # its clients are the network's, through the ingress
             *serve_args,
         ]
         self.proc = subprocess.Popen(
@@ -125,28 +158,40 @@ class ServeReplica:
                     f"radixserve serve exited during startup ({self.proc.returncode})"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                ready = httpx.get(self.url + "/health", timeout=2).status_code == 200
+                if ready and self.proc.poll() is None:  # (ours, not another on the port)
                     break
             if time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError("radixserve serve did not start in time")
             time.sleep(0.2)
-        self.client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(None, connect=5))
+        # as many connections as requests may run (a pool wait would be a silent queue)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(
+            base_url=self.url, timeout=httpx.Timeout(None, connect=5), limits=limits
+        )
+        self.probe = httpx.AsyncClient(base_url=self.url, timeout=10)  # (never queued)
         self.in_flight = 0
+        self.replica_id = str(serve.get_replica_context().replica_id)
 
     async def forward(
-        self, method: str, path: str, headers: dict[str, str], body: bytes
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        routing: tuple[str, str] = ("", ""),
+        avoid: tuple[str, ...] = (),
     ) -> AsyncIterator[Any]:
-        """The server's answer to one request: ``{"status", "content_type"}``, then bytes."""
+        """The server's answer to one request: ``{"status", "headers", "replica"}``, then
+        bytes (``routing`` and ``avoid`` are for ``PrefixAwareRouter``)."""
         self.in_flight += 1
         try:
             request = self.client.build_request(method, path, headers=headers, content=body)
             answer = await self.client.send(request, stream=True)
             try:
-                yield {
-                    "status": answer.status_code,
-                    "content_type": answer.headers.get("content-type"),
-                }
+                headers = {k: answer.headers[k] for k in _RETURNED if k in answer.headers}
+                yield {"status": answer.status_code, "headers": headers, "replica": self.replica_id}
                 async for chunk in answer.aiter_raw():
                     yield chunk
             finally:
@@ -159,7 +204,7 @@ class ServeReplica:
         is gone or its engine is dead for good; a supervised engine restart passes."""
         if self.proc.poll() is not None:
             raise RuntimeError(f"radixserve serve exited ({self.proc.returncode})")
-        answer = await self.client.get("/live", timeout=10)
+        answer = await self.probe.get("/live")
         if answer.status_code != 200:
             raise RuntimeError(f"radixserve serve is not live: {answer.text[:200]}")
 
@@ -167,31 +212,29 @@ class ServeReplica:
         return {"in_flight": self.in_flight}
 
     def __del__(self) -> None:
+        """Stop the server: it drains what it runs for up to 20 s (Ray gives the replica
+        ``graceful_shutdown_timeout_s``, 30, set by ``build_app``), then is killed."""
         proc = getattr(self, "proc", None)
         if proc is not None and proc.poll() is None:
-            proc.terminate()  # (it drains what it runs)
+            proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(30)
+                proc.wait(20)
             if proc.poll() is None:
                 proc.kill()
 
 
-class PrefixAwareRouter(FIFOMixin, RequestRouter):
-    """Ray Serve's replica choice by ``serving/balancer.py``'s policy. Invariant: a replica
-    Ray no longer has frees its slot and its prefix tree; each request is inserted into the
-    tree of the replica ranked first."""
+class PrefixAwareRouter(RequestRouter):
+    """Ray Serve's replica choice by ``serving/balancer.py``'s policy (no FIFO mixin: a
+    replica chosen for one request's prefix is not handed to another). Invariants: a
+    replica Ray no longer has frees its slot and its prefix tree; a replica the request's
+    ``avoid`` names (those that failed it) is ranked last; each request is inserted into
+    the tree of the replica ranked first."""
 
-    def initialize_state(
-        self,
-        policy: str = "cache-aware",
-        prefix_cache_scope: str = "tenant",
-        **balance: Any,
-    ) -> None:
+    def initialize_state(self, policy: str = "cache-aware", **balance: Any) -> None:
         self.balancer = Balancer(MAX_REPLICAS, policy, BalanceConfig(**balance))
         for i in range(MAX_REPLICAS):
             self.balancer.set_available(i, False)
         self.slots: dict[Any, int] = {}
-        self.scope = prefix_cache_scope
 
     def _slot(self, replica_id: Any) -> int | None:
         slot = self.slots.get(replica_id)
@@ -214,6 +257,8 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:  # all full: Ray waits before asking again
+            pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
         self._forget_gone()
@@ -226,60 +271,83 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
                 if queued is None:
                     queued = replica.routing_stats.get("in_flight", 0)
                 self.balancer.load[slot] = int(queued)
-        key, namespace = "", ""
-        if pending_request is not None and len(pending_request.args) == 4:
-            _, path, headers, body = pending_request.args
-            with contextlib.suppress(orjson.JSONDecodeError, TypeError):
-                parsed = orjson.loads(body) if body else None
-                key = routing_key(path, parsed)
-                namespace = routing_namespace(self.scope, headers, parsed)
-        exclude = frozenset(i for i in range(MAX_REPLICAS) if i not in by_slot)
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        key, namespace = kwargs.get("routing", ("", ""))
+        avoid = set(kwargs.get("avoid", ()))
+        fresh = [s for s, r in by_slot.items() if str(r.replica_id) not in avoid]
+        exclude = frozenset(i for i in range(MAX_REPLICAS) if i not in (fresh or by_slot))
         try:
             decision = self.balancer.choose(key, exclude, namespace)
         except NoWorkerAvailable:
             return [candidate_replicas]
         self.balancer.release(decision.worker)  # (the loads are Ray's, set each time)
         first = by_slot[decision.worker]
-        return [[first], [r for r in candidate_replicas if r is not first]]
+        rest = [r for r in candidate_replicas if r is not first]
+        others = [r for r in rest if str(r.replica_id) not in avoid]
+        failed = [r for r in rest if str(r.replica_id) in avoid]
+        return [ranks for ranks in ([first], others, failed) if ranks]
 
 
 class Ingress:
     """The application's HTTP entry: every request to one replica (``PrefixAwareRouter``
-    chooses), held back until its first output and sent again when it failed before any.
-    Invariant: a client gets either an answer that began on one replica and is passed on
-    whole, or, once the retry budget is spent, the last failure."""
+    chooses, away from replicas that failed it), held back until its first output and sent
+    again when it failed before any. Invariant: a client gets either an answer that began
+    on one replica and is passed on (a stream cut by its replica's death ends with an error
+    event), or, once the retry budget is spent, the last failure."""
 
     def __init__(
-        self, replicas: DeploymentHandle, retry_timeout_s: float = 120.0, max_retries: int = 6
+        self,
+        replicas: DeploymentHandle,
+        retry_timeout_s: float = 120.0,
+        max_retries: int = 6,
+        prefix_cache_scope: str = "tenant",
     ) -> None:
         self.replicas = replicas.options(stream=True)
+        self.scope = prefix_cache_scope  # (the routing key's namespace, as the router's)
         self.retry_timeout_s = retry_timeout_s
         self.max_retries = max_retries
 
     async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        if not path.startswith(_ROUTES):
+            return _error(APIError(404, f"no route {path} here", code="not_found"), path)
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k in _FORWARDED}
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        target = path + (f"?{request.url.query}" if request.url.query else "")
+        routing = ("", "")
+        with contextlib.suppress(orjson.JSONDecodeError, TypeError):
+            parsed = orjson.loads(body) if body else None
+            routing = (routing_key(path, parsed), routing_namespace(self.scope, headers, parsed))
         loop = asyncio.get_running_loop()
         deadline: float | None = None
         failures, busy_tries = 0, 0
+        avoid: list[str] = []
         last: Response | None = None
         while True:
-            stream = self.replicas.forward.remote(request.method, path, headers, body)
+            stream = self.replicas.forward.remote(
+                request.method, target, headers, body, routing=routing, avoid=avoid
+            )
+            head: dict[str, Any] = {}
             try:
-                answer, retry = await self._first_output(stream)
-            except RayError as exc:  # the replica died, or is not there yet
+                answer, retry = await self._first_output(stream, head, path)
+            except (RayError, RayServeException) as exc:  # the replica died, or none is up
                 answer, retry = None, Retry(f"replica failed: {type(exc).__name__}: {exc}")
             if retry is None:
                 assert answer is not None
                 return answer
-            stream.cancel()
+            with contextlib.suppress(Exception):
+                stream.cancel()
+            if head.get("replica") and head["replica"] not in avoid:
+                avoid.append(head["replica"])
             if deadline is None:
                 deadline = loop.time() + self.retry_timeout_s
             if isinstance(retry.failure, Response):
                 last = retry.failure
-            elif isinstance(retry.failure, APIError):
-                last = _error(retry.failure)
+            else:
+                failure = retry.failure or APIError(
+                    502, retry.message, type_="worker_error", code="worker_failed"
+                )
+                last = _error(failure, path)
             if retry.busy:
                 first, most = _BUSY_BACKOFF_S
                 wait, busy_tries = min(first * 2**busy_tries, most), busy_tries + 1
@@ -287,21 +355,24 @@ class Ingress:
                 failures += 1
                 first, most = _FAILED_BACKOFF_S
                 wait = min(first * 2 ** (failures - 1), most)
-            if failures > self.max_retries or loop.time() + wait > deadline:
+            now = loop.time()
+            if failures > self.max_retries or now >= deadline:
                 log.warning("request failed after %d failures: %s", failures, retry.message)
-                return last or _error(
-                    APIError(502, retry.message, type_="worker_error", code="worker_failed")
-                )
-            await asyncio.sleep(wait)
+                return last
+            await asyncio.sleep(min(wait, deadline - now))
 
-    async def _first_output(self, stream: Any) -> tuple[Response | None, Retry | None]:
-        """The replica's answer once its first output is in, or why to send it again."""
+    async def _first_output(
+        self, stream: Any, head: dict[str, Any], path: str
+    ) -> tuple[Response | None, Retry | None]:
+        """The replica's answer once its first output is in, or why to send it again
+        (``head``: filled with the answer's head when it came)."""
         chunks = stream.__aiter__()
-        head = await chunks.__anext__()
-        status, content_type = head["status"], head["content_type"] or "application/json"
+        head.update(await chunks.__anext__())
+        status, headers = head["status"], head["headers"]
+        content_type = headers.get("content-type", "application/json")
         if not (status == 200 and content_type.startswith("text/event-stream")):
             whole = b"".join([c async for c in chunks])
-            answer = Response(whole, status, media_type=content_type)
+            answer = Response(whole, status, headers=headers)
             retry = whole_retry(status, whole)
             if retry is not None:
                 retry.failure = answer
@@ -317,20 +388,38 @@ class Ingress:
                 failed = failed_before_output(event)
                 if failed is not None:
                     return None, failed
-                return StreamingResponse(
-                    _rest(buffer, chunks), status, media_type=content_type
-                ), None
+                rest = _rest(buffer, chunks, path)
+                return StreamingResponse(rest, status, headers=headers), None
         return None, Retry("the stream ended before any output")
 
 
-async def _rest(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _rest(first: bytes, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
+    """A stream's bytes on from its first output; a replica dying under it ends it with an
+    error event (Anthropic's on Messages) and, but on Messages, ``[DONE]``, as the router
+    ends it."""
     yield first
-    async for chunk in chunks:
-        yield chunk
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except (RayError, RayServeException) as exc:
+        error = APIError(502, f"the replica failed: {type(exc).__name__}", code="worker_failed")
+        if path.startswith(MESSAGES_PATH):
+            yield b"event: error\ndata: " + anthropic_error(error).body + b"\n\n"
+        else:
+            yield b"\n\ndata: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"
 
 
-def _error(error: APIError) -> Response:
-    return Response(orjson.dumps(error.body()), error.status, media_type="application/json")
+def _error(error: APIError, path: str) -> Response:
+    """``error`` as a replica would answer it on ``path`` (Anthropic's shape on Messages)."""
+    if path.startswith(MESSAGES_PATH):
+        shaped = anthropic_error(error)
+        return Response(shaped.body, shaped.status, media_type="application/json")
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["retry-after"] = str(max(1, round(error.retry_after_s)))
+    return Response(
+        orjson.dumps(error.body()), error.status, headers=headers, media_type="application/json"
+    )
 
 
 def build_app(args: dict[str, str]) -> Any:
@@ -342,6 +431,10 @@ def build_app(args: dict[str, str]) -> Any:
             f"unknown argument(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(APP_ARGS))}"
         )
     serve_args = shlex.split(args.get("serve_args", ""))
+    if args.get("policy", "cache-aware") not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+    if args.get("prefix_cache_scope", "tenant") not in PREFIX_CACHE_SCOPES:
+        raise ValueError(f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}")
     scaling: dict[str, Any]
     if "min_replicas" in args or "max_replicas" in args:
         scaling = {
@@ -355,10 +448,7 @@ def build_app(args: dict[str, str]) -> Any:
         scaling = {"num_replicas": int(args.get("replicas", 2))}
     router = RequestRouterConfig(
         request_router_class="radixserve.api.ray.app:PrefixAwareRouter",
-        request_router_kwargs={
-            "policy": args.get("policy", "cache-aware"),
-            "prefix_cache_scope": args.get("prefix_cache_scope", "tenant"),
-        },
+        request_router_kwargs={"policy": args.get("policy", "cache-aware")},
     )
     replica = serve.deployment(ServeReplica).options(
         name="radixserve-replica",
@@ -369,6 +459,7 @@ def build_app(args: dict[str, str]) -> Any:
         max_ongoing_requests=int(args.get("max_ongoing_requests", 256)),
         health_check_period_s=2,
         health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=30,  # (the server's drain: 20 s, see __del__)
         request_router_config=router,
         **scaling,
     )
@@ -379,4 +470,5 @@ def build_app(args: dict[str, str]) -> Any:
         replica.bind(serve_args),
         float(args.get("retry_timeout_s", 120.0)),
         int(args.get("max_retries", 6)),
+        args.get("prefix_cache_scope", "tenant"),
     )
