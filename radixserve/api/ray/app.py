@@ -63,7 +63,12 @@ from radixserve.api.anthropic.errors import PREFIX as MESSAGES_PATH
 from radixserve.api.anthropic.errors import anthropic_error
 from radixserve.api.asgi import APIError
 from radixserve.api.ray import APP_ARGS
-from radixserve.api.router.answers import PREAMBLE, Retry, failed_before_output
+from radixserve.api.router.answers import (
+    FORWARDED_HEADERS,
+    PREAMBLE,
+    Retry,
+    failed_before_output,
+)
 from radixserve.api.router.answers import retry_of_whole_answer as whole_retry
 from radixserve.api.router.server import routing_key, routing_namespace
 from radixserve.core.request import PREFIX_CACHE_SCOPES
@@ -71,16 +76,6 @@ from radixserve.serving.balancer import POLICIES, BalanceConfig, Balancer, NoWor
 
 log = logging.getLogger(__name__)
 
-# request headers passed on to a replica (it checks API keys itself)
-_FORWARDED = (
-    "authorization",
-    "content-type",
-    "accept",
-    "x-tenant",
-    "x-api-key",
-    "anthropic-version",
-    "anthropic-beta",
-)
 # response headers passed back to the client
 _RETURNED = ("content-type", "retry-after", "cache-control", "allow")
 # what the application serves: inference and the read-only routes (the replicas' admin
@@ -312,7 +307,7 @@ class Ingress:
         if not path.startswith(_ROUTES):
             return _error(APIError(404, f"no route {path} here", code="not_found"), path)
         body = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k in _FORWARDED}
+        headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         target = path + (f"?{request.url.query}" if request.url.query else "")
         routing = ("", "")
         with contextlib.suppress(orjson.JSONDecodeError, TypeError):

@@ -10,6 +10,17 @@ from typing import Any
 
 from radixserve.api.asgi import APIError
 
+# request headers passed on to a worker (it checks API keys itself; Anthropic's clients
+# send theirs as x-api-key)
+FORWARDED_HEADERS = (
+    "authorization",
+    "content-type",
+    "accept",
+    "x-tenant",
+    "x-api-key",
+    "anthropic-version",
+    "anthropic-beta",
+)
 # a stream's first event saying the worker's engine cannot answer (nothing generated yet)
 ENGINE_DOWN = (b'"engine_dead"', b'"engine_restarting"', b'"engine_hung"')
 # a stream's events that come before any output (a chat's role chunk, Messages' and

@@ -31,6 +31,7 @@ from radixserve.api.asgi import (
     json_response,
 )
 from radixserve.api.router.answers import (
+    FORWARDED_HEADERS,
     PREAMBLE,
     Retry,
     failed_before_output,
@@ -63,17 +64,6 @@ RESPONSES_PATH = "/v1/responses"
 MAX_RESPONSE_OWNERS = 100_000
 # a Responses answer's own id: the first "id" of its JSON (or of its response.created event)
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[A-Za-z0-9]+)"')
-# request headers passed on to the worker (it checks API keys itself; Anthropic's clients
-# send theirs as x-api-key)
-_FORWARDED = (
-    "authorization",
-    "content-type",
-    "accept",
-    "x-tenant",
-    "x-api-key",
-    "anthropic-version",
-    "anthropic-beta",
-)
 _DONE = b"data: [DONE]\n\n"
 # a worker taken out while the body of a whole answer is on its way: how long it may still
 # take to arrive (a non-streamed answer's body is written with its head, all at once)
@@ -436,7 +426,7 @@ class Router:
 
     # -- proxying -------------------------------------------------------------------------
     def _headers(self, request: HTTPRequest) -> dict[str, str]:
-        return {k: request.headers[k] for k in _FORWARDED if k in request.headers}
+        return {k: request.headers[k] for k in FORWARDED_HEADERS if k in request.headers}
 
     async def _pump(self, flight: _Flight, method: str, path: str, request: HTTPRequest):
         """Send the request to the worker and put its answer on the flight's queue."""
