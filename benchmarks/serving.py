@@ -75,6 +75,7 @@ class Result:
     ok: bool
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the server's prefix cache (if it says)
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -180,9 +181,12 @@ async def one_request(
         async for now, data in client.events(path, body):
             if data == b"[DONE]":
                 continue
-            text, counts = _event_text_and_usage(api, orjson.loads(data))
+            chunk = orjson.loads(data)
+            text, counts = _event_text_and_usage(api, chunk)
             if counts is not None:
                 res.prompt_tokens, res.output_tokens = counts
+                details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+                res.cached_tokens = details.get("cached_tokens") or 0
             if text:
                 if last is None:
                     res.ttft = now - start

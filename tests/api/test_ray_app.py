@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from radixserve.api.ray.app import PrefixAwareRouter, build_app  # noqa: E402
+from radixserve.api.ray.app import PrefixAwareRouter, build_app, coalesced  # noqa: E402
 from radixserve.api.router.server import routing_key, routing_namespace  # noqa: E402
 from tests.api.server_helpers import ServerProcess, free_port  # noqa: E402
 
@@ -82,6 +82,32 @@ def test_the_router_sends_a_prefix_back_where_it_went() -> None:
     replicas.pop(["a", "b"].index(first))
     assert choose(story + "third question") == other
     assert first not in router.slots
+
+
+def test_chunks_that_arrive_together_travel_as_one() -> None:
+    async def source(fail: bool):
+        for i in range(6):
+            yield b"e%d;" % i
+            if i == 2:
+                await asyncio.sleep(0.05)  # a pause: what came before goes out alone
+        if fail:
+            raise ConnectionError("cut")
+
+    async def read(fail: bool, slow: bool) -> list[bytes]:
+        out = []
+        async for batch in coalesced(source(fail)):
+            out.append(batch)
+            if slow:
+                await asyncio.sleep(0.01)  # a busy reader: the rest piles up
+        return out
+
+    fast = asyncio.run(read(False, False))
+    assert b"".join(fast) == b"e0;e1;e2;e3;e4;e5;"
+    slow = asyncio.run(read(False, True))
+    assert b"".join(slow) == b"e0;e1;e2;e3;e4;e5;"
+    assert len(slow) < 6  # batched while the reader was busy
+    with pytest.raises(ConnectionError):
+        asyncio.run(read(True, True))  # everything before the failure, then the failure
 
 
 @pytest.fixture(scope="module")

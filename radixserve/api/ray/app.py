@@ -187,7 +187,7 @@ class ServeReplica:
             try:
                 headers = {k: answer.headers[k] for k in _RETURNED if k in answer.headers}
                 yield {"status": answer.status_code, "headers": headers, "replica": self.replica_id}
-                async for chunk in answer.aiter_raw():
+                async for chunk in coalesced(answer.aiter_raw()):
                     yield chunk
             finally:
                 await answer.aclose()
@@ -386,6 +386,41 @@ class Ingress:
                 rest = _rest(buffer, chunks, path)
                 return StreamingResponse(rest, status, headers=headers), None
         return None, Retry("the stream ended before any output")
+
+
+async def coalesced(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``chunks`` as they come, but those that arrived while the last was being passed on
+    as one: each item costs a Ray object, so under load a stream's tokens travel in
+    batches, while one alone is not held back."""
+    arrived: list[bytes] = []
+    ready = asyncio.Event()
+    ended: list[BaseException | None] = []
+
+    async def pump() -> None:
+        try:
+            async for chunk in chunks:
+                arrived.append(chunk)
+                ready.set()
+            ended.append(None)
+        except BaseException as exc:  # (passed on to the reader below)
+            ended.append(exc)
+        ready.set()
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            await ready.wait()
+            ready.clear()
+            if arrived:
+                batch = b"".join(arrived)
+                arrived.clear()
+                yield batch
+            if ended and not arrived:
+                if ended[0] is not None:
+                    raise ended[0]
+                return
+    finally:
+        task.cancel()
 
 
 async def _rest(first: bytes, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
