@@ -150,6 +150,12 @@ def test_router_answers_equal_direct_requests(workers, router):
         routed.completions.create(model=model, prompt="hi", max_tokens=0)
     assert info.value.body["param"] == "max_tokens"
     assert httpx.post(router.url + "/tokenize", json={"prompt": "hi"}).json()["count"] > 0
+    render = {"model": model, "prompt": "hi there"}  # (llm-d's router reads these)
+    rendered = httpx.post(router.url + "/v1/completions/render", json=render).json()
+    assert (
+        rendered[0]["token_ids"]
+        == httpx.post(workers[0].url + "/tokenize", json={"prompt": "hi there"}).json()["tokens"]
+    )
 
 
 def test_messages_and_embeddings_through_the_router(workers, router):

@@ -508,3 +508,43 @@ def test_vllm_request_fields_clients_send(client, server):
 def test_rerank_needs_a_reranker_or_the_flag(server):
     r = httpx.post(server.url + "/v1/rerank", json={"query": "q", "documents": ["d"]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "rerank_not_enabled"
+
+
+def test_render_routes_give_the_tokens_the_engine_would_run(client, server):
+    """vLLM's /v1/completions/render and /v1/chat/completions/render (read by llm-d's
+    router): the prompt's token ids exactly as the generating route runs them, its
+    sampling parameters, and the generating route's 400s."""
+    model = _model(client)
+    prompts = ["Paris is the capital", "one two three"]
+    body = {"model": model, "prompt": prompts, "max_tokens": 5, "temperature": 0.5, "seed": 3}
+    answer = httpx.post(server.url + "/v1/completions/render", json=body)
+    assert answer.status_code == 200, answer.text
+    items = answer.json()
+    assert len(items) == 2 and items[0]["request_id"].endswith("-0")
+    for item, prompt in zip(items, prompts, strict=True):
+        ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+        assert item["token_ids"] == ids and item["model"] == model
+        sp = item["sampling_params"]
+        assert (sp["max_tokens"], sp["temperature"], sp["seed"]) == (5, 0.5, 3)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hello there"},
+    ]
+    chat = {"model": model, "messages": messages, "max_tokens": 4, "stream": True}
+    rendered = httpx.post(server.url + "/v1/chat/completions/render", json=chat).json()
+    assert rendered["stream"] is True and rendered["sampling_params"]["max_tokens"] == 4
+    done = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=1, temperature=0
+    )
+    assert len(rendered["token_ids"]) == done.usage.prompt_tokens
+    tokenized = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    assert rendered["token_ids"] == tokenized["tokens"]
+    # refused as the generating routes refuse it
+    for path, bad in (
+        ("/v1/completions/render", {"model": model, "prompt": "x", "max_tokens": 10**7}),
+        ("/v1/chat/completions/render", {"model": model, "messages": [], "bogus": 1}),
+        ("/v1/chat/completions/render", {"model": "no-such-model", "messages": messages}),
+    ):
+        answer = httpx.post(server.url + path, json=bad)
+        assert answer.status_code in (400, 404), (path, answer.text)
+        assert "error" in answer.json()

@@ -29,6 +29,7 @@ from radixserve.api.openai import (
     lora,
     model_admin,
     native,
+    render,
     rerank,
     responses,
 )
@@ -173,6 +174,7 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
     native.add_routes(app, server)
     completions.add_routes(app, server)
     chat.add_routes(app, server)
+    render.add_routes(app, server)  # vLLM's /v1/completions/render, /v1/chat/completions/render
     responses.add_routes(app, server)
     embeddings.add_routes(app, server)
     rerank.add_routes(app, server)  # /v1/rerank, /v2/rerank, /v1/score

@@ -790,7 +790,13 @@ class Router:
         app.route("GET", RESPONSES_PATH + "/{response_id}")(self.proxy_stored)
         app.route("DELETE", RESPONSES_PATH + "/{response_id}")(self.proxy_stored)
         app.error_shapes[MESSAGES_PATH] = anthropic_error  # the router's own 502/503s too
-        for path in ("/tokenize", "/detokenize", f"{MESSAGES_PATH}/count_tokens"):
+        for path in (
+            "/tokenize",
+            "/detokenize",
+            f"{MESSAGES_PATH}/count_tokens",
+            "/v1/completions/render",
+            "/v1/chat/completions/render",
+        ):
             app.route("POST", path)(self.forward_any)
         app.route("GET", "/v1/models")(self.forward_any)
 
