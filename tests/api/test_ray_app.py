@@ -18,7 +18,7 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from radixserve.api.ray.app import PrefixAwareRouter, build_app, coalesced  # noqa: E402
+from radixserve.api.ray.app import Ingress, PrefixAwareRouter, build_app, coalesced  # noqa: E402
 from radixserve.api.router.server import routing_key, routing_namespace  # noqa: E402
 from tests.api.server_helpers import ServerProcess, free_port  # noqa: E402
 
@@ -108,6 +108,48 @@ def test_chunks_that_arrive_together_travel_as_one() -> None:
     assert len(slow) < 6  # batched while the reader was busy
     with pytest.raises(ConnectionError):
         asyncio.run(read(True, True))  # everything before the failure, then the failure
+
+
+def test_a_request_no_replica_takes_gets_a_503_within_the_budget() -> None:
+    """While no replica is up (or all are full) Ray's handle waits to assign a request;
+    the ingress bounds that wait by its retry budget and answers a 503 saying so."""
+    from starlette.requests import Request
+
+    class Stream:
+        cancelled = False
+
+        async def _fetch_future_result_async(self):
+            await asyncio.sleep(3600)  # never assigned
+
+        def cancel(self):
+            Stream.cancelled = True
+
+    class Handle:
+        def options(self, **_):
+            return self
+
+        @property
+        def forward(self):
+            return SimpleNamespace(remote=lambda *a, **k: Stream())
+
+    ingress = Ingress(Handle(), retry_timeout_s=0.3)
+    body = b'{"model": "m", "prompt": "hi"}'
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"content-type", b"application/json")],
+        "query_string": b"",
+    }
+    start = time.monotonic()
+    answer = asyncio.run(ingress(Request(scope, receive)))
+    assert time.monotonic() - start < 5
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+    assert b'"no_replica"' in answer.body and Stream.cancelled
 
 
 @pytest.fixture(scope="module")

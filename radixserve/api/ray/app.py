@@ -323,6 +323,23 @@ class Ingress:
                 request.method, target, headers, body, routing=routing, avoid=avoid
             )
             head: dict[str, Any] = {}
+            budget = self.retry_timeout_s if deadline is None else deadline - loop.time()
+            if not await _assigned(stream, budget):  # no replica took it in the budget
+                with contextlib.suppress(Exception):
+                    stream.cancel()
+                if last is not None:
+                    return last
+                log.warning("no replica took a request in %.0f s", self.retry_timeout_s)
+                return _error(
+                    APIError(
+                        503,
+                        f"no replica could take the request in {self.retry_timeout_s:.0f} s",
+                        type_="service_unavailable_error",
+                        code="no_replica",
+                        retry_after_s=5,
+                    ),
+                    path,
+                )
             try:
                 answer, retry = await self._first_output(stream, head, path)
             except (RayError, RayServeException) as exc:  # the replica died, or none is up
@@ -386,6 +403,23 @@ class Ingress:
                 rest = _rest(buffer, chunks, path)
                 return StreamingResponse(rest, status, headers=headers), None
         return None, Retry("the stream ended before any output")
+
+
+async def _assigned(stream: Any, timeout_s: float) -> bool:
+    """Whether Ray assigned ``stream``'s request to a replica within ``timeout_s`` (it waits
+    while none is up, or all are full). An assignment that fails (the handle's own error)
+    counts as assigned: the first output's wait raises it, and the request is retried. A
+    Ray without the handle's assignment future is not bounded here (True at once)."""
+    fetch = getattr(stream, "_fetch_future_result_async", None)
+    if fetch is None:
+        return True
+    try:
+        await asyncio.wait_for(fetch(), max(timeout_s, 0.0))
+    except TimeoutError:
+        return False
+    except Exception:  # (raised again where the answer is awaited)
+        pass
+    return True
 
 
 async def coalesced(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
