@@ -184,6 +184,7 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
             eos_token_ids=eos_ids,
             cuda_graph_max_bs=None if config.disable_cuda_graph else config.cuda_graph_max_bs,
             tp=m.tp,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
     startup_line = m.startup_line
     if m.torch_device is not None and m.torch_device.type == "cpu":
@@ -318,6 +319,7 @@ def _load_model(config: EngineConfig, source: ModelSource) -> ModelParts:
         config.memory_budget_gb,
         max_model_len=max_model_len,
         requests=config.kv_cache_requests,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     num_pages, page_bytes = sizing.num_pages, sizing.page_bytes
     basis = f"; {sizing.basis}" if sizing.basis else ""
@@ -326,7 +328,8 @@ def _load_model(config: EngineConfig, source: ModelSource) -> ModelParts:
         f"{scheme.describe() if scheme else str(dtype).removeprefix('torch.')}, "
         f"embeddings{'' if getattr(scheme, 'head', None) else ' and LM head'} "
         f"{str(dtype).removeprefix('torch.')}; KV cache "
-        f"{num_pages * page_bytes / 2**30:.3f} GiB ({num_pages} pages of {config.page_size}"
+        f"{num_pages * page_bytes / 2**30:.3f} GiB"
+        f"{' int8' if config.kv_cache_dtype == 'int8' else ''} ({num_pages} pages of {config.page_size}"
         f"{basis}); "
         f"weights and tokenizer loaded in {time.perf_counter() - start:.2f} s" + _peak_rss_note()
     )

@@ -13,6 +13,7 @@ import torch
 from radixserve.core.request import PREFIX_CACHE_SCOPES
 from radixserve.core.settings import floats, scaled, setting, zero_is_none
 from radixserve.engine.structured import DEFAULT_COMPILE_TIMEOUT_S
+from radixserve.executor.kv_cache import KV_CACHE_DTYPES
 from radixserve.executor.placement import check_gpu_count
 from radixserve.executor.quant import INT4_GROUP_SIZES, PREFILL_COPY_MODES, QUANTIZATIONS
 from radixserve.executor.weights import available_memory_bytes
@@ -61,6 +62,12 @@ class EngineConfig:
         4,
         help="without --kv-cache-memory: how many requests of --max-model-len tokens the KV "
         "cache holds at once",
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores: auto (the model's dtype) or int8 (a scale per token "
+        "and head: about half of bfloat16's memory)",
     )
     page_size: int = setting(16, help="tokens per KV page")
     max_num_batched_tokens: int = setting(2048, help="prompt + decode tokens in one step")
@@ -359,6 +366,17 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        int8_kv = self.kv_cache_dtype == "int8" and not self.simulated_device
+        if int8_kv and self.resolved_runner != "cpu":
+            raise ValueError(
+                "kv_cache_dtype int8 runs on the CPU runner only: the CUDA attention "
+                "kernels do not read int8 pages yet"
+            )
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
@@ -541,6 +559,8 @@ class EngineConfig:
             raise ValueError("KV tiers need the serial loop (enable_overlap off)")
         if self.speculative_mode in ("draft", "auto") and self.spec_draft_model is not None:
             raise ValueError("KV tiers do not move a draft model's KV: no draft speculation")
+        if self.kv_cache_dtype == "int8":
+            raise ValueError("KV tiers do not move an int8 KV cache's scales (yet)")
 
     def _size_tiers(self, folder: str) -> None:
         """A folder given without sizes turns the tiers on at sizes chosen from what is

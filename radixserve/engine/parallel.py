@@ -30,6 +30,7 @@ def worker_spec(config: EngineConfig, source: ModelSource) -> WorkerSpec:
         master_port=config.master_port,
         device=config.resolved_device,
         runner=config.resolved_runner,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.executor.forward_batch import ForwardBatch
-from radixserve.executor.kv_cache import KVCache
+from radixserve.executor.kv_cache import KVCache, QuantizedPages
 from radixserve.executor.layers.attention import AttentionSpec
 from radixserve.executor.native import (
     SharedPrefix,
@@ -19,6 +19,7 @@ from radixserve.executor.native import (
     load_paged_prefill,
     make_shared_prefix,
     paged_decode,
+    paged_decode_int8,
     paged_decode_supports,
     paged_prefill,
     paged_prefill_supports,
@@ -145,12 +146,18 @@ class TorchNativeAttention:
         # the C decode kernel (reads pages in place), when it builds on this machine and
         # handles this cache's shapes ([..., kv_heads, page_size, head_dim])
         *_, kv_heads, page_size, _ = kv_cache.k.shape
+        # an int8 cache (``KVCache.quantized``): decodes read it in C (``paged_decode_int8``,
+        # any tier), prompt chunks on the PyTorch paths (its pages dequantized as read)
+        self.quantized = bool(getattr(kv_cache, "quantized", False))
+        compute_dtype = getattr(kv_cache, "dtype", kv_cache.k.dtype)
         supported = kv_cache.k.device.type == "cpu" and paged_decode_supports(
-            kv_cache.k.dtype, num_heads // kv_heads, head_dim, page_size
+            compute_dtype, num_heads // kv_heads, head_dim, page_size
         )
         self.native = load_paged_decode() if use_native and supported else None
-        prefill_supported = kv_cache.k.device.type == "cpu" and paged_prefill_supports(
-            kv_cache.k.dtype, num_heads // kv_heads, head_dim
+        prefill_supported = (
+            not self.quantized
+            and kv_cache.k.device.type == "cpu"
+            and paged_prefill_supports(kv_cache.k.dtype, num_heads // kv_heads, head_dim)
         )
         self.native_prefill = load_paged_prefill() if use_native and prefill_supported else None
         self.num_heads = num_heads
@@ -228,7 +235,7 @@ class TorchNativeAttention:
             bias = bias.view(len(idx), max_pages, 1, 1, batch.page_size)
         page_tables = batch.page_tables[idx, :max_pages].astype(np.int32)
         prefix = None
-        if self.native is not None and self.shared_prefix:
+        if self.native is not None and self.shared_prefix and not self.quantized:
             k = self.kv_cache.k
             *_, kv_heads, page_size, head_dim = k.shape
             prefix = make_shared_prefix(
@@ -439,6 +446,22 @@ class TorchNativeAttention:
         """Returns [b, heads, d]. Works page by page: batched matmuls over (b, page, kv head)
         blocks of [group, d] x [d, page_size], then a softmax across all of a row's pages."""
         window = spec.sliding_window
+        if self.native is not None and isinstance(k_cache, QuantizedPages):
+            assert isinstance(v_cache, QuantizedPages)
+            queries = q.contiguous() if g.whole_batch else q[g.token_index]
+            return paged_decode_int8(
+                self.native,
+                queries,
+                k_cache.codes,
+                v_cache.codes,
+                k_cache.scales,
+                v_cache.scales,
+                g.page_tables,
+                g.seq_lens,
+                spec.scale,
+                window=window,
+                softcap=spec.softcap,
+            )
         if self.native is not None:
             # [b, heads, d], contiguous (q is a view into the fused qkv rows)
             queries = q.contiguous() if g.whole_batch else q[g.token_index]

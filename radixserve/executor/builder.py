@@ -48,6 +48,7 @@ def size_kv_cache(
     max_model_len: int = 0,
     requests: int = 1,
     free_bytes: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> KVSizing:
     """Pages for ``kv_cache_memory_gb``; or for what ``memory_budget_gb`` leaves after the
     weights (``ValueError`` when that is not one page); or, with neither, for ``requests``
@@ -56,7 +57,12 @@ def size_kv_cache(
     Counts this rank's kv heads."""
     c = model.config
     page_bytes = bytes_per_page(
-        c.num_hidden_layers, c.num_key_value_heads, c.head_dim, page_size, model.dtype
+        c.num_hidden_layers,
+        c.num_key_value_heads,
+        c.head_dim,
+        page_size,
+        model.dtype,
+        kv_cache_dtype,
     )
     weights = weight_memory(model)
     if kv_cache_memory_gb is None and memory_budget_gb is None:
@@ -99,6 +105,7 @@ def build_runner(
     eos_token_ids: tuple[int, ...],
     cuda_graph_max_bs: int | None = None,
     tp: TensorParallelGroup | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[Any, Any]:
     """Rank 0's runner and its sampler: ``runner`` ``cuda`` (Triton kernels, device
     sampler, CUDA graphs unless under ``tp``) or ``cpu`` (C kernels); with ``tp`` the
@@ -117,7 +124,7 @@ def build_runner(
             cuda_graph_max_bs,
             tp,
         )
-    kv_cache = cpu_kv_cache(model, num_pages, page_size)
+    kv_cache = cpu_kv_cache(model, num_pages, page_size, kv_cache_dtype)
     if tp is not None:
         from radixserve.executor.tp_runner import TPModelRunner
 
@@ -126,7 +133,12 @@ def build_runner(
 
 
 def build_worker_runner(
-    model: CausalLM, num_pages: int, page_size: int, runner: str, device: torch.device
+    model: CausalLM,
+    num_pages: int,
+    page_size: int,
+    runner: str,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     """A tensor-parallel worker's runner, the same kind as rank 0's, over a KV cache of
     rank 0's size with this rank's kv heads; it only follows steps."""
@@ -134,12 +146,22 @@ def build_worker_runner(
         from radixserve.executor.cuda.build import build_worker_runner as cuda_worker
 
         return cuda_worker(model, num_pages, page_size, device)
-    return ModelRunner(model, cpu_kv_cache(model, num_pages, page_size), None, None)
+    kv_cache = cpu_kv_cache(model, num_pages, page_size, kv_cache_dtype)
+    return ModelRunner(model, kv_cache, None, None)
 
 
-def cpu_kv_cache(model: CausalLM, num_pages: int, page_size: int) -> KVCache:
-    """The KV cache of this rank's kv heads, on the CPU."""
+def cpu_kv_cache(
+    model: CausalLM, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
+) -> KVCache:
+    """The KV cache of this rank's kv heads, on the CPU (``kv_cache_dtype``: ``auto``, the
+    model's dtype, or ``int8``)."""
     c = model.config
     return KVCache(
-        c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads, c.head_dim, model.dtype
+        c.num_hidden_layers,
+        num_pages,
+        page_size,
+        c.num_key_value_heads,
+        c.head_dim,
+        model.dtype,
+        kv_cache_dtype=kv_cache_dtype,
     )

@@ -46,8 +46,10 @@ from radixserve.executor.program_ops import (
     ACT,
     COPY_ROWS,
     DECODE,
+    DECODE_INT8,
     EMBED,
     KV_WRITE,
+    KV_WRITE_INT8,
     LORA,
     MAX_ROWS,
     NORM,
@@ -114,6 +116,9 @@ class DecodeProgram:
         self._lora_shapes = LoRAShapes.of(c)
         self._kv_write_fn = address(ew.kv_write)
         self._decode_fn = address(attention.native.paged_decode_bf16)
+        # an int8 KV cache: its C writer and decode (kv_cache.py, paged_decode_int8)
+        self._kv_write_int8_fn = address(ew.kv_write_int8_bf16)
+        self._decode_int8_fn = address(attention.native.paged_decode_i8_bf16)
         bf16 = torch.bfloat16
         hidden, rows = self.hidden, capacity
 
@@ -206,11 +211,26 @@ class DecodeProgram:
         cache = attention.kv_cache
         k_layer, v_layer = ptr(cache._k_layers[layer]), ptr(cache._v_layers[layer])
         v_ptr = ptr(self.qkv) + 2 * (self.q_size + self.kv_size)
+        spec = attention.default_spec if attention.specs is None else attention.specs[layer]
+        if cache.quantized:
+            assert cache.k_scale is not None and cache.v_scale is not None
+            k_scale, v_scale = ptr(cache.k_scale[layer]), ptr(cache.v_scale[layer])
+            self._ops.append(
+                [KV_WRITE_INT8, self._kv_write_int8_fn, ptr(k), v_ptr, k_stride,
+                 self.qkv_size, k_layer, v_layer, k_scale, v_scale, self.kv_heads,
+                 cache.page_size, self.d]
+            )  # fmt: skip
+            self._ops.append(
+                [DECODE_INT8, self._decode_int8_fn, ptr(self.q), k_layer, v_layer, k_scale,
+                 v_scale, self.kv_heads, self.heads // self.kv_heads, cache.page_size, self.d,
+                 bits(spec.scale), spec.sliding_window or 0, bits(spec.softcap or 0.0),
+                 self.threads, ptr(self.attn)]
+            )  # fmt: skip
+            return
         self._ops.append(
             [KV_WRITE, self._kv_write_fn, ptr(k), v_ptr, 2 * k_stride, 2 * self.qkv_size,
              k_layer, v_layer, self.kv_heads, cache.page_size, self.d * 2]
         )  # fmt: skip
-        spec = attention.default_spec if attention.specs is None else attention.specs[layer]
         self._ops.append(
             [DECODE, self._decode_fn, ptr(self.q), k_layer, v_layer, self.kv_heads,
              self.heads // self.kv_heads, cache.page_size, self.d, bits(spec.scale),
@@ -439,8 +459,10 @@ def build(model: Any, attention: object) -> DecodeProgram | None:
     ):
         return None
     cache = attention.kv_cache
+    quantized = getattr(cache, "quantized", False)
     if (
-        cache.k.dtype != torch.bfloat16
+        cache.k.dtype != (torch.int8 if quantized else torch.bfloat16)
+        or (quantized and (cache.dtype != torch.bfloat16 or cache._kv_write_int8 is None))
         or cache.k.device.type != "cpu"
         or cache._kv_write is None
         or not cache.use_native

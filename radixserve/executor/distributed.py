@@ -92,6 +92,7 @@ class WorkerSpec:
     # the model runner every rank builds: "cpu" (ModelRunner) or "cuda" (CudaModelRunner,
     # Triton kernels; on CPU tensors under the Triton interpreter, as the tests run it)
     runner: str = "cpu"
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

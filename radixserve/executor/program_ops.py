@@ -40,7 +40,9 @@ from radixserve.executor.quant import (
     BIAS,
     MOE,
     LORA,
-) = range(1, 15)
+    KV_WRITE_INT8,
+    DECODE_INT8,
+) = range(1, 17)
 OP_WIDTH = 20
 
 # the most rows a program is built for (its buffers are this many rows of every activation)

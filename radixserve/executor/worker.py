@@ -41,7 +41,9 @@ logger = logging.getLogger("radixserve.worker")
 def worker_runner(spec: WorkerSpec, model: CausalLM, num_pages: int, page_size: int) -> ModelRunner:
     """This rank's runner, the same kind as rank 0's (``spec.runner``), over a KV cache of
     rank 0's size with this rank's kv heads; it only follows steps."""
-    return build_worker_runner(model, num_pages, page_size, spec.runner, model.embed.device)
+    return build_worker_runner(
+        model, num_pages, page_size, spec.runner, model.embed.device, spec.kv_cache_dtype
+    )
 
 
 def serve(spec: WorkerSpec, rank: int, master_addr: str, master_port: int) -> None:

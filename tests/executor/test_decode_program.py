@@ -86,6 +86,16 @@ def test_program_equals_op_by_op_on_requantized_int4(tiny_models, monkeypatch, a
     _check_both_ways(monkeypatch, LLM(str(tiny_models[arch]), quantization="int4"))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_program_equals_op_by_op_with_an_int8_kv_cache(tiny_models, monkeypatch, arch):
+    """``kv_cache_dtype="int8"``: the program writes the step's keys and values as int8
+    codes and scales (the C writer the op-by-op path uses too) and decodes over them
+    (``paged_decode_i8_bf16``), sliding windows included; equal to op by op exactly."""
+    llm = LLM(str(tiny_models[arch]), quantization="int4", kv_cache_dtype="int8")
+    assert llm.engine.runner.kv_cache.quantized
+    _check_both_ways(monkeypatch, llm)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", "mixtral", "olmoe"])
 def test_program_equals_op_by_op_with_qk_norms_and_experts(tmp_path, monkeypatch, arch):
     """Requantized to int4: Qwen3's per-head q/k norms, OLMoE's over the whole projection,

@@ -262,6 +262,10 @@ def load_paged_decode(tier: str | None = None) -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes = [p, p, p, p, p, i, i, i, i, i, i, f, i, f, i, p, p, i]
         fn.restype = i
+    for name in _INT8_ENTRY.values():
+        fn = getattr(lib, name)
+        fn.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, f, i, f, i, p]
+        fn.restype = i
     lib.paged_decode_has_avx512_bf16.argtypes = []
     lib.paged_decode_has_avx512_bf16.restype = i
     if lib.paged_decode_has_avx512_bf16():
@@ -290,6 +294,10 @@ def load_elementwise(tier: str | None = None) -> ctypes.CDLL | None:
         rotary.restype = None
     lib.kv_write.argtypes = [p, p, i64, i64, p, p, p, i64, i64, i64, i64, i]
     lib.kv_write.restype = None
+    for name in ("kv_write_int8_bf16", "kv_write_int8_f32"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, p, i64, i64, p, p, p, p, p, i64, i64, i64, i64, i]
+        fn.restype = None
     lib.argmax_rows_bf16.argtypes = [p, i64, i64, p, i]
     lib.argmax_rows_bf16.restype = None
     lib.has_gelu_tanh_and_mul.argtypes = []
@@ -301,6 +309,8 @@ def load_elementwise(tier: str | None = None) -> ctypes.CDLL | None:
 
 
 _ENTRY = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+# over an int8 cache (codes and per-token-head scales), by the queries' dtype
+_INT8_ENTRY = {torch.bfloat16: "paged_decode_i8_bf16", torch.float32: "paged_decode_i8_f32"}
 # the kernel's fixed per-task buffers (MAX_GROUP, MAX_HEAD_DIM, MAX_PAGE in paged_decode.c)
 _MAX_GROUP, _MAX_HEAD_DIM, _MAX_PAGE = 16, 256, 256
 
@@ -380,6 +390,64 @@ def paged_decode(
         skip,
     )
     if rc != 0:  # the checks above mirror the kernel's, so this is a bug
+        raise RuntimeError(f"{entry} refused its arguments ({rc})")
+    return out
+
+
+def paged_decode_int8(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    page_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``paged_decode`` over an int8 cache: the codes [num_pages, kv_heads, page_size, d]
+    (int8) and their scales [num_pages, kv_heads, page_size] (float32), as
+    ``KVCache(kv_cache_dtype="int8")`` holds them; q [b, heads, d] bfloat16 or float32.
+    Each key's score is its scale times q · codes, each value weighted by its softmax
+    weight times its scale, in float32. No shared-prefix pass."""
+    b, heads, d = q.shape
+    _, kv_heads, page_size, _ = k_codes.shape
+    if q.dtype not in _INT8_ENTRY or k_codes.dtype != torch.int8 or v_codes.dtype != torch.int8:
+        raise ValueError("paged_decode_int8: int8 codes, and bfloat16 or float32 queries")
+    if not paged_decode_supports(q.dtype, heads // kv_heads, d, page_size):
+        raise ValueError(
+            f"paged_decode_int8 does not handle group {heads // kv_heads}, head_dim {d}, "
+            f"page_size {page_size}"
+        )
+    for t in (q, k_codes, v_codes, k_scale, v_scale, page_tables, seq_lens):
+        assert t.is_contiguous() and t.device.type == "cpu"
+    assert k_scale.dtype == torch.float32 and v_scale.dtype == torch.float32
+    assert page_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    entry = _INT8_ENTRY[q.dtype]
+    out = torch.empty_like(q)
+    rc = getattr(lib, entry)(
+        q.data_ptr(),
+        k_codes.data_ptr(),
+        v_codes.data_ptr(),
+        k_scale.data_ptr(),
+        v_scale.data_ptr(),
+        page_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        b,
+        page_tables.shape[1],
+        kv_heads,
+        heads // kv_heads,
+        page_size,
+        d,
+        scale,
+        window or 0,
+        softcap or 0.0,
+        torch.get_num_threads(),
+        out.data_ptr(),
+    )
+    if rc != 0:
         raise RuntimeError(f"{entry} refused its arguments ({rc})")
     return out
 

@@ -44,6 +44,8 @@ enum {
     OP_BIAS,
     OP_MOE,
     OP_LORA,
+    OP_KV_WRITE_INT8,
+    OP_DECODE_INT8,
 };
 #define OP_WIDTH 20
 /* a row-wise kernel's threads: no more than rows, as LayerOps' (one row: no thread woken to
@@ -64,6 +66,12 @@ typedef void (*kv_write_fn)(const char *, const char *, int64_t, int64_t, char *
 typedef int (*decode_fn)(const void *, const void *, const void *, const int32_t *,
                          const int32_t *, int, int, int, int, int, int, float, int, float, int,
                          void *, const float *, int);
+typedef void (*kv_write_int8_fn)(const void *, const void *, int64_t, int64_t, void *, void *,
+                                 void *, void *, const int64_t *, int64_t, int64_t, int64_t,
+                                 int64_t, int);
+typedef int (*decode_int8_fn)(const void *, const void *, const void *, const void *,
+                              const void *, const int32_t *, const int32_t *, int, int, int, int,
+                              int, int, float, int, float, int, void *);
 typedef void (*act_fn)(const void *, void *, int64_t, int64_t, int);
 typedef int (*lora_fn)(const void *, int64_t, void *, int64_t, int64_t, int64_t, int64_t,
                        const int64_t *, int64_t, int64_t, int);
@@ -148,6 +156,18 @@ static int run_op(const int64_t *op, int64_t n, const int64_t *step) {
                                (int)op[5], (int)op[6], (int)op[7], (int)op[8],
                                (float)as_double(op[9]), (int)op[10],
                                (float)as_double(op[11]), (int)op[12], P(13), NULL, 0);
+        break;
+    case OP_KV_WRITE_INT8: /* k, v, k and v row strides in elements, k codes, v codes,
+                              k scales, v scales, kv heads, page size, d (an int8 cache) */
+        ((kv_write_int8_fn)P(1))(P(2), P(3), op[4], op[5], P(6), P(7), P(8), P(9), slots, n,
+                                 op[10], op[11], op[12], 1);
+        break;
+    case OP_DECODE_INT8: /* q, k codes, v codes, k scales, v scales, kv heads, group, page
+                            size, d, scale, window, softcap, threads, out */
+        rc = ((decode_int8_fn)P(1))(P(2), P(3), P(4), P(5), P(6), page_tables, seq_lens,
+                                    (int)n, max_pages, (int)op[7], (int)op[8], (int)op[9],
+                                    (int)op[10], (float)as_double(op[11]), (int)op[12],
+                                    (float)as_double(op[13]), (int)op[14], P(15));
         break;
     case OP_SILU: /* x, out, d, threads (SiLU- or GELU-and-mul) */
         ((act_fn)P(1))(P(2), P(3), n, op[4],

@@ -361,3 +361,43 @@ void kv_write(const char *k, const char *v, int64_t k_row_stride, int64_t v_row_
         }
     }
 }
+
+/* kv_write into an int8 cache (kv_cache.py's quantize_int8): each (token, head) row of d
+ * values becomes int8 codes round(x / scale), scale = max|x| / 127 (0 for an all-zero row,
+ * codes 0), the codes at its slot of the [pages, kv_heads, page_size, d] code cache and the
+ * scale at [pages, kv_heads, page_size]. Row strides in elements. */
+#define DEFINE_KV_WRITE_INT8(NAME, T, LOAD)                                                   \
+    void NAME(const T *k, const T *v, int64_t k_row_stride, int64_t v_row_stride,            \
+              int8_t *k_codes, int8_t *v_codes, float *k_scale, float *v_scale,              \
+              const int64_t *slots, int64_t tokens, int64_t kv_heads, int64_t page_size,     \
+              int64_t d, int num_threads) {                                                  \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 64)") \
+        for (int64_t t = 0; t < tokens; t++) {                                               \
+            const int64_t page = slots[t] / page_size, slot = slots[t] % page_size;          \
+            for (int64_t h = 0; h < kv_heads; h++) {                                         \
+                const int64_t row = (page * kv_heads + h) * page_size + slot;                \
+                for (int which = 0; which < 2; which++) {                                    \
+                    const T *x = which ? v + t * v_row_stride + h * d                        \
+                                       : k + t * k_row_stride + h * d;                       \
+                    int8_t *codes = (which ? v_codes : k_codes) + row * d;                   \
+                    float amax = 0.0f;                                                       \
+                    for (int64_t i = 0; i < d; i++) {                                        \
+                        const float a = fabsf(LOAD(x[i]));                                   \
+                        amax = a > amax ? a : amax;                                          \
+                    }                                                                        \
+                    const float scale = amax * (1.0f / 127.0f);                              \
+                    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;                    \
+                    for (int64_t i = 0; i < d; i++) {                                        \
+                        float c = nearbyintf(LOAD(x[i]) * inv);                              \
+                        c = c > 127.0f ? 127.0f : (c < -127.0f ? -127.0f : c);               \
+                        codes[i] = (int8_t)c;                                                \
+                    }                                                                        \
+                    (which ? v_scale : k_scale)[row] = scale;                                \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+#define KV_IDENTITY(x) (x)
+DEFINE_KV_WRITE_INT8(kv_write_int8_bf16, uint16_t, bf16_to_f32)
+DEFINE_KV_WRITE_INT8(kv_write_int8_f32, float, KV_IDENTITY)

@@ -478,6 +478,109 @@ DEFINE_ENTRY(paged_decode_bf16, uint16_t, task_bf16, NEVER, NO_FAST_TASK)
 #endif
 DEFINE_ENTRY(paged_decode_f32, float, task_f32, NEVER, NO_FAST_TASK)
 
+/* The int8 KV cache (kv_cache.py's quantize_int8): k_cache/v_cache hold int8 codes in the
+ * same page-major layout, k_scale/v_scale [num_pages, kv_heads, page_size] each token-head's
+ * float32 scale. A key's score is its scale times the dot product of the query with its
+ * codes; a value's weight is folded with its scale the same way; everything in float32.
+ * Plain C for every tier (the compiler vectorises the loops over d). */
+#define DEFINE_TASK_I8(NAME, T, LOAD, STORE)                                                  \
+    static inline __attribute__((always_inline)) void NAME(                                 \
+        const T *q, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,     \
+        const float *v_scale, const int32_t *pages, int32_t seq_len, int kv_heads, int h,   \
+        int group, int page_size, int d, float scale, int32_t lo, float softcap, T *out) {  \
+        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                    \
+        float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_PAGE], kf[MAX_HEAD_DIM];         \
+        for (int g = 0; g < group; g++) {                                                   \
+            const T *qr = q + (size_t)(h * group + g) * d;                                  \
+            for (int i = 0; i < d; i++) qf[g][i] = LOAD(qr[i]) * scale;                     \
+            for (int i = 0; i < d; i++) acc[g][i] = 0.0f;                                   \
+            m[g] = -INFINITY;                                                               \
+            l[g] = 0.0f;                                                                    \
+        }                                                                                   \
+        const size_t page_stride = (size_t)kv_heads * page_size * d;                        \
+        const size_t scale_stride = (size_t)kv_heads * page_size;                           \
+        for (int p = lo / page_size; p * page_size < seq_len; p++) {                        \
+            const size_t base = (size_t)pages[p] * page_stride + (size_t)h * page_size * d; \
+            const size_t sbase = (size_t)pages[p] * scale_stride + (size_t)h * page_size;   \
+            const int8_t *kp = k_cache + base, *vp = v_cache + base;                        \
+            const float *ks = k_scale + sbase, *vs = v_scale + sbase;                       \
+            int n = seq_len - p * page_size;                                                \
+            if (n > page_size) n = page_size;                                               \
+            const int t0 = p * page_size < lo ? lo - p * page_size : 0;                     \
+            for (int t = t0; t < n; t++) {                                                  \
+                const int8_t *kr = kp + (size_t)t * d;                                      \
+                for (int i = 0; i < d; i++) kf[i] = (float)kr[i];                           \
+                for (int g = 0; g < group; g++) {                                           \
+                    float dot = 0.0f;                                                       \
+                    for (int i = 0; i < d; i++) dot += qf[g][i] * kf[i];                    \
+                    dot *= ks[t];                                                           \
+                    s[g][t] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;        \
+                }                                                                           \
+            }                                                                               \
+            for (int g = 0; g < group; g++) {                                               \
+                float page_max = s[g][t0];                                                  \
+                for (int t = t0 + 1; t < n; t++) page_max = s[g][t] > page_max ? s[g][t] : page_max; \
+                const float new_m = page_max > m[g] ? page_max : m[g];                      \
+                const float rescale = expf(m[g] - new_m);                                   \
+                l[g] *= rescale;                                                            \
+                for (int i = 0; i < d; i++) acc[g][i] *= rescale;                           \
+                for (int t = t0; t < n; t++) {                                              \
+                    s[g][t] = expf(s[g][t] - new_m);                                        \
+                    l[g] += s[g][t];                                                        \
+                }                                                                           \
+                m[g] = new_m;                                                               \
+            }                                                                               \
+            for (int t = t0; t < n; t++) {                                                  \
+                const int8_t *vr = vp + (size_t)t * d;                                      \
+                for (int i = 0; i < d; i++) kf[i] = (float)vr[i];                           \
+                for (int g = 0; g < group; g++) {                                           \
+                    const float w = s[g][t] * vs[t];                                        \
+                    for (int i = 0; i < d; i++) acc[g][i] += w * kf[i];                     \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+        for (int g = 0; g < group; g++) {                                                   \
+            T *o = out + (size_t)(h * group + g) * d;                                       \
+            const float inv = 1.0f / l[g];                                                  \
+            for (int i = 0; i < d; i++) o[i] = STORE(acc[g][i] * inv);                      \
+        }                                                                                   \
+    }
+
+DEFINE_TASK_I8(task_i8_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_TASK_I8(task_i8_f32, float, IDENTITY, IDENTITY)
+
+/* As paged_decode_bf16/f32 over an int8 cache (no shared-prefix pass). Returns 0, or -1 if
+ * a size is beyond the kernel's fixed buffers. */
+#define DEFINE_ENTRY_I8(NAME, T, TASK)                                                        \
+    int NAME(const T *q, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale, \
+             const float *v_scale, const int32_t *page_tables, const int32_t *seq_lens,      \
+             int batch, int max_pages, int kv_heads, int group, int page_size, int d,        \
+             float scale, int window, float softcap, int num_threads, T *out) {              \
+        if (group > MAX_GROUP || d > MAX_HEAD_DIM || page_size > MAX_PAGE) return -1;        \
+        const int heads = kv_heads * group;                                                  \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")            \
+        for (int task = 0; task < batch * kv_heads; task++) {                                \
+            const int b = task / kv_heads, h = task % kv_heads;                              \
+            const T *qb = q + (size_t)b * heads * d;                                         \
+            T *ob = out + (size_t)b * heads * d;                                             \
+            const int32_t *pages = page_tables + (size_t)b * max_pages;                      \
+            const int32_t lo = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0; \
+            if (d == 64)                                                                     \
+                TASK(qb, k_cache, v_cache, k_scale, v_scale, pages, seq_lens[b], kv_heads,   \
+                     h, group, page_size, 64, scale, lo, softcap, ob);                       \
+            else if (d == 128)                                                               \
+                TASK(qb, k_cache, v_cache, k_scale, v_scale, pages, seq_lens[b], kv_heads,   \
+                     h, group, page_size, 128, scale, lo, softcap, ob);                      \
+            else                                                                             \
+                TASK(qb, k_cache, v_cache, k_scale, v_scale, pages, seq_lens[b], kv_heads,   \
+                     h, group, page_size, d, scale, lo, softcap, ob);                        \
+        }                                                                                    \
+        return 0;                                                                            \
+    }
+
+DEFINE_ENTRY_I8(paged_decode_i8_bf16, uint16_t, task_i8_bf16)
+DEFINE_ENTRY_I8(paged_decode_i8_f32, float, task_i8_f32)
+
 #ifdef HAVE_AVX512_BF16
 /* Part one of a shared-prefix decode: the queries q [batch, kv_heads * group, d] of every
  * sequence attend the first prefix_len keys, which all of them hold in the same `pages`;
