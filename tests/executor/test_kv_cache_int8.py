@@ -18,6 +18,7 @@ from radixserve.executor.kv_cache import (
     quantize_int8,
 )
 from radixserve.executor.native import cpu_tiers, load_paged_decode, paged_decode_int8
+from tests.executor.test_attention import _dense_causal_reference
 
 
 def test_codes_come_back_within_half_a_step():
@@ -89,26 +90,6 @@ def test_an_int8_page_costs_a_byte_a_value_and_a_scale_a_token_head():
         KVCache(1, 1, 16, 1, 8, torch.float32, kv_cache_dtype="fp8")
 
 
-def _reference(q, k_pages, v_pages, tables, seq_lens, q_lens):
-    """Each query j of a request attends to kv positions 0 .. seq_len - q_len + j (float64)."""
-    heads, d = q.shape[1], q.shape[2]
-    kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    row = 0
-    for i, (n, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        pages = tables[i, : -(-n // page_size)]
-        keys = k_pages[pages].transpose(0, 1).reshape(kv_heads, -1, d)[:, :n].double()
-        values = v_pages[pages].transpose(0, 1).reshape(kv_heads, -1, d)[:, :n].double()
-        keys = keys.repeat_interleave(heads // kv_heads, dim=0)
-        values = values.repeat_interleave(heads // kv_heads, dim=0)
-        for j in range(ql):
-            visible = n - ql + j + 1
-            scores = q[row].double()[:, None, :] @ keys[:, :visible].transpose(1, 2) * d**-0.5
-            out[row] = (torch.softmax(scores, dim=-1) @ values[:, :visible])[:, 0]
-            row += 1
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("use_native", [False, True])
 @pytest.mark.parametrize("path", ["explicit", "padded-sdpa", "decode-only"])
@@ -175,12 +156,12 @@ def test_attention_reads_the_int8_pages_it_wrote(path, use_native, dtype, monkey
     every = torch.arange(num_pages)
     k_deq = QuantizedPages(cache.k[0], cache.k_scale[0], torch.float64).index_select(0, every)
     v_deq = QuantizedPages(cache.v[0], cache.v_scale[0], torch.float64).index_select(0, every)
-    ref = _reference(q, k_deq, v_deq, tables, seq_lens, q_lens)
+    ref = _dense_causal_reference(q, k_deq, v_deq, tables, seq_lens, q_lens)
     # float32: to float32's rounding; bfloat16: the output's own rounding (and, on the
     # PyTorch paths, the dequantized pages rounded to bfloat16)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-    exact = _reference(q, exact_k, exact_v, tables, seq_lens, q_lens)
+    exact = _dense_causal_reference(q, exact_k, exact_v, tables, seq_lens, q_lens)
     # (codes of N(0, 1) values: a step of ~0.03)
     assert (out.double() - exact).abs().max() < (0.05 if dtype == torch.float32 else 0.08)
 

@@ -25,6 +25,7 @@ from radixserve.api.openai.tool_parser import (
 )
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving import reasoning as rp
+from radixserve.serving.frontend import Frontend
 from radixserve.serving.tenancy import Routing
 
 
@@ -38,12 +39,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     async def chat_completions(request: HTTPRequest) -> Response | StreamResponse:
         body, routing = await server.parse_routed(request, ChatCompletionRequest)
         frontend = server.frontend_of(routing)
-        tools = tool_context(body, server.config.tool_call_parser)
-        ids = await cv.chat_prompt(frontend, body, tools)
-        max_tokens = cv.chat_max_tokens(frontend, body, len(ids))
-        params = cv.sampling_params(frontend, body, max_tokens, server.config)
-        cv.check_prompt(frontend, ids, max_tokens)
-        cv.check_request_size(server.config, [ids], params)
+        ids, params, tools = await chat_inputs(server, frontend, body)
         spec = await structured_spec(frontend.grammar, body, tools, server.config.reasoning_parser)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
@@ -52,6 +48,21 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         if body.stream:
             return StreamResponse(_stream(server, rid, ids, params, body, routing, tools))
         return await _whole(server, rid, ids, params, body, routing, tools)
+
+
+async def chat_inputs(
+    server: OpenAIServer, frontend: Frontend, body: ChatCompletionRequest
+) -> tuple[list[int], SamplingParams, ToolContext]:
+    """A chat request's prompt ids (its template, tools and checks), its sampling
+    parameters (before a grammar) and its tools: what ``/v1/chat/completions`` runs and
+    ``/v1/chat/completions/render`` answers."""
+    tools = tool_context(body, server.config.tool_call_parser)
+    ids = await cv.chat_prompt(frontend, body, tools)
+    max_tokens = cv.chat_max_tokens(frontend, body, len(ids))
+    params = cv.sampling_params(frontend, body, max_tokens, server.config)
+    cv.check_prompt(frontend, ids, max_tokens)
+    cv.check_request_size(server.config, [ids], params)
+    return ids, params, tools
 
 
 async def _whole(

@@ -11,13 +11,13 @@ from typing import Any
 
 from radixserve.api.asgi import ASGIApp, HTTPRequest, Response, json_response
 from radixserve.api.openai import converter as cv
+from radixserve.api.openai.chat import chat_inputs
 from radixserve.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     body_schema,
 )
 from radixserve.api.openai.state import OpenAIServer
-from radixserve.api.openai.tool_parser import tool_context
 from radixserve.core.sampling_params import SamplingParams
 
 # the sampling fields a render returns, under vLLM's SamplingParams names (radixserve's
@@ -93,12 +93,6 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     )
     async def render_chat(request: HTTPRequest) -> Response:
         body, routing = await server.parse_routed(request, ChatCompletionRequest)
-        frontend = server.frontend_of(routing)
-        tools = tool_context(body, server.config.tool_call_parser)
-        ids = await cv.chat_prompt(frontend, body, tools)
-        max_tokens = cv.chat_max_tokens(frontend, body, len(ids))
-        params = cv.sampling_params(frontend, body, max_tokens, server.config)
-        cv.check_prompt(frontend, ids, max_tokens)
-        cv.check_request_size(server.config, [ids], params)
+        ids, params, _ = await chat_inputs(server, server.frontend_of(routing), body)
         rid = cv.response_id("chatcmpl", body)
         return json_response(rendered(rid, ids, params, server.served_name(routing), body))

@@ -27,12 +27,17 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; inputs a
     return (uint16_t)(u >> 16);
 }
 
-/* One task: the `group` query heads that share kv head `h` of sequence `b`. */
-#define DEFINE_TASK(NAME, T, LOAD, STORE)                                                     \
+/* One task: the `group` query heads that share kv head `h` of sequence `b`, over a cache of
+ * C values (LOAD_C to float). SCALED: an int8 cache (kv_cache.py's quantize_int8), whose
+ * k_scale/v_scale [num_pages, kv_heads, page_size] hold each token-head's float32 scale: a
+ * key's score is its scale times q . codes, a value's weight is folded with its scale;
+ * without it the scale arrays are NULL and unread. Plain C for every tier (the compiler
+ * vectorises the loops over d); everything in float32. */
+#define DEFINE_TASK(NAME, T, C, LOAD, LOAD_C, STORE, SCALED)                                 \
     static inline __attribute__((always_inline)) void NAME(                                 \
-        const T *q, const T *k_cache, const T *v_cache, const int32_t *pages,               \
-        int32_t seq_len, int kv_heads, int h, int group, int page_size, int d, float scale, \
-        int32_t lo, float softcap, T *out) {                                                \
+        const T *q, const C *k_cache, const C *v_cache, const float *k_scale,           \
+        const float *v_scale, const int32_t *pages, int32_t seq_len, int kv_heads, int h,   \
+        int group, int page_size, int d, float scale, int32_t lo, float softcap, T *out) {  \
         float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                    \
         float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_PAGE], kf[MAX_HEAD_DIM];         \
         for (int g = 0; g < group; g++) {                                                   \
@@ -43,19 +48,23 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; inputs a
             l[g] = 0.0f;                                                                    \
         }                                                                                   \
         const size_t page_stride = (size_t)kv_heads * page_size * d;                        \
-        /* keys lo .. seq_len - 1 (lo > 0: a sliding window's first key) */              \
+        const size_t scale_stride = (size_t)kv_heads * page_size;                           \
         for (int p = lo / page_size; p * page_size < seq_len; p++) {                        \
             const size_t base = (size_t)pages[p] * page_stride + (size_t)h * page_size * d; \
-            const T *kp = k_cache + base, *vp = v_cache + base;                             \
+            const size_t sbase = (size_t)pages[p] * scale_stride + (size_t)h * page_size;   \
+            const C *kp = k_cache + base, *vp = v_cache + base;                             \
+            const float *ks = SCALED ? k_scale + sbase : NULL;                              \
+            const float *vs = SCALED ? v_scale + sbase : NULL;                              \
             int n = seq_len - p * page_size;                                                \
             if (n > page_size) n = page_size;                                               \
             const int t0 = p * page_size < lo ? lo - p * page_size : 0;                     \
             for (int t = t0; t < n; t++) {                                                  \
-                const T *kr = kp + (size_t)t * d;                                           \
-                for (int i = 0; i < d; i++) kf[i] = LOAD(kr[i]);                            \
+                const C *kr = kp + (size_t)t * d;                                           \
+                for (int i = 0; i < d; i++) kf[i] = LOAD_C(kr[i]);                          \
                 for (int g = 0; g < group; g++) {                                           \
                     float dot = 0.0f;                                                       \
                     for (int i = 0; i < d; i++) dot += qf[g][i] * kf[i];                    \
+                    if (SCALED) dot *= ks[t];                                               \
                     s[g][t] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;        \
                 }                                                                           \
             }                                                                               \
@@ -73,10 +82,10 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; inputs a
                 m[g] = new_m;                                                               \
             }                                                                               \
             for (int t = t0; t < n; t++) {                                                  \
-                const T *vr = vp + (size_t)t * d;                                           \
-                for (int i = 0; i < d; i++) kf[i] = LOAD(vr[i]);                            \
+                const C *vr = vp + (size_t)t * d;                                           \
+                for (int i = 0; i < d; i++) kf[i] = LOAD_C(vr[i]);                          \
                 for (int g = 0; g < group; g++) {                                           \
-                    const float w = s[g][t];                                                \
+                    const float w = SCALED ? s[g][t] * vs[t] : s[g][t];                     \
                     for (int i = 0; i < d; i++) acc[g][i] += w * kf[i];                     \
                 }                                                                           \
             }                                                                               \
@@ -87,7 +96,6 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; inputs a
             for (int i = 0; i < d; i++) o[i] = STORE(acc[g][i] * inv);                      \
         }                                                                                   \
     }
-
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 /* AVX-512 BF16 path for bfloat16 caches with head_dim a multiple of 32 (64, 128, ...).
@@ -393,8 +401,11 @@ static inline __attribute__((always_inline)) void prefix_rows(
 #endif
 
 #define IDENTITY(x) (x)
-DEFINE_TASK(task_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
+DEFINE_TASK(task_bf16, uint16_t, uint16_t, bf16_to_f32, bf16_to_f32, f32_to_bf16, 0)
+DEFINE_TASK(task_f32, float, float, IDENTITY, IDENTITY, IDENTITY, 0)
+#define I8_TO_F32(x) ((float)(x))
+DEFINE_TASK(task_i8_bf16, uint16_t, int8_t, bf16_to_f32, I8_TO_F32, f32_to_bf16, 1)
+DEFINE_TASK(task_i8_f32, float, int8_t, IDENTITY, I8_TO_F32, IDENTITY, 1)
 
 /* q, out: [batch, kv_heads * group, d]; page_tables: [batch, max_pages]; seq_lens: [batch].
  * window > 0: each query attends only its sequence's last `window` keys; softcap > 0: scores
@@ -425,13 +436,13 @@ DEFINE_TASK(task_f32, float, IDENTITY, IDENTITY)
                           kv_heads, h, group, page_size, d, scale, lo, softcap,              \
                           state ? state + (size_t)b * heads * (d + 2) : NULL, ob);           \
             else if (d == 64)                                                                \
-                TASK(qb, k_cache, v_cache, pages, seq_lens[b], kv_heads, h, group,           \
+                TASK(qb, k_cache, v_cache, NULL, NULL, pages, seq_lens[b], kv_heads, h, group, \
                      page_size, 64, scale, lo, softcap, ob);                                 \
             else if (d == 128)                                                               \
-                TASK(qb, k_cache, v_cache, pages, seq_lens[b], kv_heads, h, group,           \
+                TASK(qb, k_cache, v_cache, NULL, NULL, pages, seq_lens[b], kv_heads, h, group, \
                      page_size, 128, scale, lo, softcap, ob);                                \
             else                                                                             \
-                TASK(qb, k_cache, v_cache, pages, seq_lens[b], kv_heads, h, group,           \
+                TASK(qb, k_cache, v_cache, NULL, NULL, pages, seq_lens[b], kv_heads, h, group, \
                      page_size, d, scale, lo, softcap, ob);                                  \
         }                                                                                    \
         return 0;                                                                            \
@@ -478,76 +489,6 @@ DEFINE_ENTRY(paged_decode_bf16, uint16_t, task_bf16, NEVER, NO_FAST_TASK)
 #endif
 DEFINE_ENTRY(paged_decode_f32, float, task_f32, NEVER, NO_FAST_TASK)
 
-/* The int8 KV cache (kv_cache.py's quantize_int8): k_cache/v_cache hold int8 codes in the
- * same page-major layout, k_scale/v_scale [num_pages, kv_heads, page_size] each token-head's
- * float32 scale. A key's score is its scale times the dot product of the query with its
- * codes; a value's weight is folded with its scale the same way; everything in float32.
- * Plain C for every tier (the compiler vectorises the loops over d). */
-#define DEFINE_TASK_I8(NAME, T, LOAD, STORE)                                                  \
-    static inline __attribute__((always_inline)) void NAME(                                 \
-        const T *q, const int8_t *k_cache, const int8_t *v_cache, const float *k_scale,     \
-        const float *v_scale, const int32_t *pages, int32_t seq_len, int kv_heads, int h,   \
-        int group, int page_size, int d, float scale, int32_t lo, float softcap, T *out) {  \
-        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];                    \
-        float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_PAGE], kf[MAX_HEAD_DIM];         \
-        for (int g = 0; g < group; g++) {                                                   \
-            const T *qr = q + (size_t)(h * group + g) * d;                                  \
-            for (int i = 0; i < d; i++) qf[g][i] = LOAD(qr[i]) * scale;                     \
-            for (int i = 0; i < d; i++) acc[g][i] = 0.0f;                                   \
-            m[g] = -INFINITY;                                                               \
-            l[g] = 0.0f;                                                                    \
-        }                                                                                   \
-        const size_t page_stride = (size_t)kv_heads * page_size * d;                        \
-        const size_t scale_stride = (size_t)kv_heads * page_size;                           \
-        for (int p = lo / page_size; p * page_size < seq_len; p++) {                        \
-            const size_t base = (size_t)pages[p] * page_stride + (size_t)h * page_size * d; \
-            const size_t sbase = (size_t)pages[p] * scale_stride + (size_t)h * page_size;   \
-            const int8_t *kp = k_cache + base, *vp = v_cache + base;                        \
-            const float *ks = k_scale + sbase, *vs = v_scale + sbase;                       \
-            int n = seq_len - p * page_size;                                                \
-            if (n > page_size) n = page_size;                                               \
-            const int t0 = p * page_size < lo ? lo - p * page_size : 0;                     \
-            for (int t = t0; t < n; t++) {                                                  \
-                const int8_t *kr = kp + (size_t)t * d;                                      \
-                for (int i = 0; i < d; i++) kf[i] = (float)kr[i];                           \
-                for (int g = 0; g < group; g++) {                                           \
-                    float dot = 0.0f;                                                       \
-                    for (int i = 0; i < d; i++) dot += qf[g][i] * kf[i];                    \
-                    dot *= ks[t];                                                           \
-                    s[g][t] = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;        \
-                }                                                                           \
-            }                                                                               \
-            for (int g = 0; g < group; g++) {                                               \
-                float page_max = s[g][t0];                                                  \
-                for (int t = t0 + 1; t < n; t++) page_max = s[g][t] > page_max ? s[g][t] : page_max; \
-                const float new_m = page_max > m[g] ? page_max : m[g];                      \
-                const float rescale = expf(m[g] - new_m);                                   \
-                l[g] *= rescale;                                                            \
-                for (int i = 0; i < d; i++) acc[g][i] *= rescale;                           \
-                for (int t = t0; t < n; t++) {                                              \
-                    s[g][t] = expf(s[g][t] - new_m);                                        \
-                    l[g] += s[g][t];                                                        \
-                }                                                                           \
-                m[g] = new_m;                                                               \
-            }                                                                               \
-            for (int t = t0; t < n; t++) {                                                  \
-                const int8_t *vr = vp + (size_t)t * d;                                      \
-                for (int i = 0; i < d; i++) kf[i] = (float)vr[i];                           \
-                for (int g = 0; g < group; g++) {                                           \
-                    const float w = s[g][t] * vs[t];                                        \
-                    for (int i = 0; i < d; i++) acc[g][i] += w * kf[i];                     \
-                }                                                                           \
-            }                                                                               \
-        }                                                                                   \
-        for (int g = 0; g < group; g++) {                                                   \
-            T *o = out + (size_t)(h * group + g) * d;                                       \
-            const float inv = 1.0f / l[g];                                                  \
-            for (int i = 0; i < d; i++) o[i] = STORE(acc[g][i] * inv);                      \
-        }                                                                                   \
-    }
-
-DEFINE_TASK_I8(task_i8_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_TASK_I8(task_i8_f32, float, IDENTITY, IDENTITY)
 
 /* As paged_decode_bf16/f32 over an int8 cache (no shared-prefix pass). Returns 0, or -1 if
  * a size is beyond the kernel's fixed buffers. */
