@@ -67,7 +67,6 @@ class QuantizedPages:
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         self.codes, self.scales, self.dtype = codes, scales, dtype
         self.shape = codes.shape
-        self.device = codes.device
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         assert dim == 0, "pages are selected along the first dimension"

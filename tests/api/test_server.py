@@ -542,6 +542,7 @@ def test_render_routes_give_the_tokens_the_engine_would_run(client, server):
     # refused as the generating routes refuse it
     for path, bad in (
         ("/v1/completions/render", {"model": model, "prompt": "x", "max_tokens": 10**7}),
+        ("/v1/completions/render", {"model": model, "prompt": "x", "max_tokens": 0}),
         ("/v1/chat/completions/render", {"model": model, "messages": [], "bogus": 1}),
         ("/v1/chat/completions/render", {"model": "no-such-model", "messages": messages}),
     ):

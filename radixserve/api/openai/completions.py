@@ -15,6 +15,7 @@ from radixserve.api.openai.protocol import CompletionRequest, body_schema
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.api.openai.structured import structured_spec
 from radixserve.core.sampling_params import SamplingParams
+from radixserve.serving.frontend import Frontend
 from radixserve.serving.tenancy import Routing
 
 
@@ -28,23 +29,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     async def completions(request: HTTPRequest) -> Response | StreamResponse:
         body, routing = await server.parse_routed(request, CompletionRequest)
         frontend = server.frontend_of(routing)
-        texts, prompts = await cv.completion_prompts(
-            frontend, body.prompt, server.config.max_prompts_per_request
-        )
-        max_tokens = (
-            cv.COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        )
-        # max_tokens 0 with echo: the prompt (and its logprobs) only, as OpenAI and vLLM
-        # allow; the engine computes one token, which is not returned
-        prompt_only = max_tokens == 0 and body.echo
-        if prompt_only:
-            max_tokens = 1
-        params = cv.sampling_params(frontend, body, max_tokens, server.config)
-        if body.truncate_prompt_tokens is not None:  # an echo shows what the model saw
-            prompts = [cv.truncate_prompt(ids, body) for ids in prompts]
-            texts = [None] * len(prompts)
-        prompts = [cv.check_prompt(frontend, ids, max_tokens) for ids in prompts]
-        cv.check_request_size(server.config, prompts, params)
+        texts, prompts, params, prompt_only = await completion_inputs(server, frontend, body)
         spec = await structured_spec(frontend.grammar, body)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
@@ -61,6 +46,30 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
                 _stream(server, rid, texts, prompts, params, body, routing, prompt_only)
             )
         return await _whole(server, rid, texts, prompts, params, body, routing, prompt_only)
+
+
+async def completion_inputs(
+    server: OpenAIServer, frontend: Frontend, body: CompletionRequest
+) -> tuple[list[str | None], list[list[int]], SamplingParams, bool]:
+    """A completion request's prompt texts (None where given as ids, or truncated), prompt
+    ids (checked), sampling parameters (before a grammar) and whether it asks for the
+    prompt only (``max_tokens`` 0 with ``echo``, as OpenAI and vLLM allow: the engine
+    computes one token, which is not returned): what ``/v1/completions`` runs and
+    ``/v1/completions/render`` answers."""
+    texts, prompts = await cv.completion_prompts(
+        frontend, body.prompt, server.config.max_prompts_per_request
+    )
+    max_tokens = cv.COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    prompt_only = max_tokens == 0 and bool(body.echo)
+    if prompt_only:
+        max_tokens = 1
+    params = cv.sampling_params(frontend, body, max_tokens, server.config)
+    if body.truncate_prompt_tokens is not None:  # an echo shows what the model saw
+        prompts = [cv.truncate_prompt(ids, body) for ids in prompts]
+        texts = [None] * len(prompts)
+    prompts = [cv.check_prompt(frontend, ids, max_tokens) for ids in prompts]
+    cv.check_request_size(server.config, prompts, params)
+    return texts, prompts, params, prompt_only
 
 
 async def _whole(

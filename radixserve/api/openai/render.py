@@ -12,6 +12,7 @@ from typing import Any
 from radixserve.api.asgi import ASGIApp, HTTPRequest, Response, json_response
 from radixserve.api.openai import converter as cv
 from radixserve.api.openai.chat import chat_inputs
+from radixserve.api.openai.completions import completion_inputs
 from radixserve.api.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,19 +62,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     @app.route("POST", "/v1/completions/render", body_schema=body_schema(CompletionRequest))
     async def render_completions(request: HTTPRequest) -> Response:
         body, routing = await server.parse_routed(request, CompletionRequest)
-        frontend = server.frontend_of(routing)
-        _, prompts = await cv.completion_prompts(
-            frontend, body.prompt, server.config.max_prompts_per_request
-        )
-        max_tokens = (
-            cv.COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        )
-        max_tokens = max(max_tokens, 1)  # (0 with echo runs one token, not returned)
-        params = cv.sampling_params(frontend, body, max_tokens, server.config)
-        if body.truncate_prompt_tokens is not None:
-            prompts = [cv.truncate_prompt(ids, body) for ids in prompts]
-        prompts = [cv.check_prompt(frontend, ids, max_tokens) for ids in prompts]
-        cv.check_request_size(server.config, prompts, params)
+        _, prompts, params, _ = await completion_inputs(server, server.frontend_of(routing), body)
         rid = cv.response_id("cmpl", body)
         return json_response(
             [
