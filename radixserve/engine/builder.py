@@ -185,8 +185,11 @@ def build_engine(config: EngineConfig, detokenize: bool = True) -> EngineParts:
             cuda_graph_max_bs=None if config.disable_cuda_graph else config.cuda_graph_max_bs,
             tp=m.tp,
             kv_cache_dtype=config.kv_cache_dtype,
+            deterministic=config.deterministic,
         )
     startup_line = m.startup_line
+    if config.deterministic and isinstance(runner, ModelRunner):
+        startup_line += "; deterministic"
     if m.torch_device is not None and m.torch_device.type == "cpu":
         startup_line += f"; CPU kernels {kernel_tier()}"
     kv_transfer = None
@@ -246,6 +249,8 @@ def _build_loras(
         refusal = "LoRA adapters are not served under tensor parallelism yet"
     elif not isinstance(runner, ModelRunner):
         refusal = "LoRA adapters need a model runner (not a simulated device)"
+    elif config.deterministic:
+        refusal = "LoRA adapters are not served in deterministic mode yet"
     loras = LoRARegistry(
         LoRAShapes.of(m.model_config),
         m.dtype or torch.float32,
@@ -303,7 +308,8 @@ def _load_model(config: EngineConfig, source: ModelSource) -> ModelParts:
             quantization=config.quantization,
             group_size=config.quantization_group_size,
             load_format=config.load_format,
-            prefill_copy=config.prefill_weight_copy,
+            # deterministic mode multiplies every row from the codes: no bfloat16 copy
+            prefill_copy="off" if config.deterministic else config.prefill_weight_copy,
         )
         checkpoint, scheme, mc = loaded.checkpoint, loaded.scheme, loaded.config
     model, dtype = loaded.model, loaded.dtype

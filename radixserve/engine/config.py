@@ -69,6 +69,12 @@ class EngineConfig:
         help="what the KV cache stores: auto (the model's dtype) or int8 (a scale per token "
         "and head: about half of bfloat16's memory)",
     )
+    deterministic: bool = setting(
+        False,
+        help="compute each request's tokens and logprobs as if it ran alone: the same "
+        "whatever its batch, its prompt's chunking, its prefix hits or speculation "
+        "(docs/deterministic.md; slower; refused where a part cannot keep it yet)",
+    )
     page_size: int = setting(16, help="tokens per KV page")
     max_num_batched_tokens: int = setting(2048, help="prompt + decode tokens in one step")
     max_num_seqs: int = setting(
@@ -377,6 +383,10 @@ class EngineConfig:
                 "kv_cache_dtype int8 runs on the CPU runner only: the CUDA attention "
                 "kernels do not read int8 pages yet"
             )
+        if self.deterministic and not self.simulated_device:
+            refusal = self._deterministic_refusal()
+            if refusal:
+                raise ValueError(f"deterministic mode cannot keep {refusal} batch-invariant yet")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
@@ -628,6 +638,19 @@ class EngineConfig:
         if self.simulated_device:
             return self.simulated_device_time
         return self.resolved_device == "cuda"  # the GPU runs while the host prepares
+
+    def _deterministic_refusal(self) -> str | None:
+        """What of these settings deterministic mode cannot keep batch-invariant, in words
+        (None: nothing); the model's own parts are checked when it is built."""
+        if self.resolved_runner != "cpu":
+            return "the CUDA runner (its Triton kernels split work by batch)"
+        if self.tensor_parallel_size > 1:
+            return "tensor parallelism"
+        if self.lora_modules:
+            return "LoRA adapters (their products batch the adapters' rows)"
+        if self.prefill_weight_copy == "on":
+            return "a prefill weight copy (oneDNN's GEMM, blocked by the step's rows)"
+        return None
 
     @property
     def resolved_runner(self) -> str:

@@ -648,10 +648,23 @@ class Engine:
         """A step's part of a pooling request (``StepResult.pooled``). Mean pooling sums
         chunk by chunk; a chunk from position 0 starts over (a preempted request computes
         its prompt again: it never reuses a prefix), one that does not follow on from the
-        sum marks it broken (None, with ``pool_tokens`` -1)."""
+        sum marks it broken (None, with ``pool_tokens`` -1). In deterministic mode a chunk
+        comes as its rows [num, hidden], added to the sum one at a time, in order: the sum is
+        then the same wherever the prompt's chunks end."""
         seq = self._sequences.get(request_id)
         if seq is None or seq.pooling is None:
             return  # ended meanwhile
+        if vec.ndim == 2:
+            total = np.zeros(vec.shape[1], dtype=np.float32)
+            if start != 0 and seq.pool_sum is not None and start == seq.pool_tokens:
+                total = seq.pool_sum.copy()
+            elif start != 0:
+                seq.pool_sum, seq.pool_tokens = None, -1
+                return
+            for row in vec:
+                total += row
+            seq.pool_sum, seq.pool_tokens = total, start + num
+            return
         if seq.pooling == "last" or start == 0:
             seq.pool_sum, seq.pool_tokens = vec, start + num
         elif seq.pool_sum is not None and start == seq.pool_tokens:

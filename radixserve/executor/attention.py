@@ -141,8 +141,13 @@ class TorchNativeAttention:
         head_dim: int,
         use_native: bool = True,
         specs: Sequence[AttentionSpec] | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.kv_cache = kv_cache
+        # deterministic mode (executor/batch_invariant.py): every query row, prompt or
+        # decode, through the decode kernel over the keys up to its own position, no
+        # shared prefix: a row's output is the same whatever its step holds
+        self.deterministic = deterministic
         # the C decode kernel (reads pages in place), when it builds on this machine and
         # handles this cache's shapes ([..., kv_heads, page_size, head_dim])
         *_, kv_heads, page_size, _ = kv_cache.k.shape
@@ -166,7 +171,7 @@ class TorchNativeAttention:
         self.specs = list(specs) if specs is not None else None
         self.default_spec = AttentionSpec(self.scale)
         # decode batches whose requests share leading pages attend them once (two passes)
-        self.shared_prefix = True
+        self.shared_prefix = not deterministic
         self.has_sinks = any(s.sinks is not None for s in self.specs or ())
         self._masks: dict[torch.dtype, torch.Tensor] = {}
 
@@ -183,6 +188,15 @@ class TorchNativeAttention:
         return meta
 
     def _prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
+        if self.deterministic and self.native is not None:
+            return TorchNativeMetadata(
+                slots=torch.from_numpy(batch.slot_mapping.astype(np.int64, copy=False)),
+                num_tokens=batch.num_tokens,
+                decode=self._row_group(batch),
+                fresh_spans=[],
+                context_spans=[],
+                prefill=None,
+            )
         is_decode = batch.q_lens == 1
         if self.native_prefill is not None:
             return TorchNativeMetadata(
@@ -256,6 +270,26 @@ class TorchNativeAttention:
             prefix=prefix,
             whole_batch=idx.size == batch.num_tokens,  # one token per request: all decode
             max_seq_len=int(seq_lens.max()),
+        )
+
+    @staticmethod
+    def _row_group(batch: ForwardBatch) -> _DecodeGroup:
+        """Every token of the step as a decode query of its own (deterministic mode): token j
+        of request i attends request i's keys up to its position, through its pages."""
+        q_lens = batch.q_lens.astype(np.int64, copy=False)
+        seq_lens = batch.seq_lens.astype(np.int64, copy=False)
+        # each token's position + 1: its request's keys before its chunk, then its own
+        within = np.arange(batch.num_tokens) - np.repeat(batch.query_start_loc[:-1], q_lens)
+        token_lens = np.repeat(seq_lens - q_lens, q_lens) + within + 1
+        max_pages = int(-(-seq_lens.max() // batch.page_size))
+        pages = np.repeat(batch.page_tables[:, :max_pages], q_lens, axis=0)
+        return _DecodeGroup(
+            token_index=torch.arange(batch.num_tokens),
+            page_tables=torch.from_numpy(np.ascontiguousarray(pages, dtype=np.int32)),
+            seq_lens=torch.from_numpy(token_lens.astype(np.int32)),
+            bias=None,
+            whole_batch=True,
+            max_seq_len=int(token_lens.max()),
         )
 
     @staticmethod

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.core.page_table import PageTable
+from radixserve.executor import batch_invariant
 from radixserve.executor.kv_cache import KVCache, bytes_per_page
 from radixserve.executor.model_runner import ModelRunner
 from radixserve.executor.models.base import CausalLM
@@ -106,10 +107,13 @@ def build_runner(
     cuda_graph_max_bs: int | None = None,
     tp: TensorParallelGroup | None = None,
     kv_cache_dtype: str = "auto",
+    deterministic: bool = False,
 ) -> tuple[Any, Any]:
     """Rank 0's runner and its sampler: ``runner`` ``cuda`` (Triton kernels, device
     sampler, CUDA graphs unless under ``tp``) or ``cpu`` (C kernels); with ``tp`` the
-    tensor-parallel runner of that kind."""
+    tensor-parallel runner of that kind. ``deterministic``: the CPU runner computing each row
+    alone (``executor/batch_invariant.py``; ``ValueError`` naming what of the model it cannot
+    keep so)."""
     if runner == "cuda":
         from radixserve.executor.cuda.build import build_cuda_runner  # needs triton
 
@@ -129,7 +133,13 @@ def build_runner(
         from radixserve.executor.tp_runner import TPModelRunner
 
         return TPModelRunner(model, kv_cache, page_table, sampler, tp), sampler
-    return ModelRunner(model, kv_cache, page_table, sampler), sampler
+    runner = ModelRunner(model, kv_cache, page_table, sampler, deterministic=deterministic)
+    if deterministic:
+        refusal = batch_invariant.unsupported(model, runner.attention)
+        if refusal:
+            raise ValueError(f"deterministic mode cannot keep {refusal} batch-invariant yet")
+        batch_invariant.prepare_kernels()
+    return runner, sampler
 
 
 def build_worker_runner(

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.executor import batch_invariant
 from radixserve.executor import program_ops as po
 from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetadata
 from radixserve.executor.layer_ops import LayerOps
@@ -523,6 +524,7 @@ def program_for(model: Any, attention: object, meta: object) -> DecodeProgram | 
         or not meta.decode.whole_batch
         or meta.decode.prefix is not None
         or in_long_prompt_step()
+        or batch_invariant.on()  # its tiles follow the batch's rows (deterministic mode)
     ):
         return None
     program = model._program

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.executor import gemm
+from radixserve.executor import batch_invariant, gemm
 
 _PACK_BATCH_HINT = 256  # oneDNN picks the packed layout for about this many rows
 
@@ -31,7 +31,7 @@ class Linear:
     tied LM head's embedding table) stays referenced, and the reordered one is its copy.
     """
 
-    __slots__ = ("_shared", "_weight", "bias", "packed")
+    __slots__ = ("_invariant", "_shared", "_weight", "bias", "packed")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, shared: bool = False
@@ -39,6 +39,8 @@ class Linear:
         self.bias = bias
         self._shared = shared
         self.weight = weight
+        # deterministic mode's copies of the weight (batch_invariant.DensePanels), by row dtype
+        self._invariant: dict[torch.dtype, batch_invariant.DensePanels] = {}
 
     @property
     def weight(self) -> torch.Tensor:
@@ -66,6 +68,8 @@ class Linear:
         return self._weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.on():
+            return batch_invariant.dense(self._invariant, lambda: self.weight, self.bias, x)
         if self.packed is not None and x.dtype == torch.bfloat16:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return gemm.linear(x, self.weight, self.bias)

@@ -11,6 +11,7 @@ import torch
 from radixserve.core.page_table import PageTable
 from radixserve.core.step import ScheduledBatch
 from radixserve.executor.attention import TorchNativeAttention, TorchNativeMetadata
+from radixserve.executor.batch_invariant import invariant_step
 from radixserve.executor.device import PreparedStep, StepResult
 from radixserve.executor.forward_batch import ForwardBatch
 from radixserve.executor.future_tokens import FutureTokens
@@ -107,8 +108,11 @@ class ModelRunner:
         page_table: PageTable | None,
         sampler: Sampler | None,
         max_rows: int | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.model = model
+        # every row computed as if alone (executor/batch_invariant.py)
+        self.deterministic = deterministic
         if kv_cache.k.device.type == "cpu":
             model.mlp_block_rows = CPU_MLP_BLOCK_ROWS
             keep_freed_memory()  # step buffers reused, not page-faulted in again every step
@@ -118,7 +122,11 @@ class ModelRunner:
         self.future = FutureTokens(max_rows or _rows(page_table))
         c = model.config
         self.attention = TorchNativeAttention(
-            kv_cache, c.num_attention_heads, c.head_dim, specs=model.attention_specs()
+            kv_cache,
+            c.num_attention_heads,
+            c.head_dim,
+            specs=model.attention_specs(),
+            deterministic=deterministic,
         )
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
@@ -209,12 +217,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult:
         inputs: _ModelInputs = step.inputs
-        logits, prompt_logprobs, pooled = self._compute(inputs)
-        if inputs.spec is not None:
-            result = self._verify(inputs, logits, prompt_logprobs)
-        else:
-            tokens, logprobs = self._sample(inputs, logits)
-            result = StepResult(tokens, logprobs, prompt_logprobs)
+        with invariant_step(self.deterministic):
+            logits, prompt_logprobs, pooled = self._compute(inputs)
+            if inputs.spec is not None:
+                result = self._verify(inputs, logits, prompt_logprobs)
+            else:
+                tokens, logprobs = self._sample(inputs, logits)
+                result = StepResult(tokens, logprobs, prompt_logprobs)
         result.pooled = pooled
         return result
 
@@ -272,16 +281,20 @@ class ModelRunner:
         )
         return logits, self._prompt_logprobs(inputs, hidden), self._pool(inputs, hidden)
 
-    @staticmethod
     def _pool(
-        inputs: _ModelInputs, hidden: torch.Tensor | None
+        self, inputs: _ModelInputs, hidden: torch.Tensor | None
     ) -> dict[str, tuple[int, int, np.ndarray]]:
-        """Each pooling request's part of this step (``StepResult.pooled``), in float32."""
+        """Each pooling request's part of this step (``StepResult.pooled``), in float32: a
+        mean-pooled chunk's sum, or in deterministic mode its rows (the engine sums them in
+        order, so the sum does not depend on where the prompt's chunks end)."""
         out: dict[str, tuple[int, int, np.ndarray]] = {}
         for plan in inputs.pooling or ():
             assert hidden is not None
             rows = hidden[plan.first_row : plan.first_row + plan.num_rows].float()
-            vec = rows.sum(dim=0) if plan.kind == "mean" else rows[-1]
+            if plan.kind != "mean":
+                vec = rows[-1]
+            else:
+                vec = rows if self.deterministic else rows.sum(dim=0)
             out[plan.request_id] = (plan.start, plan.num_rows, vec.cpu().numpy())
         return out
 

@@ -22,7 +22,7 @@ Conventions (those of the kernels):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +31,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from radixserve.executor import gemm
+from radixserve.executor import batch_invariant, gemm
 from radixserve.executor.layers.moe import SparseMoE
 from radixserve.executor.linear import Linear
 from radixserve.executor.loader.gguf_codes import GroupCodes
-from radixserve.executor.native import load_int4_panels, load_int8_panels, load_qlinear
+from radixserve.executor.native import (
+    invariant_rows,
+    load_int4_panels,
+    load_int8_panels,
+    load_qlinear,
+)
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 PREFILL_COPY_MODES = ("auto", "on", "off")  # add_prefill_copies; weights.decide_prefill_copy
@@ -231,7 +236,7 @@ class Int8Linear:
     that would dequantize multiply that bfloat16 weight instead.
     """
 
-    __slots__ = ("bias", "prefill", "q", "scale", "use_kernel")
+    __slots__ = ("_invariant", "bias", "prefill", "q", "scale", "use_kernel")
 
     def __init__(
         self,
@@ -245,6 +250,8 @@ class Int8Linear:
         self.bias = bias
         self.use_kernel = use_kernel and hasattr(torch.ops.aten, "_weight_int8pack_mm")
         self.prefill: Linear | None = None  # see add_prefill_copies
+        # deterministic mode: the weight dequantized (float32, exact), in dense panels
+        self._invariant: dict[torch.dtype, batch_invariant.DensePanels] = {}
 
     @property
     def out_features(self) -> int:
@@ -269,6 +276,8 @@ class Int8Linear:
         return dequantize_int8(self.q, self.scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.on():
+            return batch_invariant.dense(self._invariant, self.dequantized, self.bias, x)
         if not self.use_kernel or x.device.type != "cpu":
             return self.fallback(x)
         bf16 = x.dtype == torch.bfloat16
@@ -388,6 +397,13 @@ class Int4Linear:
         return codes.nbytes + self.sz.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if batch_invariant.on():
+            if self.panels is None or x.dtype != torch.bfloat16:
+                raise RuntimeError(
+                    "deterministic mode multiplies int4 weights in their panels, bfloat16 rows"
+                )
+            lib = _panel_lib()
+            return _invariant_gemm(lib, "int4_panels", x, lambda rows: self._panel_gemm(lib, rows))
         if self.panels is not None:
             if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
                 return self.fallback(x)
@@ -565,6 +581,18 @@ def long_prompt_step(on: bool) -> Iterator[None]:
         yield
     finally:
         _Step.long_prompt = False
+
+
+def _invariant_gemm(
+    lib: Any, prefix: str, x: torch.Tensor, gemm_rows: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """A panel GEMM in deterministic mode: in calls of the row counts its kernel computes
+    each row alone in (``native.invariant_rows``; ``batch_invariant.prepare_kernels`` turned
+    off the AMX tiles that would leave none)."""
+    rows = invariant_rows(lib, prefix)
+    if rows is None:
+        raise RuntimeError(f"{prefix}: no row count computes each row alone (AMX tiles on)")
+    return batch_invariant.in_row_counts(x, rows[0], rows[1], gemm_rows)
 
 
 def _copy_rows(layer_rows: int, m: int) -> bool:
@@ -776,6 +804,12 @@ class Int8GroupLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lib = _int8_panel_lib()
+        if batch_invariant.on():
+            if lib is None or x.dtype != torch.bfloat16:
+                raise RuntimeError(
+                    "deterministic mode multiplies int8 weights in their panels, bfloat16 rows"
+                )
+            return _invariant_gemm(lib, "int8_panels", x, lambda rows: self._panel_gemm(lib, rows))
         if lib is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
             return self.fallback(x)
         m = x.shape[0]

@@ -804,6 +804,8 @@ def load_int4_panels(tier: str | None = None) -> ctypes.CDLL | None:
     lib.int4_panels_gemm_bf16.restype = i
     lib.int4_panels_dequant_bf16.argtypes = [p, p, i64, i64, i64, i64, i, p]
     lib.int4_panels_dequant_bf16.restype = i
+    lib.int4_panels_invariant_rows.argtypes = [p, p]
+    lib.int4_panels_invariant_rows.restype = i
     _amx_controls(lib, "int4_panels", INT4_AMX_ROWS)
     return lib
 
@@ -829,8 +831,36 @@ def load_int8_panels(tier: str | None = None) -> ctypes.CDLL | None:
     lib.int8_panels_set_dp_rows.restype = None
     lib.int8_panels_dp_rows.argtypes = []
     lib.int8_panels_dp_rows.restype = i
+    lib.int8_panels_invariant_rows.argtypes = [p, p]
+    lib.int8_panels_invariant_rows.restype = i
     lib.int8_panels_set_dp_rows(int8_pair_rows())
     _amx_controls(lib, "int8_panels", INT8_AMX_ROWS)
+    return lib
+
+
+def invariant_rows(lib: ctypes.CDLL, prefix: str) -> tuple[int, int | None] | None:
+    """The row counts (lo, hi; hi None: no bound) of a panel library's calls in which each row
+    is computed by the same operations in the same order whatever the other rows
+    (``PREFIX_invariant_rows``: deterministic mode), or None where no count qualifies (its
+    AMX tiles from too few rows)."""
+    lo, hi = ctypes.c_int64(), ctypes.c_int64()
+    if getattr(lib, f"{prefix}_invariant_rows")(ctypes.byref(lo), ctypes.byref(hi)) != 0:
+        return None
+    return lo.value, hi.value or None
+
+
+@cache
+def load_dense_panels(tier: str | None = None) -> ctypes.CDLL | None:
+    """Products of plain bfloat16 or float32 weights in panels, each row's result a function
+    of that row alone (``dense_panels.c``: deterministic mode; None: native kernels off or not
+    built)."""
+    lib = _load(_SOURCE.with_name("dense_panels.c"), tier=tier)
+    if lib is None:
+        return None
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name in ("dense_panels_bf16", "dense_panels_f32", "dense_panels_bf16_f32w"):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [p, i64, i64, p, i64, p, i64, i], i
     return lib
 
 

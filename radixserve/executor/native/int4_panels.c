@@ -244,6 +244,17 @@ static inline int64_t tile_start(int64_t m, int64_t i) {
     return i * base + (i < extra ? i : extra);
 }
 
+/* Deterministic mode (executor/batch_invariant.py): the row counts m, lo <= m <= hi (hi 0:
+ * no bound), of calls in which every row is computed by the same operations in the same
+ * order whatever the other rows. Here: one tile of 8 to MAX_TILE rows (block_rows with one
+ * accumulator set, SETS = 1; 13 to 15 rows would be two tiles of 6 to 8, and one row
+ * block_row1), below the AMX tiles. Returns 0, or -1 where no count qualifies. */
+int int4_panels_invariant_rows(int64_t *lo, int64_t *hi) {
+    *lo = 8;
+    *hi = amx_rows > 0 && amx_rows <= MAX_TILE ? amx_rows - 1 : MAX_TILE;
+    return *hi < *lo ? -1 : 0;
+}
+
 /* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart. xs is
  * scratch for m * (k / group) floats, xp for m * k 32-bit words (here x repacked per row
  * tile as [pair][row] in the first half, so a pair's broadcasts for the tile's rows read one
@@ -369,6 +380,14 @@ static inline __attribute__((always_inline)) void block_rows_portable(
     }
     _Pragma("GCC unroll 4") for (int r = 0; r < MT; r++)
         store_bf16x16(y + r * y_stride, out[r][0], out[r][1], count);
+}
+
+/* Deterministic mode (see the AVX-512 path's): here every tile of two rows or more sums a
+ * row's products in one chain (CH = 1), and from m = 2 every tile holds 2 to 4 rows. */
+int int4_panels_invariant_rows(int64_t *lo, int64_t *hi) {
+    *lo = 2;
+    *hi = 0;
+    return 0;
 }
 
 int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,

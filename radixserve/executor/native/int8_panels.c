@@ -161,6 +161,17 @@ static int dp_rows = 0;
 void int8_panels_set_dp_rows(int rows) { dp_rows = rows; }
 int int8_panels_dp_rows(void) { return dp_rows; }
 
+/* Deterministic mode (executor/batch_invariant.py): the row counts m, lo <= m <= hi (hi 0:
+ * no bound), of calls in which every row is computed by the same operations in the same
+ * order whatever the other rows. Here: no block_row1 (m = 1) and tiles of 8 rows or more, one
+ * accumulator set each (from m = 8 every tile holds 8 to 16), every call on the same side of
+ * dp_rows, and below the AMX tiles. Returns 0, or -1 where no count qualifies. */
+int int8_panels_invariant_rows(int64_t *lo, int64_t *hi) {
+    *lo = dp_rows > 8 ? dp_rows : 8;
+    *hi = amx_rows > 0 ? amx_rows - 1 : 0;
+    return *hi && *hi < *lo ? -1 : 0;
+}
+
 static inline __m512bh pair_codes(const int8_t *p) {
     const __m512i even = _mm512_castps_si512(codes16(p));
     const __m512i odd = _mm512_castps_si512(codes16(p + 16));
@@ -378,6 +389,14 @@ int int8_panels_dequant_bf16(const int8_t *panels, const uint16_t *scale, const 
 
 void int8_panels_set_dp_rows(int rows) { (void)rows; } /* pairs need vdpbf16ps */
 int int8_panels_dp_rows(void) { return 0; }
+
+/* Deterministic mode (see the AVX-512 path's): here every tile of two rows or more sums a
+ * row's products in one chain (CH = 1), and from m = 2 every tile holds 2 to 4 rows. */
+int int8_panels_invariant_rows(int64_t *lo, int64_t *hi) {
+    *lo = 2;
+    *hi = 0;
+    return 0;
+}
 
 /* Rows [0, MT) of x (float32, rows k apart) against one output block: each input's 16
  * codes widened to float32 once for the tile's rows, multiply-adds in float32 per group,
