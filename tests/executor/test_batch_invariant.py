@@ -11,7 +11,7 @@ from radixserve.executor import batch_invariant
 from radixserve.executor.batch_invariant import DensePanels, in_row_counts, invariant_step
 from radixserve.executor.linear import Linear
 from radixserve.executor.native import invariant_rows, load_int4_panels, load_int8_panels
-from radixserve.executor.quant import Int4Linear, Int8GroupLinear, Int8Linear, quantize_int4
+from radixserve.executor.quant import Int4Linear, Int8GroupLinear, Int8Linear
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 15, 16, 17, 31, 33, 64)
 
@@ -59,7 +59,6 @@ def test_int4_panels_compute_each_row_alone():
     assert layer.panels is not None
     x = torch.randn(70, 128).to(torch.bfloat16)
     _each_row_alone(layer, x)
-    q, scale, zero = quantize_int4(w, 32, False)
     with invariant_step(True):
         got = layer(x)
     lo, hi = invariant_rows(load_int4_panels(), "int4_panels")
