@@ -362,6 +362,11 @@ class Engine:
             for i, sid in enumerate(seq_ids)
         ]
         grammar_key = None if pooling is not None else params.grammar_key()
+        if self.proposer is not None and self.config.deterministic and params.temperature > 0:
+            # a sampled request's draws follow how many tokens were proposed (a matter of
+            # timing under the measured policy): it decodes without speculation, and no
+            # step speculates while it runs
+            self._constrained.update(seq_ids)
         if grammar_key is None:
             self.scheduler.add_group(requests)
         else:

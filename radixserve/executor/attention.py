@@ -58,6 +58,9 @@ class _DecodeGroup:
     prefix: SharedPrefix | None = None
     whole_batch: bool = False
     max_seq_len: int = 0
+    # every row is its request's one token (a decode step); False where prompt tokens are
+    # rows of their own too (``_row_group``)
+    one_per_request: bool = True
 
 
 @dataclass
@@ -124,6 +127,11 @@ class TorchNativeAttention:
     place, blockwise with an online softmax, so a chunk's cost grows with its queries times
     its keys and nothing else; the PyTorch paths above are the fallback.
 
+    Over an int8 cache, and in deterministic mode, every token of the step (prompt or
+    decode) is a query row of the C decode kernel over its own request's keys up to its
+    position (``_row_group``): one path, so a token's output does not depend on whether it
+    came in a prompt's chunk, a decode step or a verify step.
+
     Every path honours the layer's ``AttentionSpec`` (``specs[layer]``; by default
     ``head_dim ** -0.5`` and no window or cap): the C kernels take the window and the cap,
     the PyTorch paths mask and cap their scores. A decode batch's shared prefix is attended
@@ -151,8 +159,8 @@ class TorchNativeAttention:
         # the C decode kernel (reads pages in place), when it builds on this machine and
         # handles this cache's shapes ([..., kv_heads, page_size, head_dim])
         *_, kv_heads, page_size, _ = kv_cache.k.shape
-        # an int8 cache (``KVCache.quantized``): decodes read it in C (``paged_decode_int8``,
-        # any tier), prompt chunks on the PyTorch paths (its pages dequantized as read)
+        # an int8 cache (``KVCache.quantized``): every row, prompt or decode, read by the C
+        # decode kernel (``paged_decode_int8``, any tier; ``_row_group``)
         self.quantized = bool(getattr(kv_cache, "quantized", False))
         compute_dtype = getattr(kv_cache, "dtype", kv_cache.k.dtype)
         supported = kv_cache.k.device.type == "cpu" and paged_decode_supports(
@@ -188,7 +196,9 @@ class TorchNativeAttention:
         return meta
 
     def _prepare(self, batch: ForwardBatch) -> TorchNativeMetadata:
-        if self.deterministic and self.native is not None:
+        # an int8 cache's prompt chunks as rows of the C decode kernel too (the PyTorch paths
+        # would dequantize every page they read, per chunk)
+        if (self.deterministic or self.quantized) and self.native is not None:
             return TorchNativeMetadata(
                 slots=torch.from_numpy(batch.slot_mapping.astype(np.int64, copy=False)),
                 num_tokens=batch.num_tokens,
@@ -290,6 +300,7 @@ class TorchNativeAttention:
             bias=None,
             whole_batch=True,
             max_seq_len=int(token_lens.max()),
+            one_per_request=batch.num_tokens == batch.num_requests,
         )
 
     @staticmethod

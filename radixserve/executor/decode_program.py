@@ -522,6 +522,7 @@ def program_for(model: Any, attention: object, meta: object) -> DecodeProgram | 
         not isinstance(meta, TorchNativeMetadata)
         or meta.decode is None
         or not meta.decode.whole_batch
+        or not meta.decode.one_per_request
         or meta.decode.prefix is not None
         or in_long_prompt_step()
         or batch_invariant.on()  # its tiles follow the batch's rows (deterministic mode)

@@ -101,6 +101,10 @@ class ModelRunner:
         | None
     ) = None
 
+    # every row computed as if alone (executor/batch_invariant.py; a class default: the CUDA
+    # runner, which has no such mode, has it too)
+    deterministic = False
+
     def __init__(
         self,
         model: CausalLM,
@@ -111,7 +115,6 @@ class ModelRunner:
         deterministic: bool = False,
     ) -> None:
         self.model = model
-        # every row computed as if alone (executor/batch_invariant.py)
         self.deterministic = deterministic
         if kv_cache.k.device.type == "cpu":
             model.mlp_block_rows = CPU_MLP_BLOCK_ROWS

@@ -331,6 +331,7 @@ class Int4Linear:
     """
 
     __slots__ = (
+        "_invariant",
         "bias",
         "group_size",
         "in_features",
@@ -362,6 +363,8 @@ class Int4Linear:
         self.panels: torch.Tensor | None = None
         self.psz: torch.Tensor | None = None
         self.prefill: Linear | None = None  # see add_prefill_copies
+        # deterministic mode, float32 rows: the weight dequantized (float32, exact), in dense panels
+        self._invariant: dict[torch.dtype, batch_invariant.DensePanels] = {}
         if use_kernel and panels and group_size % 8 == 0 and _panel_lib() is not None:
             self.panels, self.psz = to_panels(q, scale, zero)
         elif use_kernel and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
@@ -399,9 +402,7 @@ class Int4Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if batch_invariant.on():
             if self.panels is None or x.dtype != torch.bfloat16:
-                raise RuntimeError(
-                    "deterministic mode multiplies int4 weights in their panels, bfloat16 rows"
-                )
+                return batch_invariant.dense(self._invariant, self.dequantized, self.bias, x)
             lib = _panel_lib()
             return _invariant_gemm(lib, "int4_panels", x, lambda rows: self._panel_gemm(lib, rows))
         if self.panels is not None:
@@ -524,10 +525,12 @@ class Int4Linear:
         sz = self.sz[:, :n].transpose(0, 1)
         return _unpack_nibbles(self.nibbles), sz[..., 0], sz[..., 1]
 
-    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+    def dequantized(self) -> torch.Tensor:
         q, scale, zero = self.codes()
-        w = dequantize_int4(q, scale, zero, self.group_size)
-        return F.linear(x, w.to(x.dtype), self.bias)
+        return dequantize_int4(q, scale, zero, self.group_size)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
 
 # Rows from which an Int4Linear with panels dequantizes to bfloat16 and runs oneDNN's GEMM
@@ -754,6 +757,7 @@ class Int8GroupLinear:
     """
 
     __slots__ = (
+        "_invariant",
         "bias",
         "group_size",
         "in_features",
@@ -780,6 +784,8 @@ class Int8GroupLinear:
         self.bias = bias
         self.panels, self.scale, self.zero = to_int8_panels(q, scale, zero)
         self.prefill: Linear | None = None  # see add_prefill_copies
+        # deterministic mode, float32 rows: the weight dequantized (float32, exact), in dense panels
+        self._invariant: dict[torch.dtype, batch_invariant.DensePanels] = {}
 
     @classmethod
     def from_codes(cls, codes: GroupCodes, bias: torch.Tensor | None = None) -> Int8GroupLinear:
@@ -806,9 +812,7 @@ class Int8GroupLinear:
         lib = _int8_panel_lib()
         if batch_invariant.on():
             if lib is None or x.dtype != torch.bfloat16:
-                raise RuntimeError(
-                    "deterministic mode multiplies int8 weights in their panels, bfloat16 rows"
-                )
+                return batch_invariant.dense(self._invariant, self.dequantized, self.bias, x)
             return _invariant_gemm(lib, "int8_panels", x, lambda rows: self._panel_gemm(lib, rows))
         if lib is None or x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
             return self.fallback(x)

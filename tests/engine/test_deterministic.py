@@ -1,7 +1,7 @@
 """Deterministic mode (``LLM(deterministic=True)``, ``--deterministic``): a request's greedy
 tokens and logprobs, and its embedding, are bitwise the ones it gets alone, inside batches of
 up to 32 mixed requests, chunked differently, with and without prefix hits, with n-gram
-speculation, in bfloat16 with int4 / int8 / plain weights and in float32; the same in a fresh
+and draft-model speculation, in bfloat16 with int4 / int8 / plain weights and in float32; the same in a fresh
 process; and what the mode cannot keep yet is refused at start-up, naming it."""
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
         ("bfloat16", "int8", "auto"),
         ("bfloat16", "none", "int8"),
         ("float32", "none", "auto"),
+        ("float32", "int4", "auto"),
     ],
 )
 def test_a_request_answers_the_same_alone_and_in_any_batch(tiny_llama, dtype, quantization, kv):
@@ -108,6 +109,31 @@ def test_ngram_speculation_verifies_what_decode_computes(tmp_path):
     assert _answers(spec, prompts, GREEDY) == want
     assert [_answers(spec, [p], GREEDY)[0] for p in prompts] == want
     assert spec.engine.stats().spec_accepted_tokens > 0  # it did speculate
+    # a seeded sample: the same draws with speculation on (its request does not speculate)
+    sampled = [
+        SamplingParams(temperature=0.8, max_tokens=10, seed=i, ignore_eos=True, logprobs=1)
+        for i in range(4)
+    ]
+    want = [_answers(plain, [p], [sp])[0] for p, sp in zip(prompts[:4], sampled, strict=True)]
+    assert _answers(spec, prompts[:4], sampled) == want
+    spec.engine.check_page_accounting()
+
+
+def test_draft_speculation_verifies_what_decode_computes(tiny_models, tiny_llama):
+    plain = LLM(str(tiny_llama), dtype="bfloat16", deterministic=True, **KW)
+    spec = LLM(
+        str(tiny_llama),
+        dtype="bfloat16",
+        deterministic=True,
+        speculative_mode="draft",
+        spec_draft_model=str(tiny_models["mistral"]),
+        spec_policy="always",
+        **KW,
+    )
+    prompts = _prompts(12, seed=13, shared=16)
+    want = [_answers(plain, [p], GREEDY)[0] for p in prompts]
+    assert _answers(spec, prompts, GREEDY) == want
+    assert spec.engine.stats().spec_proposed_tokens > 0  # it did speculate
     spec.engine.check_page_accounting()
 
 

@@ -287,10 +287,10 @@ def test_fair_policy_with_tenants_gives_the_same_tokens(tiny_llama, llm):
 
 
 def test_int8_kv_cache_answers_as_the_float_cache_within_its_codes(tiny_llama, llm):
-    """``kv_cache_dtype="int8"``: each request's first token is the float cache's (a fresh
-    prompt attends its own exact keys), later tokens read the int8 pages (decode steps, and
-    the chunks of a prompt that hit the prefix cache) and keep close logprobs; the cache
-    holds ~1.9x the pages in the same memory; the refused combinations say why."""
+    """``kv_cache_dtype="int8"``: every token reads the int8 pages (a prompt's own keys too,
+    through the C decode kernel; the chunks of a prompt that hit the prefix cache; decode
+    steps) and keeps close logprobs and most greedy tokens; the cache holds ~1.9x the pages
+    in the same memory; the refused combinations say why."""
     int8 = LLM(str(tiny_llama), dtype="float32", page_size=4, kv_cache_memory_gb=0.02,
                kv_cache_dtype="int8")  # fmt: skip
     assert int8.engine.runner.kv_cache.k.dtype == torch.int8
@@ -304,7 +304,6 @@ def test_int8_kv_cache_answers_as_the_float_cache_within_its_codes(tiny_llama, l
     agreeing = 0
     for r, o in zip(ref, out, strict=True):
         want, got = r.outputs[0], o.outputs[0]
-        assert got.token_ids[0] == want.token_ids[0]
         for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids, strict=True)):
             if a != b:
                 break

@@ -39,8 +39,9 @@ def _run_both(
         program = decode_program.program_for(self, attention, meta)
         used = program is not None and program.accepts(input_ids, positions, meta, self.lora_step)
         out = forward(self, input_ids, positions, attention, meta)
-        if meta.decode is not None and meta.decode.whole_batch:
-            seen["decode"] += 1
+        d = meta.decode
+        if d is not None and d.whole_batch and d.one_per_request:  # (an int8 cache's prompts
+            seen["decode"] += 1  # are rows of the decode kernel too: not decode steps)
         if used:
             seen["program"] += 1
             seen["rows"] = max(seen["rows"], input_ids.shape[0])
