@@ -6,10 +6,10 @@
 Three measures, each on the same model loaded twice (``auto``, then ``int8``):
 
 * **perplexity** of the W1 prompts, teacher-forced (``prompt_logprobs``), with the prompts
-  prefilled in chunks of ``--chunk`` tokens (``max_num_batched_tokens``) so that every
-  chunk after a prompt's first attends to the earlier ones through the KV cache (a chunk
-  of a fresh prompt attends its own exact keys: the first ``--chunk`` tokens are the same
-  in both); ``ppl_change_int8_kv`` is int8's over auto's, less 1;
+  prefilled in chunks of ``--chunk`` tokens (``max_num_batched_tokens``): every token
+  attends to the keys before it, its own chunk's included, as the cache holds them (over an
+  int8 cache every prompt token is a row of the int8 decode kernel);
+  ``ppl_change_int8_kv`` is int8's over auto's, less 1;
 * **capacity**: the pages a ``--kv-cache-memory`` of 1 GiB holds, and how many requests
   of ``--context`` tokens fit at once (``capacity_ratio_int8_kv``);
 * **throughput**: W3's 128 requests (256 prompt tokens, 128 output tokens, greedy,

@@ -15,7 +15,8 @@ decode step ("Defeating Nondeterminism in LLM Inference", Thinking Machines, 202
   at the first such call (``DensePanels``);
 * attention runs every query row, prompt or decode, through the paged decode kernel over
   the keys up to its position (``TorchNativeAttention(deterministic=True)``), with no shared
-  prefix; the one-call decode program is not used.
+  prefix; the one-call decode program only for decode steps whose row count every panel
+  GEMM computes each row alone in (``whole_calls``).
 
 The norms, activations and rotary kernels already compute each row alone
 (``layer_ops``), the sampler draws with each request's own generator, and the argmax and
@@ -170,6 +171,21 @@ def unsupported(model: Any, attention: Any) -> str | None:
     if getattr(model.config, "moe", None) is not None:
         return "mixture-of-experts layers (their rows grouped by expert across the batch)"
     return None
+
+
+def whole_calls(rows: int) -> bool:
+    """Whether a call of ``rows`` rows to every panel GEMM is one that computes each row
+    alone (``native.invariant_rows``): then the one-call decode program, which multiplies a
+    step's rows in one call a layer, computes what the layers do (deterministic mode runs it
+    for such steps only)."""
+    for load, prefix in ((load_int4_panels, "int4_panels"), (load_int8_panels, "int8_panels")):
+        lib = load()
+        if lib is None:
+            continue
+        counts = invariant_rows(lib, prefix)
+        if counts is None or rows < counts[0] or (counts[1] is not None and rows > counts[1]):
+            return False
+    return True
 
 
 def prepare_kernels() -> None:

@@ -525,7 +525,8 @@ def program_for(model: Any, attention: object, meta: object) -> DecodeProgram | 
         or not meta.decode.one_per_request
         or meta.decode.prefix is not None
         or in_long_prompt_step()
-        or batch_invariant.on()  # its tiles follow the batch's rows (deterministic mode)
+        # deterministic mode: only where its one call a layer computes each row alone
+        or (batch_invariant.on() and not batch_invariant.whole_calls(meta.num_tokens))
     ):
         return None
     program = model._program

@@ -22,7 +22,7 @@ def free_port() -> int:
 class ServerProcess:
     """``radixserve serve`` in a subprocess; ``url`` is its base URL."""
 
-    def __init__(self, *args: str, startup_timeout: float = 120.0) -> None:
+    def __init__(self, *args: str, startup_timeout: float = 120.0, wait: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"radixserve-test-{self.port}.log"
@@ -32,7 +32,26 @@ class ServerProcess:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + startup_timeout
+        self.startup_timeout = startup_timeout
+        if wait:
+            self.wait_ready()
+
+    @classmethod
+    def start_all(cls, *arg_lists: list[str]) -> list[ServerProcess]:
+        """Several servers started at once (their imports and loads overlap), each ready."""
+        servers = [cls(*args, wait=False) for args in arg_lists]
+        try:
+            for server in servers:
+                server.wait_ready()
+        except BaseException:
+            for server in servers:
+                server.stop()
+            raise
+        return servers
+
+    def wait_ready(self) -> None:
+        """Until ``/health`` answers 200 (``RuntimeError`` when it exits or times out)."""
+        deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.log.read_text()[-3000:]}")

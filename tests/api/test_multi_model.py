@@ -1,5 +1,5 @@
-"""Several models behind one real server: SmolLM2 (Q4_1), Gemma 3 270M (Q4_K_M) and a tiny
-float model, under a ``--memory-budget`` that holds two of them. Requests alternate between
+"""Several models behind one real server: SmolLM2 (Q4_1) and two tiny float models (Llama
+and Qwen3 architectures), under a ``--memory-budget`` that holds two of them. Requests alternate between
 the models from two clients at once: every answer equals that model's answer served alone,
 nothing is lost across the evictions, the engines' memory stays within the budget, a file
 that cannot be loaded fails its own requests only, and a killed engine comes back without
@@ -20,12 +20,12 @@ import pytest
 from radixserve import LLM, SamplingParams
 from tests.api.server_helpers import ServerProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.gemma3_file]
+pytestmark = pytest.mark.slow
 
 KV_GIB = 0.25
 # counted per model (the larger of the engine's resident memory and the estimate before it
-# loads: ~0.70 GiB SmolLM2, ~1.10 Gemma 3, ~0.56 tiny): any two fit, the three do not
-BUDGET_GIB = 1.9
+# loads: ~0.70 GiB SmolLM2, ~0.56 each tiny one): any two fit, the three do not
+BUDGET_GIB = 1.45
 # the engines' resident memory may pass the sum counted by this much (a KV page is made
 # resident when first used, after the model was measured; the server process is apart)
 RSS_MARGIN_GIB = 0.15
@@ -69,10 +69,10 @@ def _complete(url: str, model: str, **extra) -> httpx.Response:
 
 
 @pytest.fixture(scope="module")
-def models_dir(tmp_path_factory, smollm2_path, gemma3_file, tiny_llama) -> Path:
+def models_dir(tmp_path_factory, smollm2_path, tiny_models, tiny_llama) -> Path:
     folder = tmp_path_factory.mktemp("models")
     (folder / "smollm2.gguf").symlink_to(smollm2_path)
-    (folder / "gemma3.gguf").symlink_to(gemma3_file)
+    (folder / "qwen3").symlink_to(tiny_models["qwen3"])
     (folder / "tiny").symlink_to(tiny_llama)
     (folder / "broken.gguf").write_bytes(b"GGUF but not really")
     (folder / "models.toml").write_text('[models.tiny]\naliases = ["tiny-float"]\n')
@@ -108,18 +108,18 @@ def test_three_models_under_a_budget_for_two(models_dir, tiny_llama, smollm2_pat
     watcher.start()
     try:
         status = _status(srv.url)
-        assert {"smollm2", "gemma3", "tiny", "broken"} <= set(status)
+        assert {"smollm2", "qwen3", "tiny", "broken"} <= set(status)
         assert all(card["status"] == "unloaded" for card in status.values())
 
         # the first answer of each model (the one later answers must equal)
-        r = _complete(srv.url, "gemma3")
+        r = _complete(srv.url, "qwen3")
         assert r.status_code == 200, r.text
-        alone["gemma3"] = r.json()["choices"][0]["text"]
-        assert r.json()["model"] == "gemma3"
+        alone["qwen3"] = r.json()["choices"][0]["text"]
+        assert r.json()["model"] == "qwen3"
 
         # two clients, each going round the three models: every pair of models fits, the
         # three do not, so models are unloaded and loaded again under load
-        order = ["smollm2", "tiny", "gemma3", "tiny-float"]
+        order = ["smollm2", "tiny", "qwen3", "tiny-float"]
 
         def client(names: list[str]) -> list[tuple[str, int, str]]:
             out = []

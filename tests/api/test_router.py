@@ -115,10 +115,13 @@ def _complete(url: str, prompt: str, max_tokens: int = 8) -> str:
 @pytest.fixture(scope="module")
 def workers(tiny_llama):
     # the second is a process of its own: the module's last test stops and kills it
-    procs = [
-        InProcessServer("--model", str(tiny_llama), *_WORKER_ARGS),
-        ServerProcess("--model", str(tiny_llama), *_WORKER_ARGS),
-    ]
+    own = ServerProcess("--model", str(tiny_llama), *_WORKER_ARGS, wait=False)  # starts meanwhile
+    try:
+        procs = [InProcessServer("--model", str(tiny_llama), *_WORKER_ARGS), own]
+        own.wait_ready()
+    except BaseException:
+        own.stop()
+        raise
     yield procs
     for p in procs:
         p.stop()

@@ -32,11 +32,15 @@ _PROMPT = "The quick brown fox jumps over the lazy dog. " * 10
 _NEVER = "resp_00000000000000000000000000000000"
 
 
-def _server(tiny_llama, keys_file, *extra: str) -> ServerProcess:
-    return ServerProcess(
+def _args(tiny_llama, keys_file, *extra: str) -> list[str]:
+    return [
         "--model", str(tiny_llama), *_ARGS, "--api-keys-file", str(keys_file),
         "--admin-api-key", "root-key-01", *extra,
-    )  # fmt: skip
+    ]  # fmt: skip
+
+
+def _server(tiny_llama, keys_file, *extra: str) -> ServerProcess:
+    return ServerProcess(*_args(tiny_llama, keys_file, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +57,10 @@ def grpc_port() -> int:
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama, keys_file, grpc_port):
-    procs = [
-        _server(tiny_llama, keys_file, "--grpc-port", str(grpc_port)),
-        _server(tiny_llama, keys_file),
-    ]
+    procs = ServerProcess.start_all(
+        _args(tiny_llama, keys_file, "--grpc-port", str(grpc_port)),
+        _args(tiny_llama, keys_file),
+    )
     yield procs
     for p in procs:
         if p.proc.poll() is None:

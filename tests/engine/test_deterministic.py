@@ -16,6 +16,7 @@ import pytest
 
 from radixserve import LLM, SamplingParams
 from radixserve.engine.config import EngineConfig
+from radixserve.executor.native import load_decode_program
 from tests.conftest import TINY_VOCAB, build_tiny_model
 from tests.engine.test_speculative import build_loopy_model
 
@@ -80,6 +81,10 @@ def test_a_request_answers_the_same_alone_and_in_any_batch(tiny_llama, dtype, qu
     )
     prompts = _prompts(24, seed=len(quantization) + len(dtype), shared=30)
     _alone_equals_batched(llm, prompts, GREEDY)
+    if quantization == "int4" and dtype == "bfloat16" and load_decode_program() is not None:
+        # the one-call decode program ran the batched decode steps (its row counts are ones
+        # the panel GEMMs compute each row alone in) and answered as the layers do
+        assert llm.engine.runner.model._program is not None
     # seeded sampling: a function of (request, seed)
     sampled = [
         SamplingParams(

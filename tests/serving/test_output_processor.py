@@ -38,11 +38,19 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams, front
     return results
 
 
+@pytest.fixture(scope="module")
+def smollm2_engines(smollm2_path):
+    """SmolLM2 twice: detokenizing in the engine, and not (the frontend's side)."""
+    return Engine(_config(smollm2_path), detokenize=True), Engine(
+        _config(smollm2_path), detokenize=False
+    )
+
+
 @pytest.mark.slow  # runs SmolLM2 twice over a long output
 @pytest.mark.parametrize("n", [1, 3])
-def test_frontend_detokenization_equals_engine_detokenization(smollm2_path, n):
+def test_frontend_detokenization_equals_engine_detokenization(smollm2_engines, n):
     texts = ["The capital of France is", "Écris un poème sur la mer:", "1, 2, 3, 4,"]
-    offline = Engine(_config(smollm2_path), detokenize=True)
+    offline, split = smollm2_engines
     prompts = [offline.tokenize(t) for t in texts]
     probe = _run(offline, prompts, SamplingParams(max_tokens=24, temperature=0), False)
     # stop strings that occur mid-output (and one that never does), across token boundaries
@@ -51,7 +59,6 @@ def test_frontend_detokenization_equals_engine_detokenization(smollm2_path, n):
         n=n, max_tokens=24, temperature=0.8, seed=7, stop=stops, ignore_eos=False
     )
     expected = _run(offline, prompts, params, frontend=False)
-    split = Engine(_config(smollm2_path), detokenize=False)
     got = _run(split, prompts, params, frontend=True)
     assert got == expected
     assert any(reason == "stop" for _, _, reason in expected.values())
@@ -60,4 +67,4 @@ def test_frontend_detokenization_equals_engine_detokenization(smollm2_path, n):
 def _config(path):
     from radixserve.engine.config import EngineConfig
 
-    return EngineConfig(model=str(path), dtype="float32", kv_cache_memory_gb=0.05)
+    return EngineConfig(model=str(path), kv_cache_memory_gb=0.05)
