@@ -256,33 +256,6 @@ def _share_gguf_readers() -> None:
     gguf.GGUFReader = shared
 
 
-@pytest.fixture(autouse=True)
-def _exclusive_under_xdist(request, tmp_path_factory):
-    """Under pytest-xdist (``-n 2``: two workers, one test each at a time), a test marked
-    ``exclusive`` (soaks and others whose assertions need the machine's cores: throughput,
-    preemption under load) runs with no other test at once: a readers-writer lock across the
-    workers, on two files in the run's shared temporary folder. Every test takes it shared,
-    an exclusive one whole; an exclusive one waiting holds the gate, so no test starts past
-    it meanwhile (it cannot starve). Without xdist: nothing."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    import fcntl
-
-    shared = tmp_path_factory.getbasetemp().parent  # (each worker's base is a child of it)
-    exclusive = request.node.get_closest_marker("exclusive") is not None
-    with open(shared / "exclusive.gate", "a") as gate, open(shared / "exclusive.lock", "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 # fixtures that load the real SmolLM2 GGUF file (~100 MB): the full run's, not the fast loop's
 _REAL_MODEL_FIXTURES = {"smollm2_path", "smollm2_llm"}
 
