@@ -26,6 +26,16 @@ def _each_row_alone(layer, x: torch.Tensor) -> None:
                 assert torch.equal(got, alone[start : start + m]), (m, start)
 
 
+def _alone_and_right(layer, x: torch.Tensor, rtol: float, atol: float) -> None:
+    """Each row alone (``_each_row_alone``), and the product of x with the layer's
+    dequantized weight (float64 reference)."""
+    _each_row_alone(layer, x)
+    with invariant_step(True):
+        got = layer(x)
+    want = x.double() @ layer.dequantized().double().T
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dense_panels_are_the_product_and_compute_each_row_alone(dtype):
     torch.manual_seed(0)
@@ -57,13 +67,9 @@ def test_int4_panels_compute_each_row_alone():
     w = torch.randn(48, 128)
     layer = Int4Linear.from_float(w, group_size=32)
     assert layer.panels is not None
-    x = torch.randn(70, 128).to(torch.bfloat16)
-    _each_row_alone(layer, x)
-    with invariant_step(True):
-        got = layer(x)
+    _alone_and_right(layer, torch.randn(70, 128).to(torch.bfloat16), 2e-2, 5e-2)
     lo, hi = invariant_rows(load_int4_panels(), "int4_panels")
     assert lo >= 1 and (hi is None or hi >= lo)
-    torch.testing.assert_close(got.float(), layer.fallback(x).float(), rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.skipif(load_int8_panels() is None, reason="native int8 panels not built")
@@ -74,23 +80,13 @@ def test_int8_panels_compute_each_row_alone(zero):
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scale = torch.rand(n, k // g) * 0.01
     layer = Int8GroupLinear(q, scale, torch.randn(n, k // g) * 0.01 if zero else None, g)
-    x = torch.randn(70, k).to(torch.bfloat16)
-    _each_row_alone(layer, x)
-    with invariant_step(True):
-        got = layer(x)
-    want = x.double() @ layer.dequantized().double().T
-    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=5e-2)
+    _alone_and_right(layer, torch.randn(70, k).to(torch.bfloat16), 2e-2, 5e-2)
 
 
 def test_per_channel_int8_multiplies_its_exact_dequantized_weight():
     torch.manual_seed(4)
     layer = Int8Linear.from_float(torch.randn(33, 64))
-    x = torch.randn(20, 64).to(torch.bfloat16)
-    _each_row_alone(layer, x)
-    with invariant_step(True):
-        got = layer(x)
-    want = x.double() @ layer.dequantized().double().T
-    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=2e-2)
+    _alone_and_right(layer, torch.randn(20, 64).to(torch.bfloat16), 1e-2, 2e-2)
 
 
 def test_row_counts_pad_and_split():
