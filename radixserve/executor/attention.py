@@ -284,8 +284,9 @@ class TorchNativeAttention:
 
     @staticmethod
     def _row_group(batch: ForwardBatch) -> _DecodeGroup:
-        """Every token of the step as a decode query of its own (deterministic mode): token j
-        of request i attends request i's keys up to its position, through its pages."""
+        """Every token of the step as a decode query of its own (deterministic mode, an int8
+        cache): token j of request i attends request i's keys up to its position, through
+        its pages (the page table repeated per token: [tokens, pages] int32)."""
         q_lens = batch.q_lens.astype(np.int64, copy=False)
         seq_lens = batch.seq_lens.astype(np.int64, copy=False)
         # each token's position + 1: its request's keys before its chunk, then its own
