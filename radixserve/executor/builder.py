@@ -128,7 +128,7 @@ def build_runner(
             cuda_graph_max_bs,
             tp,
         )
-    kv_cache = cpu_kv_cache(model, num_pages, page_size, kv_cache_dtype)
+    kv_cache = KVCache.for_model(model, num_pages, page_size, kv_cache_dtype=kv_cache_dtype)
     if tp is not None:
         from radixserve.executor.tp_runner import TPModelRunner
 
@@ -156,22 +156,5 @@ def build_worker_runner(
         from radixserve.executor.cuda.build import build_worker_runner as cuda_worker
 
         return cuda_worker(model, num_pages, page_size, device)
-    kv_cache = cpu_kv_cache(model, num_pages, page_size, kv_cache_dtype)
+    kv_cache = KVCache.for_model(model, num_pages, page_size, kv_cache_dtype=kv_cache_dtype)
     return ModelRunner(model, kv_cache, None, None)
-
-
-def cpu_kv_cache(
-    model: CausalLM, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
-) -> KVCache:
-    """The KV cache of this rank's kv heads, on the CPU (``kv_cache_dtype``: ``auto``, the
-    model's dtype, or ``int8``)."""
-    c = model.config
-    return KVCache(
-        c.num_hidden_layers,
-        num_pages,
-        page_size,
-        c.num_key_value_heads,
-        c.head_dim,
-        model.dtype,
-        kv_cache_dtype=kv_cache_dtype,
-    )

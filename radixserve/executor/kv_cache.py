@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,6 +84,28 @@ class KVCache:
     for batched matmuls. Invariant: the tensors are allocated once and never reallocated; slot ``s`` is token
     ``s % page_size`` of page ``s // page_size``.
     """
+
+    @classmethod
+    def for_model(
+        cls,
+        model: Any,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str = "cpu",
+        kv_cache_dtype: str = "auto",
+    ) -> KVCache:
+        """The cache of ``model``'s layers and this rank's kv heads, in its dtype (or int8)."""
+        c = model.config
+        return cls(
+            c.num_hidden_layers,
+            num_pages,
+            page_size,
+            c.num_key_value_heads,
+            c.head_dim,
+            model.dtype,
+            device=device,
+            kv_cache_dtype=kv_cache_dtype,
+        )
 
     def __init__(
         self,

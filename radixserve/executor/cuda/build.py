@@ -25,21 +25,6 @@ def place_model(model: CausalLM, device: torch.device) -> None:
     model.to_device(device)
 
 
-def cuda_kv_cache(model: CausalLM, num_pages: int, page_size: int, device: torch.device) -> KVCache:
-    """The KV cache of this rank's kv heads on ``device`` (``num_pages`` includes the
-    scratch page)."""
-    c = model.config
-    return KVCache(
-        c.num_hidden_layers,
-        num_pages,
-        page_size,
-        c.num_key_value_heads,
-        c.head_dim,
-        model.dtype,
-        device=device,
-    )
-
-
 def build_cuda_runner(
     model: CausalLM,
     num_pages: int,
@@ -67,7 +52,7 @@ def build_cuda_runner(
     # Its effect on the idle fraction is for the GPU check to measure.
     if device.type == "cuda":
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
-    kv_cache = cuda_kv_cache(model, num_pages + 1, page_size, device)
+    kv_cache = KVCache.for_model(model, num_pages + 1, page_size, device)  # + the scratch page
     sampler = DeviceSampler(vocab_size, eos_token_ids)
     if tp is not None:
         from radixserve.executor.cuda.tp_runner import CudaTPModelRunner
@@ -101,5 +86,5 @@ def build_worker_runner(
     """A tensor-parallel worker's CUDA runner: rank 0's KV size (``num_pages`` includes
     the scratch page), no sampler, no graphs; it only follows steps."""
     place_model(model, device)
-    kv_cache = cuda_kv_cache(model, num_pages, page_size, device)
+    kv_cache = KVCache.for_model(model, num_pages, page_size, device)
     return CudaModelRunner(model, kv_cache, None, None, device, scratch_page=num_pages - 1)
