@@ -433,7 +433,7 @@ def _build_tiers(
 ) -> tuple[TierTransfer, str]:
     """The host tier (and the disk tier under it) below the radix cache; its start-up line."""
     kv = runner.kv_cache
-    page_bytes = 2 * kv.k[:, 0].numel() * kv.k.element_size()
+    page_bytes = kv.page_bytes
     slots = int(config.kv_host_gb * 2**30) // page_bytes
     if slots < 1:
         raise ValueError(f"kv_host_gb {config.kv_host_gb} holds no KV page of {page_bytes} B")
@@ -450,7 +450,7 @@ def _build_tiers(
             heads,
             head_dim,
             extra=f"{source.kind}:{config.quantization}:{config.quantization_group_size}"
-            f":{config.load_format}",
+            f":{config.load_format}" + (":kv=int8" if kv.quantized else ""),
         )
         disk = DiskKVStore(
             Path(config.kv_cache_dir), identity, int(config.kv_disk_gb * 2**30), page_bytes

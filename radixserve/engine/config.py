@@ -569,8 +569,6 @@ class EngineConfig:
             raise ValueError("KV tiers need the serial loop (enable_overlap off)")
         if self.speculative_mode in ("draft", "auto") and self.spec_draft_model is not None:
             raise ValueError("KV tiers do not move a draft model's KV: no draft speculation")
-        if self.kv_cache_dtype == "int8":
-            raise ValueError("KV tiers do not move an int8 KV cache's scales (yet)")
 
     def _size_tiers(self, folder: str) -> None:
         """A folder given without sizes turns the tiers on at sizes chosen from what is

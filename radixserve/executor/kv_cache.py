@@ -254,10 +254,21 @@ class KVCache:
                 return None
         return self._kv_write
 
+    def page_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding part of a page, each [layers, pages, ...]: the keys, the
+        values, and an int8 cache's key and value scales. Moving a page moves its slice of
+        each (copy-on-write, the KV tiers)."""
+        scales = (
+            [] if self.k_scale is None or self.v_scale is None else [self.k_scale, self.v_scale]
+        )
+        return [self.k, self.v, *scales]
+
+    @property
+    def page_bytes(self) -> int:
+        """The bytes of one page across every layer and every ``page_tensors`` tensor."""
+        return sum(t[:, 0].numel() * t.element_size() for t in self.page_tensors())
+
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole pages ``src`` → ``dst`` in every layer (copy-on-write of shared pages)."""
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
-        if self.k_scale is not None and self.v_scale is not None:
-            self.k_scale[:, dst] = self.k_scale[:, src]
-            self.v_scale[:, dst] = self.v_scale[:, src]
+        for t in self.page_tensors():
+            t[:, dst] = t[:, src]

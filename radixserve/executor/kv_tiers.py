@@ -68,27 +68,29 @@ def model_identity(
 
 
 class HostKVStore:
-    """Keys and values of every layer for ``num_slots`` pages, like ``KVCache`` (same dtype
-    and page layout). Invariant: allocated once; slot ids come from the radix cache's
+    """Every page tensor of a ``KVCache`` (keys, values, an int8 cache's scales) for
+    ``num_slots`` pages, in the same dtypes and page layout. Invariant: allocated once;
+    ``tensors[i]`` mirrors ``kv.page_tensors()[i]``; slot ids come from the radix cache's
     ``TierSlots`` (this class only holds the bytes). ``pin``: page-locked memory, for
     asynchronous copies to and from a GPU."""
 
     def __init__(self, kv: KVCache, num_slots: int, pin: bool = False) -> None:
-        shape = (kv.k.shape[0], num_slots, *kv.k.shape[2:])
-        if pin:
-            self.k = torch.zeros(shape, dtype=kv.k.dtype, pin_memory=True)
-            self.v = torch.zeros(shape, dtype=kv.k.dtype, pin_memory=True)
-        else:  # untouched pages cost nothing until a page is demoted into them
-            self.k = zeroed(shape, kv.k.dtype, "cpu")
-            self.v = zeroed(shape, kv.k.dtype, "cpu")
+        self.tensors: list[torch.Tensor] = []
+        for t in kv.page_tensors():
+            shape = (t.shape[0], num_slots, *t.shape[2:])
+            if pin:
+                self.tensors.append(torch.zeros(shape, dtype=t.dtype, pin_memory=True))
+            else:  # untouched pages cost nothing until a page is demoted into them
+                self.tensors.append(zeroed(shape, t.dtype, "cpu"))
         self.num_slots = num_slots
-        self.page_bytes = 2 * self.k[:, 0].numel() * self.k.element_size()
+        self.page_bytes = kv.page_bytes
 
 
 class DiskKVStore:
     """Page records in ``folder/<identity digest>/<key hex>.kv``: a 4 KiB header (magic,
     version, model identity digest, record key, payload size, CRC32 of the payload), then
-    the page's keys and values for every layer in the model dtype.
+    the page's slice of each ``KVCache.page_tensors`` tensor in turn (keys, values, an int8
+    cache's scales), every layer, in the cache's dtypes.
 
     Invariants: ``_index`` (key → bytes, least recently used first) lists the records
     written or being written, and ``used_bytes`` is their sum, at most ``limit_bytes``
@@ -392,10 +394,6 @@ class TierTransfer:
         self.disk = disk
         self.page_bytes = host.page_bytes
         self.stats = TransferStats()
-        self._page_shape = kv.k.shape[2:]
-        layers = kv.k.shape[0]
-        self._half = self.page_bytes // 2
-        self._layers = layers
 
     @property
     def has_disk(self) -> bool:
@@ -403,29 +401,33 @@ class TierTransfer:
 
     def save(self, pool_pages: np.ndarray, slots: np.ndarray) -> None:
         t0 = time.perf_counter()
-        copy_pages(self.host.k, slots, self.kv.k, pool_pages)
-        copy_pages(self.host.v, slots, self.kv.v, pool_pages)
+        for host, pool in zip(self.host.tensors, self.kv.page_tensors(), strict=True):
+            copy_pages(host, slots, pool, pool_pages)
         self.stats.host_bytes_in += slots.size * self.page_bytes
         self.stats.host_seconds += time.perf_counter() - t0
 
     def load(self, slots: np.ndarray, pool_pages: np.ndarray) -> None:
         t0 = time.perf_counter()
-        copy_pages(self.kv.k, pool_pages, self.host.k, slots)
-        copy_pages(self.kv.v, pool_pages, self.host.v, slots)
+        for host, pool in zip(self.host.tensors, self.kv.page_tensors(), strict=True):
+            copy_pages(pool, pool_pages, host, slots)
         self.stats.host_bytes_out += slots.size * self.page_bytes
         self.stats.host_seconds += time.perf_counter() - t0
 
     def copy(self, src: int, dst: int) -> None:
         self.kv.copy_pages(torch.tensor([src]), torch.tensor([dst]))
 
-    def _pages_bytes(self, store: KVCache | HostKVStore, ids: list[int]) -> np.ndarray:
-        """Pages ``ids`` of ``store`` as rows of raw bytes (each: its keys then values,
-        [layers, heads, page, dim] each), gathered in one copy per tensor."""
-        idx = torch.tensor(ids, dtype=torch.int64, device=store.k.device)
-        both = torch.stack(
-            [store.k[:, idx].transpose(0, 1), store.v[:, idx].transpose(0, 1)], dim=1
-        ).cpu()  # [n, 2, layers, heads, page, dim], contiguous
-        return both.view(torch.uint8).numpy().reshape(len(ids), self.page_bytes)
+    def _pages_bytes(self, tensors: list[torch.Tensor], ids: list[int]) -> np.ndarray:
+        """Pages ``ids`` of ``tensors`` (a cache's or the host store's page tensors) as rows
+        of raw bytes: each row the page's slice of every tensor in turn (``DiskKVStore``'s
+        payload), gathered in one copy per tensor."""
+        idx = torch.tensor(ids, dtype=torch.int64, device=tensors[0].device)
+        parts = [
+            t[:, idx].transpose(0, 1).contiguous().cpu().view(torch.uint8).reshape(len(ids), -1)
+            for t in tensors
+        ]
+        rows = torch.cat(parts, dim=1).numpy()
+        assert rows.shape[1] == self.page_bytes
+        return rows
 
     def spill(self, slots: np.ndarray, keys: list[bytes], from_pool: bool = False) -> None:
         disk = self.disk
@@ -435,7 +437,8 @@ class TierTransfer:
         todo = [(slot, key) for slot, key in todo if not disk.touch(key)]
         if not todo:
             return
-        rows = self._pages_bytes(self.kv if from_pool else self.host, [s for s, _ in todo])
+        tensors = self.kv.page_tensors() if from_pool else self.host.tensors
+        rows = self._pages_bytes(tensors, [s for s, _ in todo])
         for row, (_, key) in zip(rows, todo, strict=True):
             disk.put(key, row.tobytes(), block=from_pool)
         self.stats.disk_bytes_in += len(todo) * self.page_bytes
@@ -454,12 +457,15 @@ class TierTransfer:
         while loaded < n and disk.read_into(keys[loaded], buf[loaded]):
             loaded += 1
         if loaded:
-            dtype = self.kv.k.dtype
-            data = torch.from_numpy(buf[:loaded]).view(dtype)
-            data = data.reshape(loaded, 2, self._layers, *self._page_shape)
-            rows = np.arange(loaded)
-            copy_pages(self.kv.k, pool_pages[:loaded], data[:, 0].transpose(0, 1), rows)
-            copy_pages(self.kv.v, pool_pages[:loaded], data[:, 1].transpose(0, 1), rows)
+            rows, start = np.arange(loaded), 0
+            for t in self.kv.page_tensors():
+                width = t[:, 0].numel() * t.element_size()
+                part = np.ascontiguousarray(buf[:loaded, start : start + width])
+                data = (
+                    torch.from_numpy(part).view(t.dtype).reshape(loaded, t.shape[0], *t.shape[2:])
+                )
+                copy_pages(t, pool_pages[:loaded], data.transpose(0, 1), rows)
+                start += width
         self.stats.disk_bytes_out += loaded * self.page_bytes
         self.stats.disk_seconds += time.perf_counter() - t0
         return loaded

@@ -50,14 +50,22 @@ def _chat(llm: LLM, starts, adds, max_tokens: int = 6) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("page_size", [pytest.param(4, marks=pytest.mark.slow), 16])
-def test_multi_turn_same_tokens_tiers_on_and_off(tiny_llama, page_size):
+@pytest.mark.parametrize(
+    ("page_size", "kv_cache_dtype"),
+    [pytest.param(4, "auto", marks=pytest.mark.slow), (16, "auto"), (16, "int8")],
+)
+def test_multi_turn_same_tokens_tiers_on_and_off(tiny_llama, page_size, kv_cache_dtype):
     """Conversations about 3x the pool: without tiers every turn recomputes; with a host tier
-    the history comes back from it (the pool demotes and promotes many times)."""
+    the history comes back from it (the pool demotes and promotes many times). An int8
+    cache's pages come back with their scales."""
     starts, adds = _conversations(page_size, sessions=4, first=45, turn=13, turns=3)
-    pool = 160
-    expected = _chat(_llm(tiny_llama, pool, page_size, disable_radix_cache=True), starts, adds)
-    llm = _llm(tiny_llama, pool, page_size, kv_host_gb=_gb(2000))
+    # 160 tokens; an int8 token: 2 layers x K,V x 2 kv heads x (16 codes + a float32 scale)
+    pool = 160 if kv_cache_dtype == "auto" else 160 * 160 // TOKEN_BYTES
+    kw = {"kv_cache_dtype": kv_cache_dtype}
+    expected = _chat(
+        _llm(tiny_llama, pool, page_size, disable_radix_cache=True, **kw), starts, adds
+    )
+    llm = _llm(tiny_llama, pool, page_size, kv_host_gb=_gb(2000), **kw)
     assert _chat(llm, starts, adds) == expected
     tiers = llm.engine.prefix_cache.tiers
     assert tiers.demoted_pages > 20 and tiers.promoted_pages > 20
