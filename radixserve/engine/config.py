@@ -377,12 +377,6 @@ class EngineConfig:
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                 f"got {self.kv_cache_dtype!r}"
             )
-        int8_kv = self.kv_cache_dtype == "int8" and not self.simulated_device
-        if int8_kv and self.resolved_runner != "cpu":
-            raise ValueError(
-                "kv_cache_dtype int8 runs on the CPU runner only: the CUDA attention "
-                "kernels do not read int8 pages yet"
-            )
         if self.deterministic and not self.simulated_device:
             refusal = self._deterministic_refusal()
             if refusal:

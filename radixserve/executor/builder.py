@@ -127,6 +127,7 @@ def build_runner(
             device,
             cuda_graph_max_bs,
             tp,
+            kv_cache_dtype,
         )
     kv_cache = KVCache.for_model(model, num_pages, page_size, kv_cache_dtype=kv_cache_dtype)
     if tp is not None:
@@ -155,6 +156,6 @@ def build_worker_runner(
     if runner == "cuda":
         from radixserve.executor.cuda.build import build_worker_runner as cuda_worker
 
-        return cuda_worker(model, num_pages, page_size, device)
+        return cuda_worker(model, num_pages, page_size, device, kv_cache_dtype)
     kv_cache = KVCache.for_model(model, num_pages, page_size, kv_cache_dtype=kv_cache_dtype)
     return ModelRunner(model, kv_cache, None, None)

@@ -95,8 +95,13 @@ class TritonAttention:
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: TritonMetadata
     ) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache.k[layer], self.kv_cache.v[layer]
-        kernels.store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        cache = self.kv_cache
+        k_cache, v_cache = cache.k[layer], cache.v[layer]
+        # an int8 cache: codes in k/v, each token-head's scale beside them
+        scales = {}
+        if cache.k_scale is not None and cache.v_scale is not None:
+            scales = {"k_scale": cache.k_scale[layer], "v_scale": cache.v_scale[layer]}
+        kernels.store_kv(k_cache, v_cache, k, v, meta.slot_mapping, **scales)
         out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
         spec = self.default_spec if self.specs is None else self.specs[layer]
         if meta.is_decode:
@@ -112,6 +117,7 @@ class TritonAttention:
                 block_n=_BLOCK_N,
                 window=spec.sliding_window,
                 softcap=spec.softcap,
+                **scales,
             )
         else:
             kernels.extend_attention(
@@ -126,5 +132,6 @@ class TritonAttention:
                 out=out,
                 window=spec.sliding_window,
                 softcap=spec.softcap,
+                **scales,
             )
         return out.view(meta.num_tokens, -1)

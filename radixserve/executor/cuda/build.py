@@ -35,6 +35,7 @@ def build_cuda_runner(
     device: torch.device,
     cuda_graph_max_bs: int | None,
     tp: TensorParallelGroup | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[CudaModelRunner, DeviceSampler]:
     """The runner over a KV cache of ``num_pages`` pages plus one scratch page (written by
     the padding rows of CUDA graphs; the page pool never hands it out). With ``tp`` (rank 0
@@ -52,7 +53,8 @@ def build_cuda_runner(
     # Its effect on the idle fraction is for the GPU check to measure.
     if device.type == "cuda":
         sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
-    kv_cache = KVCache.for_model(model, num_pages + 1, page_size, device)  # + the scratch page
+    # + the scratch page; an int8 cache's scales are written and read by the Triton kernels
+    kv_cache = KVCache.for_model(model, num_pages + 1, page_size, device, kv_cache_dtype)
     sampler = DeviceSampler(vocab_size, eos_token_ids)
     if tp is not None:
         from radixserve.executor.cuda.tp_runner import CudaTPModelRunner
@@ -81,10 +83,14 @@ def build_cuda_runner(
 
 
 def build_worker_runner(
-    model: CausalLM, num_pages: int, page_size: int, device: torch.device
+    model: CausalLM,
+    num_pages: int,
+    page_size: int,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> CudaModelRunner:
     """A tensor-parallel worker's CUDA runner: rank 0's KV size (``num_pages`` includes
     the scratch page), no sampler, no graphs; it only follows steps."""
     place_model(model, device)
-    kv_cache = KVCache.for_model(model, num_pages, page_size, device)
+    kv_cache = KVCache.for_model(model, num_pages, page_size, device, kv_cache_dtype)
     return CudaModelRunner(model, kv_cache, None, None, device, scratch_page=num_pages - 1)

@@ -43,11 +43,33 @@ def _precision(dtype: torch.dtype) -> str:
 
 # -- KV store ----------------------------------------------------------------------------------
 @triton.jit
+def _round_half_even(x):
+    """x rounded to the nearest integer, ties to even, for |x| < 2**22 (as ``torch.round``):
+    adding and taking away 1.5 * 2**23 leaves float32 no bits below the units."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _quantize_rows(x, inv127):
+    """Rows of x [BLOCK_H, BLOCK_D] as int8 codes and a float32 scale each, as
+    ``kv_cache.quantize_int8``: scale = max|x| * (1/127), codes = round(x / scale)."""
+    xf = x.to(tl.float32)
+    scale = tl.max(tl.abs(xf), 1) * inv127
+    safe = tl.where(scale > 0, scale, 1.0)  # an all-zero row: scale 0, codes 0
+    inv = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), safe), 0.0)
+    codes = _round_half_even(xf * inv[:, None])
+    codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
+    return codes.to(tl.int8), scale
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     slot_ptr,
     stride_kt,
     stride_kh,
@@ -56,11 +78,15 @@ def _store_kv_kernel(
     stride_cp,
     stride_ch,
     stride_cs,
+    stride_sp,
+    stride_sh,
+    inv127,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -70,10 +96,34 @@ def _store_kv_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
     dst = page * stride_cp + offset * stride_cs + h[:, None] * stride_ch + d[None, :]
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    if QUANT:  # int8 codes, and each head's scale at [page, head, offset]
+        k_codes, k_scale = _quantize_rows(k, inv127)
+        v_codes, v_scale = _quantize_rows(v, inv127)
+        tl.store(k_cache_ptr + dst, k_codes, mask=mask)
+        tl.store(v_cache_ptr + dst, v_codes, mask=mask)
+        at = page * stride_sp + h * stride_sh + offset
+        tl.store(k_scale_ptr + at, k_scale, mask=h < NUM_KV_HEADS)
+        tl.store(v_scale_ptr + at, v_scale, mask=h < NUM_KV_HEADS)
+    else:
+        tl.store(k_cache_ptr + dst, k, mask=mask)
+        tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def _scale_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
+    """The kernels' scale arguments: an int8 cache's ``[pages, kv_heads, page_size]`` key
+    and value scales (token stride 1) and their page and head strides, or stand-ins
+    (``QUANT`` off) for a cache of the model's dtype."""
+    if k_scale is None or v_scale is None:
+        if k_cache.dtype == torch.int8:
+            raise ValueError("an int8 KV cache needs its k_scale and v_scale")
+        return k_cache, k_cache, 0, 0, False
+    assert k_cache.dtype == torch.int8 and k_scale.stride() == v_scale.stride()
+    assert k_scale.stride(2) == 1 and k_scale.dtype == v_scale.dtype == torch.float32
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1), True
 
 
 def store_kv(
@@ -82,18 +132,25 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """``k``/``v`` [T, kv_heads, d] (last dim contiguous) into one layer's caches
-    [pages, kv_heads, page_size, d] at flat slots ``slot_mapping`` [T]."""
+    [pages, kv_heads, page_size, d] at flat slots ``slot_mapping`` [T]. An int8 cache
+    (``k_scale``/``v_scale`` [pages, kv_heads, page_size]) gets each token-head's codes and
+    scale, the same numbers as ``kv_cache.quantize_int8``."""
     num_tokens, kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
+    ks, vs, stride_sp, stride_sh, quant = _scale_args(k_cache, k_scale, v_scale)
     _store_kv_kernel[(num_tokens,)](
         k,
         v,
         k_cache,
         v_cache,
+        ks,
+        vs,
         slot_mapping,
         k.stride(0),
         k.stride(1),
@@ -102,11 +159,15 @@ def store_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        stride_sp,
+        stride_sh,
+        1.0 / 127.0,
         NUM_KV_HEADS=kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=_pow2(kv_heads),
         BLOCK_D=_pow2(head_dim),
         PAGE_SIZE=k_cache.shape[2],
+        QUANT=quant,
     )
 
 
@@ -118,10 +179,41 @@ def _softcap(x, cap):
 
 
 @triton.jit
+def _int8_key_scores(
+    q, k_t, k_scale_ptr, v_scale_ptr, page, kv_head, n, n_mask,
+    stride_sp, stride_sh, PAGE_SIZE: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    """q . k for a tile of keys k_t [BLOCK_D, BLOCK_N], and (int8 cache) the tile's value
+    scales [BLOCK_N]: the codes are exact in q's dtype, each key's score is scaled by its
+    scale after the dot, and each value's scale goes into its softmax weight
+    (``_weighted_values``)."""
+    if QUANT:
+        at = page.to(tl.int64) * stride_sp + kv_head * stride_sh + n % PAGE_SIZE
+        k_s = tl.load(k_scale_ptr + at, mask=n_mask, other=0.0)
+        v_s = tl.load(v_scale_ptr + at, mask=n_mask, other=0.0)
+        scores = tl.dot(q, k_t.to(q.dtype), input_precision=PRECISION) * k_s[None, :]
+    else:
+        v_s = tl.zeros(n.shape, dtype=tl.float32)
+        scores = tl.dot(q, k_t, input_precision=PRECISION)
+    return scores, v_s
+
+
+@triton.jit
+def _weighted_values(p, v, v_s, q, PRECISION: tl.constexpr, QUANT: tl.constexpr):
+    """p [rows, BLOCK_N] times the tile's values v [BLOCK_N, BLOCK_D]; an int8 cache's
+    value scales multiply the weights, and its codes go in as q's dtype."""
+    if QUANT:
+        return tl.dot((p * v_s[None, :]).to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     page_table_ptr,
     seq_lens_ptr,
     part_out_ptr,
@@ -137,6 +229,8 @@ def _decode_partial_kernel(
     stride_os,
     stride_lb,
     stride_lh,
+    stride_sp,
+    stride_sh,
     scale,
     num_splits,
     window,
@@ -149,6 +243,7 @@ def _decode_partial_kernel(
     PAGE_SIZE: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -180,7 +275,11 @@ def _decode_partial_kernel(
         base = page.to(tl.int64) * stride_cp + kv_head * stride_ch + (n % PAGE_SIZE) * stride_cs
         kv_mask = n_mask[None, :] & d_mask[:, None]
         k_t = tl.load(k_cache_ptr + base[None, :] + d[:, None], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, k_t, input_precision=PRECISION) * scale  # [BLOCK_H, BLOCK_N]
+        scores, v_s = _int8_key_scores(
+            q, k_t, k_scale_ptr, v_scale_ptr, page, kv_head, n, n_mask,
+            stride_sp, stride_sh, PAGE_SIZE, PRECISION, QUANT,
+        )  # fmt: skip
+        scores = scores * scale  # [BLOCK_H, BLOCK_N]
         if HAS_SOFTCAP:
             scores = _softcap(scores, softcap)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
@@ -193,7 +292,7 @@ def _decode_partial_kernel(
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + _weighted_values(p, v, v_s, q, PRECISION, QUANT)
         m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -266,10 +365,13 @@ def paged_decode(
     block_n: int = 64,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per request: q [B, heads, d] (last dim contiguous) against
     request b's first ``seq_lens[b]`` cached positions (its last ``window`` of them when
-    set; scores soft-capped at ``softcap`` when set), on pages ``page_tables[b]``.
+    set; scores soft-capped at ``softcap`` when set), on pages ``page_tables[b]``; an int8
+    cache with its ``k_scale``/``v_scale`` [pages, kv_heads, page_size].
     Returns ``out`` [B, heads, d]. The grid depends only on B, the head counts and
     ``num_splits`` (not on the lengths), so a CUDA graph can replay it."""
     batch, heads, head_dim = q.shape
@@ -283,10 +385,13 @@ def paged_decode(
     part_out = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = _pow2(head_dim, 16)
+    ks, vs, stride_sp, stride_sh, quant = _scale_args(k_cache, k_scale, v_scale)
     _decode_partial_kernel[(batch, kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
+        ks,
+        vs,
         page_tables,
         seq_lens,
         part_out,
@@ -302,6 +407,8 @@ def paged_decode(
         part_out.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
+        stride_sp,
+        stride_sh,
         scale,
         num_splits,
         window or 0,
@@ -314,6 +421,7 @@ def paged_decode(
         PAGE_SIZE=k_cache.shape[2],
         PRECISION=_precision(q.dtype),
         HAS_SOFTCAP=softcap is not None,
+        QUANT=quant,
     )
     _decode_merge_kernel[(batch, heads)](
         part_out,
@@ -340,6 +448,8 @@ def _extend_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     page_table_ptr,
     query_start_ptr,
     seq_lens_ptr,
@@ -352,6 +462,8 @@ def _extend_kernel(
     stride_pt,
     stride_yt,
     stride_yh,
+    stride_sp,
+    stride_sh,
     scale,
     window,
     softcap,
@@ -363,6 +475,7 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -402,7 +515,11 @@ def _extend_kernel(
             mask=n_mask[None, :] & d_mask[:, None],
             other=0.0,
         )
-        scores = tl.dot(q, k_t, input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        scores, v_s = _int8_key_scores(
+            q, k_t, k_scale_ptr, v_scale_ptr, page, kv_head, n, n_mask,
+            stride_sp, stride_sh, PAGE_SIZE, PRECISION, QUANT,
+        )  # fmt: skip
+        scores = scores * scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             scores = _softcap(scores, softcap)
         allowed = n_mask[None, :] & (n[None, :] <= pos[:, None])
@@ -420,7 +537,7 @@ def _extend_kernel(
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + _weighted_values(p, v, v_s, q, PRECISION, QUANT)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -444,12 +561,15 @@ def extend_attention(
     block_n: int = 64,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's tokens q [T, heads, d]: request b's tokens
     ``query_start_loc[b] : query_start_loc[b+1]`` are its last positions of
     ``seq_lens[b]``, and each sees every cached position up to its own (the step's K/V must
     already be stored), only the last ``window`` of them when set; scores soft-capped at
-    ``softcap`` when set. ``max_q_len``: the longest query span (sizes the grid)."""
+    ``softcap`` when set. ``max_q_len``: the longest query span (sizes the grid). An int8
+    cache comes with its ``k_scale``/``v_scale`` [pages, kv_heads, page_size]."""
     num_tokens, heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     kv_heads = k_cache.shape[1]
@@ -459,10 +579,13 @@ def extend_attention(
         return out
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and page_tables.stride(1) == 1
     block_m = min(block_m, _pow2(max_q_len, 16))
+    ks, vs, stride_sp, stride_sh, quant = _scale_args(k_cache, k_scale, v_scale)
     _extend_kernel[(batch, heads, triton.cdiv(max_q_len, block_m))](
         q,
         k_cache,
         v_cache,
+        ks,
+        vs,
         page_tables,
         query_start_loc,
         seq_lens,
@@ -475,6 +598,8 @@ def extend_attention(
         page_tables.stride(0),
         out.stride(0),
         out.stride(1),
+        stride_sp,
+        stride_sh,
         scale,
         window or 0,
         softcap or 0.0,
@@ -486,6 +611,7 @@ def extend_attention(
         PAGE_SIZE=k_cache.shape[2],
         PRECISION=_precision(q.dtype),
         HAS_SOFTCAP=softcap is not None,
+        QUANT=quant,
     )
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixserve.executor.kv_cache import quantize_int8
 from radixserve.executor.layer_ops import LayerOps
 from radixserve.executor.rotary import RotaryEmbedding, apply_rotary
 
@@ -210,6 +211,91 @@ def test_store_kv(page_size, dtype):
     ref_k[slots // page_size, :, slots % page_size] = k
     ref_v[slots // page_size, :, slots % page_size] = v
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+# -- int8 KV cache ----------------------------------------------------------------------------
+def _int8_pages(cache: torch.Tensor):
+    """A cache's int8 codes and scales (``quantize_int8``, as the CPU writer) and the float64
+    pages they stand for."""
+    codes, scales = quantize_int8(cache)
+    return codes, scales, codes.double() * scales.double()[..., None]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_store_kv_int8_equals_the_cpu_quantizer(page_size, dtype):
+    """Codes and scales bitwise equal to ``quantize_int8`` (ties round to even), a zero row
+    included; other slots untouched."""
+    dev = _dev(dtype)
+    pages, kv_heads, d, tokens = 16, 2, 64, 11
+    g = torch.Generator().manual_seed(page_size)
+    qkv = torch.randn(tokens, 3 * kv_heads * d, generator=g)
+    qkv[3] = 0.0  # an all-zero row: scale 0, codes 0
+    qkv[4, kv_heads * d : kv_heads * d + 2] = torch.tensor([127.0, 0.5])  # an exact tie
+    qkv = qkv.to(dev, dtype)
+    k = qkv[:, kv_heads * d : 2 * kv_heads * d].view(tokens, kv_heads, d)
+    v = qkv[:, 2 * kv_heads * d :].view(tokens, kv_heads, d)
+    caches = [torch.full((pages, kv_heads, page_size, d), 5, dtype=torch.int8, device=dev)]
+    caches.append(caches[0].clone())
+    scales = [torch.full((pages, kv_heads, page_size), 7.0, device=dev) for _ in range(2)]
+    slots = torch.randperm(pages * page_size, generator=g)[:tokens].to(dev)
+    kernels.store_kv(*caches, k, v, slots, k_scale=scales[0], v_scale=scales[1])
+    page, offset = slots // page_size, slots % page_size
+    for x, cache, scale in ((k, caches[0], scales[0]), (v, caches[1], scales[1])):
+        codes, expected = quantize_int8(x)
+        assert torch.equal(cache[page, :, offset], codes)
+        assert torch.equal(scale[page, :, offset], expected)
+        untouched = torch.ones(pages * page_size, dtype=torch.bool, device=dev)
+        untouched[slots] = False
+        flat = cache.transpose(1, 2).reshape(pages * page_size, kv_heads, d)
+        assert bool((flat[untouched] == 5).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("params", [pytest.param((None, None, 1.0), id="plain"), *SPECS[::3]])
+def test_paged_decode_int8(params, dtype):
+    """Over int8 pages: the float64 reference over the pages the codes stand for."""
+    window, softcap, factor = params
+    kv_heads, group, head_dim, page_size = 2, 4, 64, 16
+    seq_lens = [1, 17, 40, 90]
+    k, v, tables, lens, g = _paged(seq_lens, kv_heads, head_dim, page_size, dtype, seed=11)
+    (kc, ks, kd), (vc, vs, vd) = _int8_pages(k), _int8_pages(v)
+    q = torch.randn(len(seq_lens), kv_heads * group, head_dim, generator=g).to(k.device, dtype)
+    scale = head_dim**-0.5 * factor
+    ref = _spec_reference(q, kd, vd, tables, lens, [1] * len(seq_lens), scale, window, softcap)
+    for splits in (1, 3):
+        out = kernels.paged_decode(
+            q, kc, vc, tables, lens, scale, num_splits=splits, block_n=16,
+            window=window, softcap=softcap, k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+        torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("params", [pytest.param((None, None, 1.0), id="plain"), SPECS[3]])
+def test_extend_attention_int8(params, dtype):
+    window, softcap, factor = params
+    kv_heads, group, head_dim, page_size = 2, 2, 64, 4
+    prefixes = [0, 7, 20, 33, 0]
+    q_lens = [5, 9, 1, 30, 40]
+    seq_lens = [p + n for p, n in zip(prefixes, q_lens, strict=True)]
+    k, v, tables, lens, g = _paged(seq_lens, kv_heads, head_dim, page_size, dtype, seed=13)
+    (kc, ks, kd), (vc, vs, vd) = _int8_pages(k), _int8_pages(v)
+    q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=g).to(k.device, dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=k.device)
+    scale = head_dim**-0.5 * factor
+    ref = _spec_reference(q, kd, vd, tables, lens, q_lens, scale, window, softcap)
+    out = kernels.extend_attention(
+        q, kc, vc, tables, qsl, lens, max(q_lens), scale, block_m=16, block_n=16,
+        window=window, softcap=softcap, k_scale=ks, v_scale=vs,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_int8_cache_without_scales_is_refused():
+    k = torch.zeros(2, 1, 4, 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="k_scale"):
+        kernels.store_kv(k, k, torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), torch.zeros(1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -50,6 +50,7 @@ def _swap_in_cuda_runner(llm: LLM, device: torch.device, graphs: int | None = No
         eng.eos_token_ids,
         device,
         graphs,
+        kv_cache_dtype=eng.config.kv_cache_dtype,
     )
 
 
@@ -60,32 +61,41 @@ def _greedy(llm: LLM, prompts, max_tokens=6):
     return [o.outputs[0].token_ids for o in first + rest]
 
 
-def _compare(tiny_models, arch, page_size, device, graphs=None):
-    kwargs = dict(dtype="float32", page_size=page_size, max_num_batched_tokens=64)
+def _compare(tiny_models, arch, page_size, device, graphs=None, kv_cache_dtype="auto"):
+    kwargs = dict(
+        dtype="float32",
+        page_size=page_size,
+        max_num_batched_tokens=64,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     reference = _greedy(LLM(str(tiny_models[arch]), device="cpu", **kwargs), PROMPTS)
     llm = LLM(str(tiny_models[arch]), device="cpu", **kwargs)
     _swap_in_cuda_runner(llm, torch.device(device), graphs)
+    assert llm.engine.runner.kv_cache.quantized == (kv_cache_dtype == "int8")
     assert _greedy(llm, PROMPTS) == reference
     assert llm.engine.cache_stats()["hit_tokens"] >= 32  # the shared prefix was a hit
 
 
 @pytest.mark.slow  # interpreted Triton kernels (CI runs it)
 @pytest.mark.parametrize(
-    "arch,page_size",
+    "arch,page_size,kv_cache_dtype",
     [
-        ("qwen3", 1),
-        ("gemma3", 4),
+        ("qwen3", 1, "auto"),
+        ("gemma3", 4, "auto"),
+        ("qwen3", 16, "int8"),
         # on a GPU only: under the interpreter (40 s) Llama's path runs in the graph-runner
         # and pooling tests below, Phi-3's differs from it only on the CPU side (its rotary
         # tables)
-        pytest.param("llama", 16, marks=pytest.mark.cuda),
-        pytest.param("phi3", 16, marks=pytest.mark.cuda),
+        pytest.param("llama", 16, "auto", marks=pytest.mark.cuda),
+        pytest.param("phi3", 16, "auto", marks=pytest.mark.cuda),
     ],
 )
-def test_greedy_equals_cpu_path_float32(tiny_models, arch, page_size):
+def test_greedy_equals_cpu_path_float32(tiny_models, arch, page_size, kv_cache_dtype):
     """Chunked prefill (64-token budget), prefix hits mid-page, batched decodes: Qwen3 (q/k
-    norms, one-token pages), Gemma 3 (sliding windows, GeGLU), Llama and Phi-3."""
-    _compare(tiny_models, arch, page_size, "cuda" if torch.cuda.is_available() else "cpu")
+    norms, one-token pages), Gemma 3 (sliding windows, GeGLU), Llama and Phi-3; and an int8
+    KV cache (Triton's writer and readers against the CPU's C kernels)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _compare(tiny_models, arch, page_size, device, kv_cache_dtype=kv_cache_dtype)
 
 
 @pytest.mark.cuda
