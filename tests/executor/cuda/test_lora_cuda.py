@@ -49,6 +49,7 @@ def test_cuda_runner_serves_adapters_as_the_cpu_path(tiny_models, tmp_path, arch
     kwargs = dict(
         dtype="float32",
         max_num_batched_tokens=64,
+        max_model_len=64,
         lora_modules=(f"a={tmp_path / 'a'}", f"b={tmp_path / 'b'}"),
     )
     prompts = [[5, 6, 7, 8], list(range(100, 121)), [9, 10, 11], [40, 41]]

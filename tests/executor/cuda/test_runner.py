@@ -67,6 +67,7 @@ def _compare(tiny_models, arch, page_size, device, graphs=None, kv_cache_dtype="
         page_size=page_size,
         max_num_batched_tokens=64,
         kv_cache_dtype=kv_cache_dtype,
+        max_model_len=64,  # narrow page tables: interpreted kernels cost by their width
     )
     reference = _greedy(LLM(str(tiny_models[arch]), device="cpu", **kwargs), PROMPTS)
     llm = LLM(str(tiny_models[arch]), device="cpu", **kwargs)
@@ -110,7 +111,7 @@ def test_pooling_equals_cpu_path(tiny_models):
     generation in the same steps) give the CPU runner's embeddings and tokens."""
     import numpy as np
 
-    kwargs = dict(dtype="float32", page_size=4, max_num_batched_tokens=16)
+    kwargs = dict(dtype="float32", page_size=4, max_num_batched_tokens=16, max_model_len=64)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
     def run(llm: LLM) -> tuple[list, list]:
@@ -137,7 +138,7 @@ def test_pooling_equals_cpu_path(tiny_models):
 
 
 def test_device_sampler_seeded_rows_do_not_depend_on_the_batch(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32")
+    llm = LLM(str(tiny_models["llama"]), device="cpu", dtype="float32", max_model_len=64)
     _swap_in_cuda_runner(llm, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=5, seed=7)
     other = SamplingParams(temperature=1.0, max_tokens=5)
@@ -263,7 +264,7 @@ def test_graph_runner_static_buffers_and_padding_on_cpu(tiny_models):
                     lambda bs=bs: self.logits[bs].copy_(self._forward(bs))
                 )
 
-    kwargs = dict(dtype="float32", page_size=16, max_num_batched_tokens=256)
+    kwargs = dict(dtype="float32", page_size=16, max_num_batched_tokens=256, max_model_len=64)
     prompts = [*PROMPTS[:2], [7, 8, 9, 10, 11]]  # one batch: decodes of 3 rows, padded to 4
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

@@ -37,6 +37,7 @@ KWARGS = dict(
     max_num_batched_tokens=16,  # the 23-token prompts prefill in chunks
     max_num_seqs=4,
     kv_cache_memory_gb=0.01,
+    max_model_len=64,
 )
 
 
