@@ -6,7 +6,10 @@ admin routes; metrics by model."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -124,3 +127,55 @@ def test_keep_alive_pins_and_the_admin_routes(two_models):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(pb.GenerateRequest(text="hi", model="nope"), timeout=30))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    "{# the model closes it with </think> #}"
+)
+
+
+def _with_template(folder: Path, to: Path, template: str) -> Path:
+    """A copy of a model folder with another chat template (wherever the tokenizer keeps
+    it: ``chat_template.jinja`` or ``tokenizer_config.json``)."""
+    shutil.copytree(folder, to)
+    jinja = to / "chat_template.jinja"
+    if jinja.exists():
+        jinja.write_text(template)
+    else:
+        cfg = json.loads((to / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = template
+        (to / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return to
+
+
+def test_auto_parsers_are_each_models_own(tiny_llama, tmp_path):
+    """``--reasoning-parser auto`` behind one server: the model whose template opens a
+    thinking block gets a parser (Messages' ``thinking`` is accepted, Chat splits
+    ``reasoning_content`` off), the other none (``thinking`` is a 400), whichever is first."""
+    thinker = _with_template(tiny_llama, tmp_path / "thinker", THINKING_TEMPLATE)
+    srv = InProcessServer(
+        "--model", f"plain={tiny_llama}", "--model", f"thinker={thinker}",
+        "--dtype", "float32", "--kv-cache-memory", "0.02", "--idle-unload", "-1",
+        "--reasoning-parser", "auto",
+    )  # fmt: skip
+    try:
+        body = {
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "enabled", "budget_tokens": 2},
+        }
+        r = httpx.post(srv.url + "/v1/messages", json={**body, "model": "plain"}, timeout=60)
+        assert r.status_code == 400 and "reasoning model" in r.text
+        r = httpx.post(srv.url + "/v1/messages", json={**body, "model": "thinker"}, timeout=60)
+        assert r.status_code == 200, r.text
+        chat = {"max_tokens": 4, "messages": body["messages"], "temperature": 0}
+        for name, split in (("plain", False), ("thinker", True)):
+            r = httpx.post(
+                srv.url + "/v1/chat/completions", json={**chat, "model": name}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            assert ("reasoning_content" in r.json()["choices"][0]["message"]) == split, name
+    finally:
+        srv.stop()

@@ -151,13 +151,15 @@ def tools_of(body: Any, parser: str) -> ToolContext:
     return tool_context(request, parser)
 
 
-def _thinking(server: OpenAIServer, body: Any) -> tuple[bool | None, int | None]:
+def _thinking(
+    server: OpenAIServer, frontend: Frontend, body: Any
+) -> tuple[bool | None, int | None]:
     """(whether to think: None = as the model does; the thinking budget in tokens) from the
     request's ``thinking``; a 400 naming the field when it cannot be honoured."""
     spec = getattr(body, "thinking", None)
     if spec is None:
         return None, None
-    if server.config.reasoning_parser is None:
+    if server.reasoning_parser(frontend) is None:
         raise APIError(
             400,
             "thinking needs a reasoning model: start the server with --reasoning-parser",
@@ -230,9 +232,9 @@ def _usage(prompt_len: int, cached: int, output_tokens: int) -> dict[str, int]:
     }
 
 
-def _budgeted(server: OpenAIServer, budget: int | None) -> Any:
+def _budgeted(server: OpenAIServer, routing: Routing, budget: int | None) -> Any:
     """A ``Frontend.run`` whose thinking stops at ``budget`` tokens (None: no budget)."""
-    parser = server.config.reasoning_parser
+    parser = server.reasoning_parser(server.frontend_of(routing))
     if budget is None or parser is None:
         return None
 
@@ -262,8 +264,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body, routing = await server.parse_routed(request, MessagesRequest)
         frontend = server.frontend_of(routing)
         _reject_refused(body)
-        tools = tools_of(body, server.config.tool_call_parser)
-        think, budget = _thinking(server, body)
+        tools = tools_of(body, server.tool_call_parser(frontend))
+        think, budget = _thinking(server, frontend, body)
         ids = await _prompt(frontend, body, tools, think)
         params = cv.checked_sampling_params(
             frontend,
@@ -277,7 +279,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         cv.check_prompt(frontend, ids, body.max_tokens)
         free_text = types.SimpleNamespace(response_format=None, structured_outputs=None)
         spec = await structured_spec(
-            frontend.grammar, free_text, tools, server.config.reasoning_parser
+            frontend.grammar, free_text, tools, server.reasoning_parser(frontend)
         )
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
@@ -291,8 +293,9 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     async def count_tokens(request: HTTPRequest) -> Response:
         body, routing = await server.parse_routed(request, CountTokensRequest)
         _reject_refused(body)
-        tools = tools_of(body, server.config.tool_call_parser)
-        ids = await _prompt(server.frontend_of(routing), body, tools)
+        frontend = server.frontend_of(routing)
+        tools = tools_of(body, server.tool_call_parser(frontend))
+        ids = await _prompt(frontend, body, tools)
         return json_response({"input_tokens": len(ids)})
 
 
@@ -305,12 +308,12 @@ async def _whole(
     tools: Any,
     budget: int | None = None,
 ) -> Response:
-    done = await collect(server, [ids], params, routing, _budgeted(server, budget))
+    done = await collect(server, [ids], params, routing, _budgeted(server, routing, budget))
     out = done.outputs[0]
     calls: list[dict[str, Any]] = []
     content: list[dict[str, Any]] = []
     text: str | None = out.text
-    parser = server.config.reasoning_parser
+    parser = server.reasoning_parser(server.frontend_of(routing))
     if parser is not None:  # the thinking first, as a thinking block
         reply = rp.split(out.text, parser)
         if reply.reasoning is not None:
@@ -365,7 +368,7 @@ async def _stream(
     yield _event("message_start", {"type": "message_start", "message": start})
     yield _event("ping", {"type": "ping"})
     streamer = ToolStreamer(tools) if tools.active else None
-    parser = server.config.reasoning_parser
+    parser = server.reasoning_parser(frontend)
     thinker = rp.ReasoningStreamer(parser) if parser is not None else None
     thinking_open = False
     thought_shown = False  # a thinking block was opened
@@ -422,7 +425,7 @@ async def _stream(
         return frames + _block_delta(index, {"type": "text_delta", "text": text})
 
     try:
-        run = _budgeted(server, budget) or frontend.run
+        run = _budgeted(server, routing, budget) or frontend.run
         async for _, d in run([ids], params, routing):
             timer.delta(0, d)
             text = d.text

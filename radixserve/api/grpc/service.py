@@ -287,7 +287,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             token_text = frontend.token_text if params.logprobs is not None else None
             completion: dict[int, int] = {}
             # chat input with a reasoning parser: the thinking apart, as Chat Completions
-            parser = self.server.config.reasoning_parser if input_name == "chat" else None
+            parser = self.server.reasoning_parser(frontend) if input_name == "chat" else None
             thinkers: dict[int, rp.ReasoningStreamer] = {}
             sample_ids: dict[int, list[int]] = {}
             # one message per sample for everything that arrived while the last one was

@@ -40,7 +40,9 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body, routing = await server.parse_routed(request, ChatCompletionRequest)
         frontend = server.frontend_of(routing)
         ids, params, tools = await chat_inputs(server, frontend, body)
-        spec = await structured_spec(frontend.grammar, body, tools, server.config.reasoning_parser)
+        spec = await structured_spec(
+            frontend.grammar, body, tools, server.reasoning_parser(frontend)
+        )
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
         params = keep_markers(params, tools)  # (a format whose markers are special)
@@ -56,7 +58,7 @@ async def chat_inputs(
     """A chat request's prompt ids (its template, tools and checks), its sampling
     parameters (before a grammar) and its tools: what ``/v1/chat/completions`` runs and
     ``/v1/chat/completions/render`` answers."""
-    tools = tool_context(body, server.config.tool_call_parser)
+    tools = tool_context(body, server.tool_call_parser(frontend))
     ids = await cv.chat_prompt(frontend, body, tools)
     max_tokens = cv.chat_max_tokens(frontend, body, len(ids))
     params = cv.sampling_params(frontend, body, max_tokens, server.config)
@@ -75,7 +77,7 @@ async def _whole(
     tools: ToolContext,
 ) -> Response:
     done = await collect(server, [ids], params, routing)
-    parser = server.config.reasoning_parser
+    parser = server.reasoning_parser(server.frontend_of(routing))
     thinking = 0
     choices = []
     for idx, o in done.outputs.items():
@@ -147,7 +149,7 @@ def _stream(
             yield frame(j, {"role": "assistant", "content": ""})
 
     streamers: dict[int, ToolStreamer] = {}
-    parser = server.config.reasoning_parser
+    parser = server.reasoning_parser(server.frontend_of(routing))
     thinkers: dict[int, rp.ReasoningStreamer] = {}
     reply_ids: dict[int, list[int]] = {}
     thinking: dict[int, int] = {}  # by choice: its reasoning tokens, once it finished

@@ -337,7 +337,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         if body.instructions:  # instructions are not carried over from a previous response
             conversation.insert(0, {"role": "system", "content": body.instructions})
         conversation += input_messages(body)
-        tools = _tools(body, server.config.tool_call_parser)
+        tools = _tools(body, server.tool_call_parser(frontend))
         template = {"tools": tools.tools} if tools.active else {}
         try:
             ids = await frontend.chat_ids(conversation, True, False, template)
@@ -359,7 +359,9 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         )
         cv.check_prompt(frontend, ids, max_tokens)
         fmt = types.SimpleNamespace(response_format=_format_spec(body), structured_outputs=None)
-        spec = await structured_spec(frontend.grammar, fmt, tools, server.config.reasoning_parser)
+        spec = await structured_spec(
+            frontend.grammar, fmt, tools, server.reasoning_parser(frontend)
+        )
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
         params = keep_markers(params, tools)  # (a format whose markers are special)
@@ -369,7 +371,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         done = await collect(server, [ids], params, routing)
         out = done.outputs[0]
         text, calls, thinking = out.text, [], None
-        parser = server.config.reasoning_parser
+        parser = server.reasoning_parser(frontend)
         if parser is not None:
             reply = rp.split(out.text, parser)
             text = reply.content or ""
@@ -444,7 +446,7 @@ async def _stream(
     yield event("response.in_progress", response=start)
     timer = RequestTimer(frontend.metrics, responder.routing.tag.label)
     streamer = ToolStreamer(tools) if tools.active else None
-    parser = server.config.reasoning_parser
+    parser = server.reasoning_parser(frontend)
     thinker = rp.ReasoningStreamer(parser) if parser is not None else None
     reasoning_id = f"rs_{uuid.uuid4().hex}"
     thinking_state = "none"  # none | open | done: the reasoning item's events

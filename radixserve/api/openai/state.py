@@ -92,7 +92,8 @@ class OpenAIServer:
                 config.idle_unload_s,
                 config.max_load_wait_s,
             )
-            # ("auto" parsers read the first model's chat template)
+            # ``config`` reads the default model's template for ``auto`` parsers; each model's
+            # own are resolved from its template when it first serves (``parsers``)
             auto = "auto" in (config.tool_call_parser, config.reasoning_parser)
             tokenizer = tokenizer_of(specs[0]) if auto else None
         else:  # one model, loaded at start and kept
@@ -101,6 +102,8 @@ class OpenAIServer:
             self.models = ModelSet([spec], serving, make_frontend=lambda *_: frontend)
             tokenizer = frontend.tokenizer
             self._only = frontend
+        self._parser_flags = config  # ``auto`` unresolved: resolved per model (``parsers``)
+        self._parsers: dict[str, tuple[str, str | None]] = {}
         self.config = config = _resolve_auto(config, tokenizer)
         self.keys = auth.ApiKeys(config.api_keys, file_entries)
         self.admin_keys = auth.ApiKeys(config.admin_api_keys)
@@ -113,6 +116,29 @@ class OpenAIServer:
             admin_too=(STORED_PREFIX,),
         )
         self.responses = ResponseStore(config.max_stored_responses)  # /v1/responses
+
+    def parsers(self, frontend: Frontend) -> tuple[str, str | None]:
+        """``(tool-call parser, reasoning parser or None)`` for ``frontend``'s model: the
+        flags', or, where a flag is ``auto``, those its own chat template names (detected
+        once per model: a Qwen3 and a Llama behind one server each get theirs)."""
+        name = frontend.model_name
+        got = self._parsers.get(name)
+        if got is None:
+            if self._only is not None or "auto" not in (
+                self._parser_flags.tool_call_parser,
+                self._parser_flags.reasoning_parser,
+            ):
+                resolved = self.config
+            else:
+                resolved = _resolve_auto(self._parser_flags, frontend.tokenizer)
+            got = self._parsers[name] = (resolved.tool_call_parser, resolved.reasoning_parser)
+        return got
+
+    def tool_call_parser(self, frontend: Frontend) -> str:
+        return self.parsers(frontend)[0]
+
+    def reasoning_parser(self, frontend: Frontend) -> str | None:
+        return self.parsers(frontend)[1]
 
     def reload_keys(self) -> bool:
         """Read the keys file again (SIGHUP). A file that cannot be used leaves the keys as
