@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from radixserve.executor import batch_invariant
 from radixserve.executor.native import address, load_int4_panels, load_int8_panels
 from radixserve.executor.quant import (
     PANEL_COPY_ROWS,
@@ -91,7 +92,13 @@ def linear_ops(
     its panel GEMM, then its bias (if any) added in bfloat16, as the op-by-op path adds it."""
     if isinstance(w, Int4Linear):
         lib = load_int4_panels()
-        op = [INT4, address(lib.int4_panels_gemm_bf16), ptr(x), w.in_features, ptr(w.panels),
+        # deterministic mode: the entry computing each row as alone, as the layer does
+        gemm = (
+            lib.int4_panels_gemm_bf16_invariant
+            if batch_invariant.on()
+            else lib.int4_panels_gemm_bf16
+        )
+        op = [INT4, address(gemm), ptr(x), w.in_features, ptr(w.panels),
               ptr(w.psz), w.out_features, w.group_size, ptr(scratch.xs), ptr(scratch.xp),
               ptr(y), threads]  # fmt: skip
     else:

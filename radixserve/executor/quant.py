@@ -404,7 +404,9 @@ class Int4Linear:
             if self.panels is None or x.dtype != torch.bfloat16:
                 return batch_invariant.dense(self._invariant, self.dequantized, self.bias, x)
             lib = _panel_lib()
-            return _invariant_gemm(lib, "int4_panels", x, lambda rows: self._panel_gemm(lib, rows))
+            return _invariant_gemm(
+                lib, "int4_panels", x, lambda rows: self._panel_gemm(lib, rows, invariant=True)
+            )
         if self.panels is not None:
             if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2:
                 return self.fallback(x)
@@ -463,13 +465,15 @@ class Int4Linear:
             y[:, first:last] = gemm.mm(xw, wt[:, : last - first])
         return y if self.bias is None else y + self.bias
 
-    def _panel_gemm(self, lib: Any, x: torch.Tensor) -> torch.Tensor:
-        """A few rows: the panel kernel reads the codes straight from the panels."""
+    def _panel_gemm(self, lib: Any, x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+        """A few rows: the panel kernel reads the codes straight from the panels.
+        ``invariant``: its entry computing each row as alone (deterministic mode)."""
         m, k = x.shape
         y = torch.empty(m, self.out_features, dtype=x.dtype)
         xs = torch.empty(m * (k // self.group_size), dtype=torch.float32)
         xp = torch.empty(m * k, dtype=torch.int32)  # the portable path's float32 copy of x
-        rc = lib.int4_panels_gemm_bf16(
+        entry = lib.int4_panels_gemm_bf16_invariant if invariant else lib.int4_panels_gemm_bf16
+        rc = entry(
             x.data_ptr(),
             m,
             k,

@@ -90,9 +90,8 @@ def test_a_request_answers_the_same_alone_and_in_any_batch(tiny_llama, dtype, qu
         and load_decode_program() is not None
         and batch_invariant.whole_calls(count)
     ):
-        # where this tier's panel GEMMs compute each row alone in a call of all the rows (the
-        # portable tiers; AVX-512 BF16's int4 tiles only at 8-12 rows), the one-call decode
-        # program ran the batched decode steps and answered as the layers do
+        # where this tier's panel GEMMs compute each row alone in a call of all the rows, the
+        # one-call decode program ran the batched decode steps and answered as the layers do
         assert llm.engine.runner.model._program is not None
     # seeded sampling: a function of (request, seed)
     sampled = [

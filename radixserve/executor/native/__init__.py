@@ -800,8 +800,9 @@ def load_int4_panels(tier: str | None = None) -> ctypes.CDLL | None:
     lib.int4_panels_has_gemm.restype = i
     if not lib.int4_panels_has_gemm():
         return None
-    lib.int4_panels_gemm_bf16.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p, i64, i]
-    lib.int4_panels_gemm_bf16.restype = i
+    for entry in (lib.int4_panels_gemm_bf16, lib.int4_panels_gemm_bf16_invariant):
+        entry.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p, i64, i]
+        entry.restype = i
     lib.int4_panels_dequant_bf16.argtypes = [p, p, i64, i64, i64, i64, i, p]
     lib.int4_panels_dequant_bf16.restype = i
     lib.int4_panels_invariant_rows.argtypes = [p, p]

@@ -74,15 +74,16 @@ static inline __m512 bf16x16(const uint16_t *p) {
 static inline __attribute__((always_inline)) void block_rows(
     const int32_t *xp, int64_t k, int64_t m0, const int MT, const uint32_t *pb, const uint16_t *szb,
     int64_t group, const float *xs, int64_t groups, uint16_t *y, int64_t y_stride, int64_t col,
-    __mmask16 store_mask) {
+    __mmask16 store_mask, const int one_chain) {
     const __m512 c136 = _mm512_set1_ps(136.0f);
     __m512 out[16];
     for (int r = 0; r < MT; r++) out[r] = _mm512_setzero_ps();
     const int64_t go = group / 8; /* octets per group */
     /* independent chains of multiply-adds per row: with few rows one chain a row would
      * wait on the multiply-add's latency (3 rows: 1.9x the time of one row's 4 chains
-     * for 3x the products; 4 sets of accumulators below 4 rows, 2 below 8) */
-    const int SETS = MT >= 8 ? 1 : MT >= 4 ? 2 : 4;
+     * for 3x the products; 4 sets of accumulators below 4 rows, 2 below 8). one_chain:
+     * one set whatever MT, so a row's sums are the same in a tile of any size */
+    const int SETS = one_chain || MT >= 8 ? 1 : MT >= 4 ? 2 : 4;
     for (int64_t g = 0; g < groups; g++) {
         __m512 acc[16];
         for (int r = 0; r < SETS * MT; r++) acc[r] = _mm512_setzero_ps();
@@ -245,14 +246,14 @@ static inline int64_t tile_start(int64_t m, int64_t i) {
 }
 
 /* Deterministic mode (executor/batch_invariant.py): the row counts m, lo <= m <= hi (hi 0:
- * no bound), of calls in which every row is computed by the same operations in the same
- * order whatever the other rows. Here: one tile of 8 to MAX_TILE rows (block_rows with one
- * accumulator set, SETS = 1; 13 to 15 rows would be two tiles of 6 to 8, and one row
- * block_row1), below the AMX tiles. Returns 0, or -1 where no count qualifies. */
+ * no bound), of int4_panels_gemm_bf16_invariant calls in which every row is computed by the
+ * same operations in the same order whatever the other rows. Here every count: that entry
+ * runs every tile, one row included, with one accumulator set (the chain block_rows runs
+ * from 8 rows) and never the AMX tiles. Returns 0, or -1 where no count qualifies. */
 int int4_panels_invariant_rows(int64_t *lo, int64_t *hi) {
-    *lo = 8;
-    *hi = amx_rows > 0 && amx_rows <= MAX_TILE ? amx_rows - 1 : MAX_TILE;
-    return *hi < *lo ? -1 : 0;
+    *lo = 1;
+    *hi = 0;
+    return 0;
 }
 
 /* y[m, :n] = x[m, :] W^T for x [m, k] bfloat16 (contiguous), y rows y_stride apart. xs is
@@ -260,13 +261,13 @@ int int4_panels_invariant_rows(int64_t *lo, int64_t *hi) {
  * tile as [pair][row] in the first half, so a pair's broadcasts for the tile's rows read one
  * cache line instead of rows k apart, which alias in L1 at k = 2048; the portable path
  * widens x to float32 into all of it). Returns 0, or -1 on bad shapes. */
-int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
-                          const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
-                          uint16_t *y, int64_t y_stride, int num_threads) {
+static int gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
+                     const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
+                     uint16_t *y, int64_t y_stride, int num_threads, const int invariant) {
     if (k % group || group % 8 || m < 1) return -1;
     const int64_t groups = k / group, pairs = k / 2, octets = k / 8, blocks = (n + 15) / 16;
 #ifdef RADIXSERVE_AMX
-    const int amx = amx_rows > 0 && m >= amx_rows && group % 16 == 0;
+    const int amx = !invariant && amx_rows > 0 && m >= amx_rows && group % 16 == 0;
 #else
     const int amx = 0;
 #endif
@@ -297,23 +298,42 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
         const uint16_t *szb = sz + b * groups * 32;
         const int64_t left = n - 16 * b;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        if (m == 1) {
+        if (m == 1 && !invariant) {
             block_row1(xp, pb, szb, group, xs, groups, y + 16 * b, mask);
             continue;
         }
         for (int64_t i = 0; i < tile_count(m); i++) {
             const int64_t m0 = tile_start(m, i);
 #define TILE(MT) \
-    case MT: block_rows(xp, k, m0, MT, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask); break;
+    case MT: \
+        if (invariant) \
+            block_rows(xp, k, m0, MT, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask, 1); \
+        else \
+            block_rows(xp, k, m0, MT, pb, szb, group, xs, groups, y, y_stride, 16 * b, mask, 0); \
+        break;
             switch (tile_start(m, i + 1) - m0) { /* constant tile sizes: accumulators in registers */
             TILE(12) TILE(11) TILE(10) TILE(9) TILE(8) TILE(7) TILE(6) TILE(5) TILE(4) TILE(3)
-            TILE(2) default: block_rows(xp, k, m0, 1, pb, szb, group, xs, groups, y, y_stride,
-                                        16 * b, mask);
+            TILE(2) TILE(1)
             }
 #undef TILE
         }
     }
     return 0;
+}
+
+int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_t *panels,
+                          const uint16_t *sz, int64_t n, int64_t group, float *xs, int32_t *xp,
+                          uint16_t *y, int64_t y_stride, int num_threads) {
+    return gemm_bf16(x, m, k, panels, sz, n, group, xs, xp, y, y_stride, num_threads, 0);
+}
+
+/* int4_panels_gemm_bf16 with each row computed as it would be alone (deterministic mode;
+ * int4_panels_invariant_rows): one accumulator chain a row in every tile, no AMX. */
+int int4_panels_gemm_bf16_invariant(const uint16_t *x, int64_t m, int64_t k,
+                                    const uint32_t *panels, const uint16_t *sz, int64_t n,
+                                    int64_t group, float *xs, int32_t *xp, uint16_t *y,
+                                    int64_t y_stride, int num_threads) {
+    return gemm_bf16(x, m, k, panels, sz, n, group, xs, xp, y, y_stride, num_threads, 1);
 }
 #else /* the portable path (portable.h): AVX2, SSE or NEON, by the tier's flags */
 /* the products and sums exactly as written: with -fassociative-math GCC regrouped them into
@@ -415,6 +435,14 @@ int int4_panels_gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint32_
         }
     }
     return 0;
+}
+
+/* The portable path's calls of 2 rows or more already compute each row alone. */
+int int4_panels_gemm_bf16_invariant(const uint16_t *x, int64_t m, int64_t k,
+                                    const uint32_t *panels, const uint16_t *sz, int64_t n,
+                                    int64_t group, float *xs, int32_t *xp, uint16_t *y,
+                                    int64_t y_stride, int num_threads) {
+    return int4_panels_gemm_bf16(x, m, k, panels, sz, n, group, xs, xp, y, y_stride, num_threads);
 }
 
 int int4_panels_dequant_bf16(const uint32_t *panels, const uint16_t *sz, int64_t k, int64_t group,
