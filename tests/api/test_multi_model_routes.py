@@ -127,6 +127,23 @@ def test_keep_alive_pins_and_the_admin_routes(two_models):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(pb.GenerateRequest(text="hi", model="nope"), timeout=30))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        # and so do Tokenize, Detokenize and GetModelInfo (each holds its model while it runs)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(model="b"), timeout=30).model_name == "b"
+        ids = stub.Tokenize(pb.TokenizeRequest(text="hello", model="b"), timeout=30).token_ids
+        assert ids == httpx.post(url + "/tokenize", json={"model": "b", "prompt": "hello"}).json()[
+            "tokens"
+        ]
+        text = stub.Detokenize(pb.DetokenizeRequest(token_ids=ids, model="b"), timeout=30).text
+        assert "hello" in text
+        assert _status(url)["b"]["in_flight"] == 0
+        for call, request in (
+            (stub.GetModelInfo, pb.GetModelInfoRequest(model="nope")),
+            (stub.Tokenize, pb.TokenizeRequest(text="x", model="nope")),
+            (stub.Detokenize, pb.DetokenizeRequest(token_ids=[1], model="nope")),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(request, timeout=30)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 THINKING_TEMPLATE = (

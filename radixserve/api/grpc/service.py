@@ -340,14 +340,28 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         found = frontend is not None and frontend.client.abort(engine_id)
         return pb.AbortResponse(found=found)
 
+    async def _leased(self, name: str, tag: TenantTag) -> Lease:
+        """A hold on the model a request names (empty: the default one), loaded if it is not
+        (NOT_FOUND for an unknown name, UNAVAILABLE while it cannot be loaded); released by
+        the caller."""
+        served, _ = self.server.model_of(name or None, tag)
+        lease = await self.server.lease(served)
+        try:
+            self._ready(lease.frontend)
+        except APIError:
+            lease.release()
+            raise
+        return lease
+
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        await self._authorize(context)
+        tag = await self._authorize(context)
         kind = request.WhichOneof("input") or "input"
+        lease: Lease | None = None
         try:
-            frontend = self.server.frontend  # (the first model, with several)
-            self._ready(frontend)
+            lease = await self._leased(request.model, tag)
+            frontend = lease.frontend
             if kind == "chat":
                 body = cv.parse_body(ChatCompletionRequest, _chat_body(request.chat))
                 ids = await cv.chat_prompt(frontend, body)
@@ -361,6 +375,9 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         except APIError as error:
             await self._fail(context, error, kind)
             raise AssertionError("unreachable") from None
+        finally:
+            if lease is not None:
+                lease.release()
         return pb.TokenizeResponse(
             token_ids=ids, count=len(ids), max_model_len=frontend.max_model_len
         )
@@ -368,30 +385,39 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
-        await self._authorize(context)
+        tag = await self._authorize(context)
+        lease: Lease | None = None
         try:
-            frontend = self.server.frontend  # (the first model, with several)
-            self._ready(frontend)
+            lease = await self._leased(request.model, tag)
+            frontend = lease.frontend
             bad = [t for t in request.token_ids if not 0 <= t < frontend.vocab_size]
             if bad:
                 raise APIError(
                     400, f"token ids must be in [0, {frontend.vocab_size}); got {bad[:5]}"
                 )
+            text = frontend.tokenizer.decode(list(request.token_ids))
         except APIError as error:
             await self._fail(context, error, "token_ids")
             raise AssertionError("unreachable") from None
-        return pb.DetokenizeResponse(text=frontend.tokenizer.decode(list(request.token_ids)))
+        finally:
+            if lease is not None:
+                lease.release()
+        return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        await self._authorize(context)
+        tag = await self._authorize(context)
+        lease: Lease | None = None
         try:
-            frontend = self.server.frontend  # (the first model, with several)
-            self._ready(frontend)
+            lease = await self._leased(request.model, tag)
+            frontend = lease.frontend
         except APIError as error:
-            await self._fail(context, error)
+            await self._fail(context, error, "model")
             raise AssertionError("unreachable") from None
+        finally:
+            if lease is not None:
+                lease.release()
         return pb.ModelInfo(
             model_name=frontend.model_name,
             vocab_size=frontend.vocab_size,
