@@ -130,9 +130,12 @@ def test_keep_alive_pins_and_the_admin_routes(two_models):
         # and so do Tokenize, Detokenize and GetModelInfo (each holds its model while it runs)
         assert stub.GetModelInfo(pb.GetModelInfoRequest(model="b"), timeout=30).model_name == "b"
         ids = stub.Tokenize(pb.TokenizeRequest(text="hello", model="b"), timeout=30).token_ids
-        assert ids == httpx.post(url + "/tokenize", json={"model": "b", "prompt": "hello"}).json()[
-            "tokens"
-        ]
+        assert (
+            ids
+            == httpx.post(url + "/tokenize", json={"model": "b", "prompt": "hello"}).json()[
+                "tokens"
+            ]
+        )
         text = stub.Detokenize(pb.DetokenizeRequest(token_ids=ids, model="b"), timeout=30).text
         assert "hello" in text
         assert _status(url)["b"]["in_flight"] == 0
