@@ -170,10 +170,11 @@ def _with_template(folder: Path, to: Path, template: str) -> Path:
     return to
 
 
-def test_auto_parsers_are_each_models_own(tiny_llama, tmp_path):
+def test_parsers_and_adapters_are_each_models_own(tiny_llama, tmp_path):
     """``--reasoning-parser auto`` behind one server: the model whose template opens a
     thinking block gets a parser (Messages' ``thinking`` is accepted, Chat splits
-    ``reasoning_content`` off), the other none (``thinking`` is a 400), whichever is first."""
+    ``reasoning_content`` off), the other none (``thinking`` is a 400), whichever is first.
+    A LoRA adapter loaded at run time goes onto the model the body names."""
     thinker = _with_template(tiny_llama, tmp_path / "thinker", THINKING_TEMPLATE)
     srv = InProcessServer(
         "--model", f"plain={tiny_llama}", "--model", f"thinker={thinker}",
@@ -197,5 +198,21 @@ def test_auto_parsers_are_each_models_own(tiny_llama, tmp_path):
             )
             assert r.status_code == 200, r.text
             assert ("reasoning_content" in r.json()["choices"][0]["message"]) == split, name
+
+        from tests.engine.test_lora import make_adapter
+
+        make_adapter(tiny_llama, tmp_path / "ad", 1)
+        load = {"lora_name": "ad", "lora_path": str(tmp_path / "ad"), "model": "thinker"}
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json=load, timeout=60)
+        assert r.status_code == 200 and r.json()["parent"] == "thinker", r.text
+        cards = {c["id"]: c for c in httpx.get(srv.url + "/v1/models").json()["data"]}
+        assert cards["ad"]["parent"] == "thinker"
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**chat, "model": "ad"}, timeout=60)
+        assert r.status_code == 200 and "reasoning_content" in r.json()["choices"][0]["message"]
+        r = httpx.post(srv.url + "/v1/load_lora_adapter", json={**load, "model": "nope"})
+        assert r.status_code == 404
+        r = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "ad"})
+        assert r.status_code == 200, r.text
+        assert "ad" not in {c["id"] for c in httpx.get(srv.url + "/v1/models").json()["data"]}
     finally:
         srv.stop()

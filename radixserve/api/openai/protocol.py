@@ -252,6 +252,7 @@ class LoadLoRARequest(BaseModel):
 
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1)
+    model: str | None = None  # the base model (several models; None: the default one)
 
 
 class UnloadLoRARequest(BaseModel):
@@ -261,3 +262,4 @@ class UnloadLoRARequest(BaseModel):
 
     lora_name: str = Field(min_length=1, max_length=256)
     lora_int_id: int | None = None  # (vLLM's; ignored: adapters are named)
+    model: str | None = None  # the base model holding it (None: the one that does)
