@@ -114,6 +114,8 @@ def test_keep_alive_pins_and_the_admin_routes(two_models):
     r = complete("nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert httpx.get(url + "/v1/models/b").json()["status"] == "unloaded"
+    # the console's views look at a loaded model only (they never load one)
+    assert httpx.get(url + "/v1/engine/stats?model=b").status_code == 503
 
     # gRPC names its model too: b is loaded for the call and let go after it
     with grpc.insecure_channel(f"127.0.0.1:{two_models.grpc_port}") as channel:
@@ -198,6 +200,14 @@ def test_parsers_and_adapters_are_each_models_own(tiny_llama, tmp_path):
             )
             assert r.status_code == 200, r.text
             assert ("reasoning_content" in r.json()["choices"][0]["message"]) == split, name
+
+        # the console's dashboard and radix view: the model asked for, else the default
+        stats = httpx.get(srv.url + "/v1/engine/stats?model=thinker").json()
+        assert stats["model"] == "thinker" and stats["engine"]["steps"] > 0
+        assert httpx.get(srv.url + "/v1/engine/stats").json()["model"] == "plain"
+        r = httpx.get(srv.url + "/v1/engine/radix?model=thinker")
+        assert r.status_code == 200 and r.json()["total_tokens"] > 0
+        assert httpx.get(srv.url + "/v1/engine/stats?model=nope").status_code == 404
 
         from tests.engine.test_lora import make_adapter
 

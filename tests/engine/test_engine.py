@@ -312,7 +312,6 @@ def test_int8_kv_cache_answers_as_the_float_cache_within_its_codes(tiny_llama, l
             assert got.logprobs[i].logprob == pytest.approx(want.logprobs[i].logprob, abs=0.15)
     assert agreeing >= 32  # of 48 (41 here): most of the greedy tokens agree
     int8.engine.check_page_accounting()
-    with pytest.raises(ValueError, match="int8"):
-        LLM(str(tiny_llama), kv_cache_dtype="int8", kv_host_gb=0.01)
+    # (the KV tiers take an int8 cache: tests/engine/test_kv_tiers.py)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(str(tiny_llama), kv_cache_dtype="fp8")

@@ -18,14 +18,14 @@ from radixserve.api.asgi import APIError, ASGIApp, HTTPRequest, Response, json_r
 from radixserve.serving.engine_streams import EngineDead
 
 
-def add_debug_routes(app: ASGIApp, frontend: Callable[[], Any]) -> None:
-    """Register the debug routes on ``app``; ``frontend`` gives the serving ``Frontend``
-    they look at (a several-model server's first model)."""
+def add_debug_routes(app: ASGIApp, frontend: Callable[[HTTPRequest], Any]) -> None:
+    """Register the debug routes on ``app``; ``frontend`` gives the serving ``Frontend`` a
+    request looks at (its ``?model=``, else the default model)."""
 
     @app.route("POST", "/debug/flush_cache", in_schema=False)
-    async def flush_cache(_: HTTPRequest) -> Response:
+    async def flush_cache(request: HTTPRequest) -> Response:
         try:
-            answer = await frontend().client.flush_cache()
+            answer = await frontend(request).client.flush_cache()
         except EngineDead as exc:
             raise APIError(503, str(exc), "service_unavailable_error", code=exc.code) from None
         return json_response(
@@ -42,8 +42,8 @@ def add_debug_routes(app: ASGIApp, frontend: Callable[[], Any]) -> None:
         )
 
     @app.route("GET", "/debug/engine", in_schema=False)
-    async def engine(_: HTTPRequest) -> Response:
-        client = frontend().client
+    async def engine(request: HTTPRequest) -> Response:
+        client = frontend(request).client
         process = client.process
         return json_response(
             {

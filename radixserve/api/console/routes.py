@@ -54,12 +54,11 @@ def _int_param(query: dict[str, list[str]], name: str, default: int, top: int) -
 
 def register_console(
     app: ASGIApp,
-    frontend: Callable[[], Frontend],
+    frontend: Callable[[HTTPRequest], Frontend],
     may_read_prompts: Callable[[HTTPRequest], bool],
 ) -> None:
-    """Add the console pages and its JSON routes to ``app``; ``frontend`` gives the model
-    they show (the first one: the console's view of a several-model server is that
-    model's). The radix view's token ids
+    """Add the console pages and its JSON routes to ``app``; ``frontend`` gives the model a
+    request looks at (its ``?model=``, else the default one). The radix view's token ids
     and text (other users' prompts) are in its answer only when ``may_read_prompts``
     says so for the request (the admin key); otherwise it shows counts alone."""
     files = {name: _static(name) for name in _STATIC}  # read once: the package is immutable
@@ -84,8 +83,8 @@ def register_console(
         app.route("GET", f"/console/{name}", in_schema=False)(page(name))
 
     @app.route("GET", "/v1/engine/stats")
-    async def engine_stats(_: HTTPRequest) -> Response:
-        client = frontend().client
+    async def engine_stats(request: HTTPRequest) -> Response:
+        client = frontend(request).client
         s = client.stats
         engine: dict[str, Any] = {"alive": client.alive}
         if s is not None:
@@ -115,11 +114,11 @@ def register_console(
                     1 + s.spec_accepted_tokens / s.spec_verify_rows if s.spec_verify_rows else 0.0
                 ),
             )
-        tracker = frontend().client.tracker
+        tracker = frontend(request).client.tracker
         return json_response(
             {
                 "object": "engine_stats",
-                "model": frontend().model_name,
+                "model": frontend(request).model_name,
                 "time": time.time(),
                 "uptime_s": time.time() - tracker.started_at,
                 "engine": engine,
@@ -134,12 +133,12 @@ def register_console(
         max_nodes = _int_param(query, "max_nodes", 256, _RADIX_MAX_NODES)
         max_depth = _int_param(query, "max_depth", 8, _RADIX_MAX_DEPTH)
         try:
-            s = await frontend().client.radix_summary(max_nodes, max_depth)
+            s = await frontend(request).client.radix_summary(max_nodes, max_depth)
         except EngineDead as exc:
             raise APIError(503, str(exc), "service_unavailable_error", code="engine_dead") from None
         if s.error is not None:
             raise APIError(400, s.error)
-        decode = frontend().tokenizer.decode
+        decode = frontend(request).tokenizer.decode
         readable = may_read_prompts(request)
         nodes = []
         for (

@@ -9,7 +9,7 @@ import logging
 import re
 import signal
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 from radixserve.api.anthropic import messages
 from radixserve.api.asgi import (
@@ -36,7 +36,7 @@ from radixserve.api.openai import (
 from radixserve.api.openai.config import ServerConfig
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.version import __version__
-from radixserve.serving.frontend import EngineConfig
+from radixserve.serving.frontend import EngineConfig, Frontend
 from radixserve.serving.metrics import render_by_model
 from radixserve.serving.tenancy import TenantTag
 
@@ -81,11 +81,15 @@ def create_app(engine_config: EngineConfig, config: ServerConfig | None = None) 
         models.shutdown,
         body_timeout_s=config.body_timeout_s,
     )
-    register_console(
-        app, lambda: server.frontend, lambda request: policy.may_read_prompts(request.headers)
-    )
+
+    def viewed(request: HTTPRequest) -> Frontend:
+        """The model a console or debug route looks at: its ``?model=`` (a loaded one), else
+        the default model."""
+        return server.loaded_frontend(parse_qs(request.query).get("model", [None])[0])
+
+    register_console(app, viewed, lambda request: policy.may_read_prompts(request.headers))
     if config.enable_debug_endpoints:
-        add_debug_routes(app, lambda: server.frontend)
+        add_debug_routes(app, viewed)
     app.server = server  # type: ignore[attr-defined] # (the gRPC frontend shares it)
 
     @app.route("GET", "/health")

@@ -240,6 +240,21 @@ class OpenAIServer:
             )
         return frontend
 
+    def loaded_frontend(self, name: str | None) -> Frontend:
+        """The frontend of loaded model ``name`` (None: the default model), for the routes
+        that look at a model without running a request on it (the console's, the debug
+        ones): a 404 for an unknown name, a 503 for a model not loaded (never loads it)."""
+        if name is None:
+            return self.frontend
+        try:
+            served = self.models.resolve(name)
+        except ModelNotFound:
+            raise self.model_not_found(name) from None
+        frontend = self.models.loaded(served)
+        if frontend is None:
+            raise APIError(503, f"model {served!r} is not loaded", "service_unavailable_error")
+        return frontend
+
     def frontend_of(self, routing: Routing) -> Frontend:
         """The frontend of the model a routed request holds (``parse_routed``)."""
         frontend = self.models.loaded(routing.model or self.models.default)

@@ -350,7 +350,7 @@
   async function pollStats() {
     let s;
     try {
-      const r = await api("/v1/engine/stats");
+      const r = await api("/v1/engine/stats" + (viewedModel() ? "?model=" + encodeURIComponent(viewedModel()) : ""));
       if (!r.ok) throw new Error(await errorMessage(r));
       s = await r.json();
     } catch (e) {
@@ -500,6 +500,7 @@
       max_nodes: $("radix-max-nodes").value,
       max_depth: $("radix-max-depth").value,
     });
+    if (viewedModel()) q.set("model", viewedModel());
     let s;
     try {
       const r = await api("/v1/engine/radix?" + q);
@@ -572,7 +573,15 @@
     renderMarkdown,
   };
 
-  // a server with several models (or LoRA adapters): the playground picks one
+  // the base model the dashboard and the radix view look at: the picked one's (an
+  // adapter's parent), or none (the server's default model)
+  function viewedModel() {
+    const option = $("model-picker").selectedOptions[0];
+    return option && option.dataset.base ? option.dataset.base : "";
+  }
+
+  // a server with several models (or LoRA adapters): the playground picks one, and the
+  // dashboard shows its base model
   async function listModels() {
     let cards;
     try {
@@ -587,11 +596,13 @@
     for (const card of cards) {
       const option = document.createElement("option");
       option.value = card.id;
+      option.dataset.base = card.parent || card.id;
       const state = card.status && card.status !== "loaded" ? " (" + card.status + ")" : "";
       option.textContent = (card.parent ? card.parent + " / " : "") + card.id + state;
       picker.append(option);
     }
     $("model-picker-label").hidden = false;
+    picker.addEventListener("change", () => (previous = null)); // rates are per model
   }
 
   // -- start ------------------------------------------------------------------------------
