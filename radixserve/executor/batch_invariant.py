@@ -190,7 +190,8 @@ def whole_calls(rows: int) -> bool:
 
 def prepare_kernels() -> None:
     """Turn off, for this process, the panel GEMMs' AMX tiles where they would leave no row
-    count computing each row alone (``native.invariant_rows``: int4 tiles from 8 rows)."""
+    count computing each row alone (``native.invariant_rows``: int8's tiles, from as few rows
+    as its one-set tiles; int4's invariant entry never uses them)."""
     for load, prefix in ((load_int4_panels, "int4_panels"), (load_int8_panels, "int8_panels")):
         lib = load()
         if lib is not None and invariant_rows(lib, prefix) is None:

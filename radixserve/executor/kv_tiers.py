@@ -419,14 +419,16 @@ class TierTransfer:
     def _pages_bytes(self, tensors: list[torch.Tensor], ids: list[int]) -> np.ndarray:
         """Pages ``ids`` of ``tensors`` (a cache's or the host store's page tensors) as rows
         of raw bytes: each row the page's slice of every tensor in turn (``DiskKVStore``'s
-        payload), gathered in one copy per tensor."""
+        payload): each tensor gathered page-major in one copy, then written into its columns."""
         idx = torch.tensor(ids, dtype=torch.int64, device=tensors[0].device)
-        parts = [
-            t[:, idx].transpose(0, 1).contiguous().cpu().view(torch.uint8).reshape(len(ids), -1)
-            for t in tensors
-        ]
-        rows = torch.cat(parts, dim=1).numpy()
-        assert rows.shape[1] == self.page_bytes
+        rows = np.empty((len(ids), self.page_bytes), dtype=np.uint8)
+        start = 0
+        for t in tensors:
+            part = t.transpose(0, 1)[idx].cpu()  # [n, layers, ...], contiguous
+            width = part[0].numel() * part.element_size()
+            rows[:, start : start + width] = part.view(torch.uint8).reshape(len(ids), width).numpy()
+            start += width
+        assert start == self.page_bytes
         return rows
 
     def spill(self, slots: np.ndarray, keys: list[bytes], from_pool: bool = False) -> None:
