@@ -123,8 +123,11 @@ async def _slow_body_worker(hang: bool) -> tuple[asyncio.AbstractServer, str, as
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
-        while head.startswith(b"GET /health"):  # (a kept-alive connection may come back)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        while head.startswith(b"GET "):  # (a kept-alive connection may come back)
+            ok = head.startswith(b"GET /health")  # (it names no models)
+            writer.write(
+                b"HTTP/1.1 %s\r\ncontent-length: 0\r\n\r\n" % (b"200 OK" if ok else b"404 X")
+            )
             await writer.drain()
             head = await reader.readuntil(b"\r\n\r\n")
         length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
@@ -205,6 +208,8 @@ async def _scripted_worker(
                 head = await reader.readuntil(b"\r\n\r\n")
                 if head.startswith(b"GET /health"):
                     status, body = (200, b"") if healthy[0] else (503, _error_body("down"))
+                elif head.startswith(b"GET "):  # (it names no models: /v1/models is a 404)
+                    status, body = 404, _error_body("not_found")
                 else:
                     length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                     await reader.readexactly(length)
@@ -212,7 +217,7 @@ async def _scripted_worker(
                     ctype, delay = rest if rest else (b"application/json", 0.0)
                     served.append(status)
                     await asyncio.sleep(delay)
-                if head.startswith(b"GET /health"):
+                if head.startswith(b"GET "):
                     ctype = b"application/json"
                 writer.write(
                     b"HTTP/1.1 %d X\r\ncontent-type: %s\r\n"

@@ -111,6 +111,12 @@ class RouterConfig:
     )
     # tenant = a prompt is matched only against the prompts sent with the same credentials
     # (the replicas cache per tenant); global = all
+    worker_api_key: str | None = setting(
+        None,
+        help="the key the router reads each replica's /v1/models with, to learn which "
+        "models it serves (needed where the replicas take keys; without it a replica "
+        "that asks for one is taken to serve every model)",
+    )
     prefix_cache_scope: str = setting(
         "tenant",
         choices=PREFIX_CACHE_SCOPES,
@@ -275,6 +281,30 @@ class _Flight:
     whole: bool = False
 
 
+# a worker's models as its /v1/models tells them: a name (or alias) -> its status there
+# ("loaded", "loading", "unloaded"; a LoRA adapter takes its base model's)
+WARM_STATES = frozenset({"loaded", "loading"})
+
+
+def served_models(listing: Any) -> dict[str, str] | None:
+    """What a replica's ``/v1/models`` answer says it serves (None: not such an answer):
+    each model's id and aliases with its status (a single-model server's card has none:
+    loaded), each adapter with its base model's."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        return None
+    cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    status = {c["id"]: str(c.get("status", "loaded")) for c in cards if "parent" not in c}
+    out: dict[str, str] = {}
+    for card in cards:
+        state = status.get(card.get("parent"), "loaded") if "parent" in card else status[card["id"]]
+        aliases = card.get("aliases")
+        for name in [card["id"], *(aliases if isinstance(aliases, list) else ())]:
+            if isinstance(name, str):
+                out[name] = state
+    return out
+
+
 class Worker:
     """One replica as the router sees it."""
 
@@ -284,6 +314,9 @@ class Worker:
         self.failures = 0  # consecutive failed health checks
         self.flights: set[_Flight] = set()
         self.epoch = 0  # times it came back (passed a health check after being out)
+        # the models it serves (``served_models``), learned at each health check; None
+        # while not known (not asked yet, or it would not say): taken to serve any
+        self.models: dict[str, str] | None = None
 
 
 class Router:
@@ -293,7 +326,9 @@ class Router:
     its in-flight requests end at once — a plain request with a 502, a stream with an
     error event then ``[DONE]`` — and it gets no new ones until a health check passes. A
     Responses request that continues a stored response (``previous_response_id``), and a
-    GET or DELETE of one, goes to the replica that stored it, and nowhere else."""
+    GET or DELETE of one, goes to the replica that stored it, and nowhere else. A request
+    naming a model some replica lists goes only to replicas that list it
+    (``model_excluded``)."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -389,6 +424,7 @@ class Router:
             ok = False
         if ok:
             worker.failures = 0
+            await self._learn_models(worker)
             if not worker.healthy:
                 log.info("worker %s is healthy", worker.url)
                 worker.healthy = True
@@ -398,6 +434,52 @@ class Router:
         worker.failures += 1
         if worker.healthy and worker.failures >= self.config.health_failure_threshold:
             self.take_out(i, "failed its health check")
+
+    async def _learn_models(self, worker: Worker) -> None:
+        """Ask a healthy worker which models it serves and in what state (its answer
+        replaces what the router knew; no answer leaves it)."""
+        assert self.http is not None
+        key = self.config.worker_api_key
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        try:
+            answer = await self.http.get(
+                worker.url + "/v1/models",
+                headers=headers,
+                timeout=self.config.health_check_timeout_s,
+            )
+            models = served_models(answer.json()) if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return
+        if models is not None:
+            worker.models = models
+
+    def model_excluded(self, name: Any, excluded: frozenset[int]) -> frozenset[int]:
+        """The workers a request for model ``name`` is not sent to: those whose lists do
+        not have it, and, while some worker that may take it (healthy, not in
+        ``excluded``) has it loaded or loading, those where it is not (a load takes
+        seconds) — unless those are unbalanced as the cache-aware policy counts it. None
+        when no worker lists the name (the default model, an adapter a key alone sees, or
+        no such model: a worker answers that)."""
+        if not isinstance(name, str) or not any(
+            w.models is not None and name in w.models for w in self.workers
+        ):
+            return frozenset()
+        serving = {i for i, w in enumerate(self.workers) if w.models is None or name in w.models}
+        out = set(range(len(self.workers))) - serving
+        open_ = [i for i in serving if self.workers[i].healthy and i not in excluded]
+        warm = [
+            i for i in open_ if (self.workers[i].models or {}).get(name, "loaded") in WARM_STATES
+        ]
+        cold = [i for i in open_ if i not in warm]
+        if warm and cold:
+            c = self.balancer.config
+            busy = min(self.balancer.load[i] for i in warm)
+            idle = min(self.balancer.load[i] for i in cold)
+            if not (
+                busy - idle > c.balance_abs_threshold and busy > idle * c.balance_rel_threshold
+            ):
+                out.update(cold)
+        return frozenset(out)
 
     def take_out(self, i: int, reason: str) -> None:
         """Stop routing to worker ``i`` and end its in-flight requests with an error."""
@@ -497,6 +579,7 @@ class Router:
             body = None  # the worker answers it (400)
         key = routing_key(request.path, body)
         namespace = routing_namespace(self.config.prefix_cache_scope, request.headers, body)
+        model = body.get("model") if isinstance(body, dict) else None
         loop = asyncio.get_running_loop()
         deadline: float | None = None  # set when the request first fails or waits
         avoid = _Avoid()
@@ -510,6 +593,7 @@ class Router:
             excluded = avoid.excluded(self.workers, now)
             try:
                 if pinned is None:
+                    excluded |= self.model_excluded(model, excluded)
                     decision = self.balancer.choose(key, excluded, namespace)
                 elif pinned in excluded or not self.workers[pinned].healthy:
                     raise NoWorkerAvailable(self.workers[pinned].url)
@@ -539,6 +623,9 @@ class Router:
                 ) from None
             worker = decision.worker
             url = self.workers[worker].url
+            known = self.workers[worker].models
+            if isinstance(model, str) and known is not None and known.get(model) == "unloaded":
+                known[model] = "loading"  # (it loads it now: the next ones go there too)
             self.requests.labels(url).inc()
             self.routing.labels(url, decision.outcome).inc()
             epoch = self.workers[worker].epoch
@@ -781,6 +868,54 @@ class Router:
                 last_failure, last_worker = self._failure(flight, value, count=False), i
             self.retried.labels(self.workers[i].url).inc()
 
+    async def list_models(self, request: HTTPRequest) -> Response:
+        """``GET /v1/models``: every healthy worker's list, asked with the client's
+        credentials, as one: each model once, ``loaded`` where any worker has it loaded
+        (else ``loading``, else ``unloaded``). No worker answering 200: the first answer
+        (a 401 as the workers gave it), or a 503 when none answered at all."""
+        assert self.http is not None
+        healthy = [i for i, w in enumerate(self.workers) if w.healthy]
+        headers = self._headers(request)
+
+        async def ask(i: int) -> httpx.Response | None:
+            try:
+                return await self.http.get(
+                    self.workers[i].url + "/v1/models",
+                    headers=headers,
+                    timeout=self.config.health_check_timeout_s,
+                )
+            except httpx.HTTPError:
+                return None
+
+        answers = await asyncio.gather(*(ask(i) for i in healthy))
+        rank = {"loaded": 0, "loading": 1, "unloading": 2, "unloaded": 3}
+        cards: dict[str, dict[str, Any]] = {}
+        answered = False
+        for answer in answers:
+            if answer is None or answer.status_code != 200:
+                continue
+            try:
+                data = answer.json().get("data")
+            except (ValueError, AttributeError):
+                continue
+            answered = True
+            for card in data if isinstance(data, list) else ():
+                if not isinstance(card, dict) or not isinstance(card.get("id"), str):
+                    continue
+                seen = cards.setdefault(card["id"], card)
+                status = card.get("status")
+                if seen is not card and rank.get(status, 9) < rank.get(seen.get("status"), 9):
+                    seen["status"] = status
+        if answered:
+            return json_response({"object": "list", "data": list(cards.values())})
+        for answer in answers:
+            if answer is not None:
+                headers_out = [(b"content-type", b"application/json")]
+                return Response(answer.content, answer.status_code, headers_out)
+        raise APIError(
+            503, "no healthy worker", "service_unavailable_error", code="no_healthy_worker"
+        )
+
     # -- routes ---------------------------------------------------------------------------
     def _build_app(self) -> ASGIApp:
         app = ASGIApp(self.config.max_body_bytes, lambda _: None, self.start, self.shutdown)
@@ -798,7 +933,7 @@ class Router:
             "/v1/chat/completions/render",
         ):
             app.route("POST", path)(self.forward_any)
-        app.route("GET", "/v1/models")(self.forward_any)
+        app.route("GET", "/v1/models")(self.list_models)
 
         @app.route("GET", "/health")
         async def health(_: HTTPRequest) -> Response:
@@ -826,6 +961,7 @@ class Router:
                             "healthy": w.healthy,
                             "load": self.balancer.load[i],
                             "tree_size": self.balancer.trees[i].size,
+                            "models": w.models,
                         }
                         for i, w in enumerate(self.workers)
                     ],
