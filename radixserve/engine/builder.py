@@ -24,6 +24,7 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.faults import FaultInjector
 from radixserve.engine.inputs import InputProcessor, sampling_defaults
 from radixserve.engine.kv_publisher import KVEventPublisher
+from radixserve.engine.model_profile import context_length
 from radixserve.engine.model_source import (
     ModelSource,
     model_matryoshka,
@@ -317,7 +318,7 @@ def _load_model(config: EngineConfig, source: ModelSource) -> ModelParts:
     pooling = model_pooling(source, checkpoint.gguf_metadata)
     matryoshka = model_matryoshka(source)
     del checkpoint, loaded
-    max_model_len = min(config.max_model_len or mc.max_model_len, mc.max_model_len)
+    max_model_len = context_length(config, mc.max_model_len)
     sizing = size_kv_cache(
         model,
         config.page_size,

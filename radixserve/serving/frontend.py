@@ -85,7 +85,71 @@ def make_engine_client(
     )
 
 
-class Frontend:
+class ModelInputs:
+    """A model's side of a request before its engine: its tokenizer (batched encoding),
+    its chat template and request normalisation (``inputs``), its grammar check. Invariant:
+    ``inputs`` checks against the limits the model's engine serves with (given here, from
+    the model's files: ``engine.model_profile``; a ``Frontend`` takes its engine's report).
+    A server of several models checks a request for a model not loaded against one of
+    these before it loads the model."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        tokenizer: Any,
+        model_name: str,
+        inputs: InputProcessor | None = None,
+    ) -> None:
+        self.engine_config = engine_config
+        self.tokenizer = tokenizer
+        self.tokenize = TokenizeBatcher(tokenizer)
+        self.model_name = model_name
+        # parses each grammar (the engine compiles it), bounded by the engine's timeout
+        self.grammar = GrammarChecker(engine_config.grammar_compile_timeout_s)
+        self._inputs = inputs
+        self._token_texts: dict[int, str] = {}
+
+    @property
+    def inputs(self) -> InputProcessor:
+        assert self._inputs is not None
+        return self._inputs
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inputs.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.inputs.max_model_len
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (encoded with the other texts of this loop turn)."""
+        return await self.tokenize.encode(text, add_special_tokens)
+
+    async def chat_ids(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of a conversation through the chat template (``engine.inputs``); the
+        template writes the special tokens, so none are added unless asked."""
+        text = self.inputs.render_chat(
+            messages, add_generation_prompt, continue_final_message, template_kwargs
+        )
+        return await self.encode(text, add_special_tokens=add_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (cached: logprobs name the same tokens again and again)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class Frontend(ModelInputs):
     """The serving state of one server process.
 
     Invariants: ``inputs`` exists once the engine is ready and uses the engine's vocabulary
@@ -95,12 +159,10 @@ class Frontend:
     """
 
     def __init__(self, engine_config: EngineConfig, config: ServingConfig | None = None) -> None:
-        self.engine_config = engine_config
         self.config = config = config or ServingConfig()
-        source_name, self.tokenizer = load_model_tokenizer(engine_config.model)
+        source_name, tokenizer = load_model_tokenizer(engine_config.model)
+        super().__init__(engine_config, tokenizer, config.served_model_name or source_name)
         self.client = make_engine_client(engine_config, self.tokenizer.backend_tokenizer, config)
-        self.tokenize = TokenizeBatcher(self.tokenizer)
-        self.model_name = config.served_model_name or source_name
         # the LoRA adapters served beside the base model: name -> folder
         self.loras: dict[str, str] = engine_config.lora_adapters
         self._loading: set[str] = set()  # adapters being loaded
@@ -115,11 +177,7 @@ class Frontend:
         if isinstance(self.client, DataParallelClient):  # per-engine series
             self.metrics.registry.register(self.client.collector)
         self.metrics.registry.register(SupervisionCollector(lambda: self.client))
-        # parses each grammar (the engine compiles it), bounded by the engine's timeout
-        self.grammar = GrammarChecker(engine_config.grammar_compile_timeout_s)
         self.created = int(time.time())
-        self._inputs: InputProcessor | None = None
-        self._token_texts: dict[int, str] = {}
 
     async def start(self) -> None:
         await self.client.start()
@@ -165,40 +223,6 @@ class Frontend:
                 self.tokenizer, ready.vocab_size, ready.max_model_len, ready.sampling_defaults
             )
         return self._inputs
-
-    @property
-    def vocab_size(self) -> int:
-        return self.inputs.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.inputs.max_model_len
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (encoded with the other texts of this loop turn)."""
-        return await self.tokenize.encode(text, add_special_tokens)
-
-    async def chat_ids(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
-        add_special_tokens: bool = False,
-    ) -> list[int]:
-        """Token ids of a conversation through the chat template (``engine.inputs``); the
-        template writes the special tokens, so none are added unless asked."""
-        text = self.inputs.render_chat(
-            messages, add_generation_prompt, continue_final_message, template_kwargs
-        )
-        return await self.encode(text, add_special_tokens=add_special_tokens)
-
-    def token_text(self, token_id: int) -> str:
-        """One token's text (cached: logprobs name the same tokens again and again)."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     # -- outputs ------------------------------------------------------------------------
     def observe(self, delta: Delta, label: str = "default") -> None:

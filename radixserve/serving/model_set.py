@@ -28,9 +28,11 @@ from typing import Any
 
 from radixserve.core.process_memory import rss_bytes
 from radixserve.engine.config import EngineConfig
+from radixserve.engine.inputs import InputProcessor
+from radixserve.engine.model_profile import model_profile
 from radixserve.engine.model_source import gguf_weight_bytes
 from radixserve.engine.tokenizer import load_model_tokenizer
-from radixserve.serving.frontend import Frontend, ServingConfig
+from radixserve.serving.frontend import Frontend, ModelInputs, ServingConfig
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,17 @@ def tokenizer_of(spec: ModelSpec) -> Any:
     return load_model_tokenizer(spec.config.model)[1]
 
 
+def model_inputs(spec: ModelSpec) -> ModelInputs:
+    """A model's tokenizer and request checks from its files, without its engine
+    (``engine.model_profile``). ``ValueError`` (or ``OSError``) for files it cannot read."""
+    tokenizer = tokenizer_of(spec)
+    profile = model_profile(spec.config)
+    inputs = InputProcessor(
+        tokenizer, profile.vocab_size, profile.max_model_len, profile.sampling_defaults
+    )
+    return ModelInputs(spec.config, tokenizer, spec.name, inputs)
+
+
 def engine_pids(frontend: Frontend) -> list[int]:
     """The engine processes behind a frontend (none for an engine on a thread)."""
     client = frontend.client
@@ -168,6 +181,9 @@ class _Entry:
         self.load_s: float | None = None
         self.changed = asyncio.Event()  # set (and replaced) at every change of state
         self.task: asyncio.Task | None = None
+        # its tokenizer and request checks without its engine, made at the first request
+        # that finds it not loaded (a result: ModelInputs, or None if its files say nothing)
+        self.preview: asyncio.Task | None = None
 
     def signal(self) -> None:
         self.changed.set()
@@ -303,6 +319,23 @@ class ModelSet:
     def loaded(self, name: str) -> Frontend | None:
         """A loaded model's frontend (None if it is not loaded)."""
         return self.entries[self.resolve(name)].frontend
+
+    async def preview(self, name: str) -> ModelInputs | None:
+        """What a request for model ``name`` is checked against before the model is
+        loaded: its ``ModelInputs`` from its files (made once, off the event loop). None
+        when they cannot be read so (loading it will say why)."""
+        entry = self.entries[self.resolve(name)]
+        if entry.preview is None:
+
+            async def make() -> ModelInputs | None:
+                try:
+                    return await asyncio.to_thread(model_inputs, entry.spec)
+                except Exception:
+                    log.warning("model %s: no checks before loading it", name, exc_info=True)
+                    return None
+
+            entry.preview = asyncio.ensure_future(make())
+        return await asyncio.shield(entry.preview)
 
     def frontends(self) -> list[tuple[str, Frontend]]:
         return [(n, e.frontend) for n, e in self.entries.items() if e.frontend is not None]

@@ -78,6 +78,38 @@ def test_a_request_holds_its_model_until_its_answer_is_sent(two_models):
     assert 'model="b"' in httpx.get(url + "/metrics").text
 
 
+def test_a_bad_request_for_a_model_not_loaded_loads_nothing(two_models):
+    """Each route reads its body against the model's files first: its 400 (or 404) comes
+    without the model being loaded, or another one unloaded for it."""
+    url = two_models.url
+    chat = [{"role": "user", "content": "hi"}]
+    bad = [
+        ("/v1/completions", {"prompt": "hi", "temperature": 3}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, None),
+        ("/v1/completions", {"prompt": [10**7]}, 400, None),  # (past the vocabulary)
+        ("/v1/chat/completions", {"messages": chat, "top_logprobs": 2}, 400, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": chat, "n": 10**4}, 400, "n"),
+        ("/v1/completions/render", {"prompt": "hi", "temperature": 3}, 400, "temperature"),
+        ("/v1/responses", {"input": "hi", "previous_response_id": "resp_0"}, 404, None),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 10**6}, 400, None),
+        ("/v1/messages", {"messages": chat, "max_tokens": 10**6}, 400, None),
+        ("/v1/messages/count_tokens", {"messages": []}, 400, None),
+        ("/v1/embeddings", {"input": ""}, 400, "input"),
+    ]
+    for path, body, status, param in bad:
+        r = httpx.post(url + path, json={**body, "model": "b"}, timeout=30)
+        assert r.status_code == status, (path, body, r.text)
+        if param is not None:
+            assert r.json()["error"]["param"] == param, (path, r.text)
+    card = _status(url)["b"]
+    assert (card["status"], card["loads"]) == ("unloaded", 0)
+    # the same limits as the loaded model's: a good request loads it and is answered
+    r = httpx.post(url + "/v1/completions", json={**GREEDY, "model": "b"}, timeout=60)
+    assert r.status_code == 200 and _status(url)["b"]["loads"] == 1
+    for path, body, status, _ in bad:  # (and the loaded model answers them alike)
+        assert httpx.post(url + path, json={**body, "model": "b"}).status_code == status
+
+
 def test_keep_alive_pins_and_the_admin_routes(two_models):
     url = two_models.url
 

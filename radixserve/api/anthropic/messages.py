@@ -46,7 +46,7 @@ from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving import reasoning as rp
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
-from radixserve.serving.frontend import Frontend
+from radixserve.serving.frontend import ModelInputs
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import Routing
 
@@ -152,7 +152,7 @@ def tools_of(body: Any, parser: str) -> ToolContext:
 
 
 def _thinking(
-    server: OpenAIServer, frontend: Frontend, body: Any
+    server: OpenAIServer, frontend: ModelInputs, body: Any
 ) -> tuple[bool | None, int | None]:
     """(whether to think: None = as the model does; the thinking budget in tokens) from the
     request's ``thinking``; a 400 naming the field when it cannot be honoured."""
@@ -185,7 +185,7 @@ def _thinking(
 
 
 async def _prompt(
-    frontend: Frontend, body: Any, tools: ToolContext, think: bool | None = None
+    frontend: ModelInputs, body: Any, tools: ToolContext, think: bool | None = None
 ) -> list[int]:
     template: dict[str, Any] = {"tools": tools.tools} if tools.active else {}
     if think is not None:  # Qwen3's hybrid templates read it; others ignore it
@@ -259,10 +259,7 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     app.error_shapes[PREFIX] = anthropic_error
 
-    @app.route("POST", PREFIX, watch_disconnect=True, body_schema=body_schema(MessagesRequest))
-    async def messages(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = await server.parse_routed(request, MessagesRequest)
-        frontend = server.frontend_of(routing)
+    async def read(frontend: ModelInputs, body: MessagesRequest):
         _reject_refused(body)
         tools = tools_of(body, server.tool_call_parser(frontend))
         think, budget = _thinking(server, frontend, body)
@@ -283,7 +280,12 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         )
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
-        params = keep_markers(params, tools)  # (a format whose markers are special)
+        return ids, keep_markers(params, tools), tools, budget  # (markers that are special)
+
+    @app.route("POST", PREFIX, watch_disconnect=True, body_schema=body_schema(MessagesRequest))
+    async def messages(request: HTTPRequest) -> Response | StreamResponse:
+        body, routing = await server.parse_routed(request, MessagesRequest, read)
+        ids, params, tools, budget = await read(server.frontend_of(routing), body)
         message_id = f"msg_{uuid.uuid4().hex}"
         if body.stream:
             return StreamResponse(_stream(server, message_id, ids, params, routing, tools, budget))
@@ -291,12 +293,13 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("POST", PREFIX + "/count_tokens", body_schema=body_schema(CountTokensRequest))
     async def count_tokens(request: HTTPRequest) -> Response:
-        body, routing = await server.parse_routed(request, CountTokensRequest)
-        _reject_refused(body)
-        frontend = server.frontend_of(routing)
-        tools = tools_of(body, server.tool_call_parser(frontend))
-        ids = await _prompt(frontend, body, tools)
-        return json_response({"input_tokens": len(ids)})
+        async def count(frontend: ModelInputs, body: CountTokensRequest) -> int:
+            _reject_refused(body)
+            tools = tools_of(body, server.tool_call_parser(frontend))
+            return len(await _prompt(frontend, body, tools))
+
+        body, routing = await server.parse_routed(request, CountTokensRequest, count)
+        return json_response({"input_tokens": await count(server.frontend_of(routing), body)})
 
 
 async def _whole(

@@ -25,11 +25,16 @@ from radixserve.api.openai.tool_parser import (
 )
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving import reasoning as rp
-from radixserve.serving.frontend import Frontend
+from radixserve.serving.frontend import ModelInputs
 from radixserve.serving.tenancy import Routing
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
+    async def read(frontend: ModelInputs, body: ChatCompletionRequest):
+        ids, params, tools = await chat_inputs(server, frontend, body)
+        reasoning = server.reasoning_parser(frontend)
+        return ids, params, tools, await structured_spec(frontend.grammar, body, tools, reasoning)
+
     @app.route(
         "POST",
         "/v1/chat/completions",
@@ -37,12 +42,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body_schema=body_schema(ChatCompletionRequest),
     )
     async def chat_completions(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = await server.parse_routed(request, ChatCompletionRequest)
-        frontend = server.frontend_of(routing)
-        ids, params, tools = await chat_inputs(server, frontend, body)
-        spec = await structured_spec(
-            frontend.grammar, body, tools, server.reasoning_parser(frontend)
-        )
+        body, routing = await server.parse_routed(request, ChatCompletionRequest, read)
+        ids, params, tools, spec = await read(server.frontend_of(routing), body)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
         params = keep_markers(params, tools)  # (a format whose markers are special)
@@ -53,7 +54,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
 
 async def chat_inputs(
-    server: OpenAIServer, frontend: Frontend, body: ChatCompletionRequest
+    server: OpenAIServer, frontend: ModelInputs, body: ChatCompletionRequest
 ) -> tuple[list[int], SamplingParams, ToolContext]:
     """A chat request's prompt ids (its template, tools and checks), its sampling
     parameters (before a grammar) and its tools: what ``/v1/chat/completions`` runs and

@@ -15,11 +15,15 @@ from radixserve.api.openai.protocol import CompletionRequest, body_schema
 from radixserve.api.openai.state import OpenAIServer
 from radixserve.api.openai.structured import structured_spec
 from radixserve.core.sampling_params import SamplingParams
-from radixserve.serving.frontend import Frontend
+from radixserve.serving.frontend import ModelInputs
 from radixserve.serving.tenancy import Routing
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
+    async def read(frontend: ModelInputs, body: CompletionRequest):
+        inputs = await completion_inputs(server, frontend, body)
+        return inputs, await structured_spec(frontend.grammar, body)
+
     @app.route(
         "POST",
         "/v1/completions",
@@ -27,10 +31,9 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         body_schema=body_schema(CompletionRequest),
     )
     async def completions(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = await server.parse_routed(request, CompletionRequest)
+        body, routing = await server.parse_routed(request, CompletionRequest, read)
         frontend = server.frontend_of(routing)
-        texts, prompts, params, prompt_only = await completion_inputs(server, frontend, body)
-        spec = await structured_spec(frontend.grammar, body)
+        (texts, prompts, params, prompt_only), spec = await read(frontend, body)
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
         if body.echo:  # echo token-id prompts as their text; logprobs cover the prompt too
@@ -49,7 +52,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
 
 async def completion_inputs(
-    server: OpenAIServer, frontend: Frontend, body: CompletionRequest
+    server: OpenAIServer, frontend: ModelInputs, body: CompletionRequest
 ) -> tuple[list[str | None], list[list[int]], SamplingParams, bool]:
     """A completion request's prompt texts (None where given as ids, or truncated), prompt
     ids (checked), sampling parameters (before a grammar) and whether it asks for the

@@ -21,7 +21,7 @@ from radixserve.api.openai.tool_parser import ToolContext, template_message
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
-from radixserve.serving.frontend import Frontend
+from radixserve.serving.frontend import ModelInputs
 
 _FIELD_RE = re.compile(r"^([a-z_]+)")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default
@@ -83,7 +83,7 @@ def num_logprobs(body: Any, limit: int) -> int | None:
 
 
 def checked_sampling_params(
-    frontend: Frontend, renames: dict[str, str] | None = None, prefix: str = "", **fields: Any
+    frontend: ModelInputs, renames: dict[str, str] | None = None, prefix: str = "", **fields: Any
 ) -> SamplingParams:
     """``frontend.inputs.sampling_params(**fields)``, a bad field a 400 naming it as the
     request does (``renames``: engine field -> request field; ``prefix``: its parent)."""
@@ -96,7 +96,7 @@ def checked_sampling_params(
 
 
 def sampling_params(
-    frontend: Frontend, body: Any, max_tokens: int, config: ServerConfig
+    frontend: ModelInputs, body: Any, max_tokens: int, config: ServerConfig
 ) -> SamplingParams:
     """The ``SamplingParams`` of a completions or chat body: fields it leaves unset take the
     model's defaults (``engine.inputs``); out-of-range values are a 400 naming the field."""
@@ -185,7 +185,7 @@ def check_request_size(
 
 
 # -- prompts ------------------------------------------------------------------------------
-def check_prompt(frontend: Frontend, ids: list[int], max_tokens: int) -> list[int]:
+def check_prompt(frontend: ModelInputs, ids: list[int], max_tokens: int) -> list[int]:
     try:
         return frontend.inputs.check_prompt(ids, max_tokens)
     except InputError as exc:
@@ -193,7 +193,7 @@ def check_prompt(frontend: Frontend, ids: list[int], max_tokens: int) -> list[in
 
 
 async def completion_prompts(
-    frontend: Frontend, prompt: Any, max_prompts: int, param: str = "prompt"
+    frontend: ModelInputs, prompt: Any, max_prompts: int, param: str = "prompt"
 ) -> tuple[list[str | None], list[list[int]]]:
     """(texts, token ids) of a completions ``prompt`` (or an embeddings ``input``:
     ``param`` names the field): a string, strings, token ids or lists of them (texts are
@@ -240,7 +240,9 @@ def message_text(m: Any, i: int) -> str:
     return content or ""
 
 
-async def chat_prompt(frontend: Frontend, body: Any, tools: ToolContext | None = None) -> list[int]:
+async def chat_prompt(
+    frontend: ModelInputs, body: Any, tools: ToolContext | None = None
+) -> list[int]:
     """Token ids of a chat body's messages through the model's chat template, with the
     tools it may call shown to the model (``tools`` active)."""
     messages = [template_message(m, i, message_text(m, i)) for i, m in enumerate(body.messages)]
@@ -272,7 +274,7 @@ def response_id(prefix: str, body: Any) -> str:
     return f"{prefix}-{given}" if given else f"{prefix}-{uuid.uuid4().hex}"
 
 
-def chat_max_tokens(frontend: Frontend, body: Any, prompt_len: int) -> int:
+def chat_max_tokens(frontend: ModelInputs, body: Any, prompt_len: int) -> int:
     """A chat request's completion budget: as asked, else the rest of the context."""
     requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
     return requested if requested is not None else max(1, frontend.max_model_len - prompt_len)

@@ -20,12 +20,31 @@ from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.errors import InputError
 from radixserve.core.request import POOLING_PARAMS
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
-from radixserve.serving.frontend import Frontend
+from radixserve.serving.frontend import Frontend, ModelInputs
 
 # what the wire carries for a pooling request (the engine makes its own)
 _INPUT_SHAPES = (
     "input must be a string, a list of strings, a list of token ids or a list of lists of token ids"
 )
+
+
+async def embedding_prompts(
+    server: OpenAIServer, frontend: ModelInputs, body: EmbeddingRequest
+) -> list[list[int]]:
+    """An embeddings request's prompt ids, each checked against the context (nothing is
+    generated: a prompt may fill it whole), and the request's size against the limits."""
+    config = server.config
+    _, prompts = await cv.completion_prompts(
+        frontend, body.input, config.max_prompts_per_request, param="input"
+    )
+    if body.truncate_prompt_tokens is not None:
+        prompts = [cv.truncate_prompt(ids, body) for ids in prompts]
+    try:
+        prompts = [frontend.inputs.check_prompt(ids, 0) for ids in prompts]
+    except InputError as exc:
+        raise APIError(400, str(exc), param="input", code=exc.code) from None
+    cv.check_request_size(config, prompts, POOLING_PARAMS, prompt_param="input")
+    return prompts
 
 
 def pooling_kind(server: OpenAIServer, frontend: Frontend) -> str:
@@ -94,24 +113,17 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     )
     async def embeddings(request: HTTPRequest) -> Response:
         try:
-            body, routing = await server.parse_routed(request, EmbeddingRequest)
+            body, routing = await server.parse_routed(
+                request, EmbeddingRequest, lambda f, b: embedding_prompts(server, f, b)
+            )
         except APIError as exc:  # (pydantic names the union member: "input.str")
             if exc.param is None or not exc.param.startswith("input."):
                 raise
             raise APIError(400, _INPUT_SHAPES, param="input") from None
-        frontend, config = server.frontend_of(routing), server.config
+        frontend = server.frontend_of(routing)
         kind = pooling_kind(server, frontend)
         dimensions = check_dimensions(frontend, body.dimensions)
-        _, prompts = await cv.completion_prompts(
-            frontend, body.input, config.max_prompts_per_request, param="input"
-        )
-        if body.truncate_prompt_tokens is not None:
-            prompts = [cv.truncate_prompt(ids, body) for ids in prompts]
-        try:  # nothing is generated: a prompt may fill the whole context
-            prompts = [frontend.inputs.check_prompt(ids, 0) for ids in prompts]
-        except InputError as exc:
-            raise APIError(400, str(exc), param="input", code=exc.code) from None
-        cv.check_request_size(config, prompts, POOLING_PARAMS, prompt_param="input")
+        prompts = await embedding_prompts(server, frontend, body)
         vectors: dict[int, bytes] = {}
         try:
             async for i, d in frontend.run(

@@ -49,6 +49,7 @@ from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving import reasoning as rp
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
+from radixserve.serving.frontend import ModelInputs
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.tenancy import Routing
 
@@ -315,17 +316,14 @@ class _Responder:
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     store: ResponseStore = server.responses
 
-    @app.route(
-        "POST", "/v1/responses", watch_disconnect=True, body_schema=body_schema(ResponsesRequest)
-    )
-    async def create(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = await server.parse_routed(request, ResponsesRequest)
-        frontend = server.frontend_of(routing)
+    async def read(frontend: ModelInputs, body: ResponsesRequest, tenant: str):
+        """The request's conversation, prompt ids, sampling parameters and tools (its
+        400s, and a 404 for a previous response ``tenant`` cannot see)."""
         _refuse_unsupported(body)
         conversation: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             # another tenant's response is not found, exactly like one never stored
-            previous = store.get(body.previous_response_id, routing.tag.tenant.name)
+            previous = store.get(body.previous_response_id, tenant)
             if previous is None:
                 raise APIError(
                     404,
@@ -364,7 +362,22 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         )
         if spec is not None:
             params = dataclasses.replace(params, structured_output=spec)
-        params = keep_markers(params, tools)  # (a format whose markers are special)
+        return conversation, ids, keep_markers(params, tools), tools  # (special markers)
+
+    @app.route(
+        "POST", "/v1/responses", watch_disconnect=True, body_schema=body_schema(ResponsesRequest)
+    )
+    async def create(request: HTTPRequest) -> Response | StreamResponse:
+        def check(frontend: ModelInputs, body: ResponsesRequest):
+            return read(
+                frontend,
+                body,
+                server.tenant_tag(request.headers, getattr(body, "user", None)).tenant.name,
+            )
+
+        body, routing = await server.parse_routed(request, ResponsesRequest, check)
+        frontend = server.frontend_of(routing)
+        conversation, ids, params, tools = await read(frontend, body, routing.tag.tenant.name)
         responder = _Responder(server, body, conversation, ids, routing)
         if body.stream:
             return StreamResponse(_stream(responder, params, tools))

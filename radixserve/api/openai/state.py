@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -18,7 +19,7 @@ from radixserve.api.openai.config import ServerConfig
 from radixserve.api.openai.converter import parse_body
 from radixserve.api.openai.response_store import ANY_TENANT, ResponseStore
 from radixserve.api.tenants import load_keys_file, tenant_tag
-from radixserve.serving.frontend import EngineConfig, Frontend
+from radixserve.serving.frontend import EngineConfig, Frontend, ModelInputs
 from radixserve.serving.model_set import (
     Lease,
     ModelNotFound,
@@ -158,17 +159,28 @@ class OpenAIServer:
         return parse_body(model, data)
 
     async def parse_routed(
-        self, request: HTTPRequest, model: type[BaseModel]
+        self,
+        request: HTTPRequest,
+        model: type[BaseModel],
+        check: Callable[[ModelInputs, Any], Awaitable[Any]] | None = None,
     ) -> tuple[Any, Routing]:
         """``parse``, and the request's ``Routing``: its tenant (its key's, refined by
         ``X-Tenant`` or ``user`` when the key allows sub-tenants), its served model and
         LoRA adapter (``model``: 404 for a name not served), the body's ``cache_salt``
         and ``priority`` where the model has them. The model is loaded if it is not, and
-        held until the answer is sent (``HTTPRequest.on_done``)."""
+        held until the answer is sent (``HTTPRequest.on_done``). ``check``: the route's
+        own reading of the body (its 400s), run first against the model's files when the
+        model is not loaded, so a bad request loads nothing and evicts no one."""
         body = self.parse(request, model)
         tag = self.tenant_tag(request.headers, getattr(body, "user", None))
         served, lora = self.model_of(getattr(body, "model", None), tag)
-        lease = await self.lease(served, getattr(body, "keep_alive", None))
+        keep_alive = getattr(body, "keep_alive", None)
+        if check is not None and self._only is None and self.models.loaded(served) is None:
+            self.keep_alive(keep_alive)
+            preview = await self.models.preview(served)
+            if preview is not None:
+                await check(preview, body)
+        lease = await self.lease(served, keep_alive)
         request.on_done.append(lease.release)
         routing = Routing(
             tag,
@@ -206,14 +218,19 @@ class OpenAIServer:
                 out[name] = entry.spec.config.lora_adapters
         return out
 
+    @staticmethod
+    def keep_alive(value: Any) -> float | None:
+        """A request's ``keep_alive`` in seconds (``parse_keep_alive``); 400 if bad."""
+        try:
+            return parse_keep_alive(value)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="keep_alive") from None
+
     async def lease(self, name: str, keep_alive: Any = None) -> Lease:
         """A hold on served model ``name``, loaded first if it is not: 400 for a bad
         ``keep_alive``; 503 (with Retry-After) when it could not be loaded in time, 500
         naming the reason when loading it failed."""
-        try:
-            keep = parse_keep_alive(keep_alive)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="keep_alive") from None
+        keep = self.keep_alive(keep_alive)
         try:
             return await self.models.acquire(name, keep)
         except ModelUnavailable as exc:

@@ -185,11 +185,7 @@ def load_gguf(
     through float32; the rest as above."""
     gguf_file = GGUFFile(path)
     meta = gguf_file.metadata
-    hf_config = gguf_hf_config(path, meta, {t.name for t in gguf_file.tensors})
-    embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
-    if embedding is not None and not meta.get(f"{meta['general.architecture']}.vocab_size"):
-        # the embedding's rows are the model's vocabulary (a token list may be shorter)
-        hf_config["vocab_size"] = int(embedding.shape[0])
+    hf_config = gguf_model_config(path, gguf_file)
     arch = meta["general.architecture"]
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config["num_key_value_heads"]
@@ -369,6 +365,20 @@ def _code_groups(by_hf: dict[str | None, Any]) -> dict[str, list[str]]:
                 ):
                     out[names[0]] = names
     return out
+
+
+def gguf_model_config(path: Path, gguf_file: Any = None) -> dict[str, Any]:
+    """The config.json equivalent of the GGUF model at ``path`` (``gguf_file``: its
+    ``GGUFFile`` when open already), as the loader builds the model from it: what
+    ``gguf_hf_config`` reads, with the embedding's rows as the vocabulary where the
+    metadata gives no size (a token list may be shorter)."""
+    gguf_file = gguf_file if gguf_file is not None else GGUFFile(path)
+    meta = gguf_file.metadata
+    hf_config = gguf_hf_config(path, meta, {t.name for t in gguf_file.tensors})
+    embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None and not meta.get(f"{meta['general.architecture']}.vocab_size"):
+        hf_config["vocab_size"] = int(embedding.shape[0])
+    return hf_config
 
 
 def gguf_hf_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
