@@ -26,6 +26,13 @@ def _status(url: str) -> dict[str, dict]:
     return {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
 
 
+def _ids(r: httpx.Response) -> str:
+    """A rendered request's id (random), or "" for other answers."""
+    answer = r.json()
+    first = answer[0] if isinstance(answer, list) else answer
+    return str(first.get("request_id", "")) or "\x00"
+
+
 def _wait_for(check, what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -95,12 +102,23 @@ def test_a_bad_request_for_a_model_not_loaded_loads_nothing(two_models):
         ("/v1/messages", {"messages": chat, "max_tokens": 10**6}, 400, None),
         ("/v1/messages/count_tokens", {"messages": []}, 400, None),
         ("/v1/embeddings", {"input": ""}, 400, "input"),
+        ("/generate", {"text": "hi", "sampling_params": {"top_p": 2}}, 400, None),
     ]
     for path, body, status, param in bad:
         r = httpx.post(url + path, json={**body, "model": "b"}, timeout=30)
         assert r.status_code == status, (path, body, r.text)
         if param is not None:
             assert r.json()["error"]["param"] == param, (path, r.text)
+    # and the routes that need no engine answer without one (tokenizer and template only)
+    good = [
+        ("/tokenize", {"prompt": "hello world"}),
+        ("/detokenize", {"tokens": [1, 2, 3]}),
+        ("/v1/messages/count_tokens", {"messages": chat}),
+        ("/v1/completions/render", {"prompt": "hi", "max_tokens": 3}),
+        ("/v1/chat/completions/render", {"messages": chat}),
+    ]
+    cold = [httpx.post(url + path, json={**body, "model": "b"}, timeout=30) for path, body in good]
+    assert [r.status_code for r in cold] == [200] * len(good), [r.text for r in cold]
     card = _status(url)["b"]
     assert (card["status"], card["loads"]) == ("unloaded", 0)
     # the same limits as the loaded model's: a good request loads it and is answered
@@ -108,6 +126,9 @@ def test_a_bad_request_for_a_model_not_loaded_loads_nothing(two_models):
     assert r.status_code == 200 and _status(url)["b"]["loads"] == 1
     for path, body, status, _ in bad:  # (and the loaded model answers them alike)
         assert httpx.post(url + path, json={**body, "model": "b"}).status_code == status
+    warm = [httpx.post(url + path, json={**body, "model": "b"}, timeout=30) for path, body in good]
+    for w, c in zip(warm, cold, strict=True):  # (but each render's random request id)
+        assert str(w.json()).replace(_ids(w), "") == str(c.json()).replace(_ids(c), ""), w.text
 
 
 def test_keep_alive_pins_and_the_admin_routes(two_models):

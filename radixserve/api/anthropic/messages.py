@@ -293,13 +293,10 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("POST", PREFIX + "/count_tokens", body_schema=body_schema(CountTokensRequest))
     async def count_tokens(request: HTTPRequest) -> Response:
-        async def count(frontend: ModelInputs, body: CountTokensRequest) -> int:
-            _reject_refused(body)
-            tools = tools_of(body, server.tool_call_parser(frontend))
-            return len(await _prompt(frontend, body, tools))
-
-        body, routing = await server.parse_routed(request, CountTokensRequest, count)
-        return json_response({"input_tokens": await count(server.frontend_of(routing), body)})
+        body, frontend, _ = await server.parse_inputs(request, CountTokensRequest)
+        _reject_refused(body)
+        tools = tools_of(body, server.tool_call_parser(frontend))
+        return json_response({"input_tokens": len(await _prompt(frontend, body, tools))})
 
 
 async def _whole(

@@ -26,14 +26,14 @@ from radixserve.api.openai.state import OpenAIServer
 from radixserve.api.openai.tool_parser import template_message
 from radixserve.core.errors import InputError
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
+from radixserve.serving.frontend import ModelInputs
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("POST", "/tokenize", body_schema=body_schema(TokenizeRequest))
     async def tokenize(request: HTTPRequest) -> Response:
-        body, routing = await server.parse_routed(request, TokenizeRequest)
-        frontend = server.frontend_of(routing)
+        body, frontend, _ = await server.parse_inputs(request, TokenizeRequest)
         if body.messages is not None:
             messages = [
                 template_message(m, i, cv.message_text(m, i)) for i, m in enumerate(body.messages)
@@ -52,17 +52,13 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
 
     @app.route("POST", "/detokenize", body_schema=body_schema(DetokenizeRequest))
     async def detokenize(request: HTTPRequest) -> Response:
-        body, routing = await server.parse_routed(request, DetokenizeRequest)
-        frontend = server.frontend_of(routing)
+        body, frontend, _ = await server.parse_inputs(request, DetokenizeRequest)
         bad = [t for t in body.tokens if not 0 <= t < frontend.vocab_size]
         if bad:
             raise APIError(400, f"token ids must be in [0, {frontend.vocab_size})", param="tokens")
         return json_response({"prompt": frontend.tokenizer.decode(body.tokens)})
 
-    @app.route("POST", "/generate", watch_disconnect=True, body_schema=body_schema(GenerateRequest))
-    async def generate(request: HTTPRequest) -> Response | StreamResponse:
-        body, routing = await server.parse_routed(request, GenerateRequest)
-        frontend = server.frontend_of(routing)
+    async def read(frontend: ModelInputs, body: GenerateRequest):
         if body.input_ids is not None:
             ids = body.input_ids
         elif body.text is not None:
@@ -77,6 +73,13 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
                 await frontend.grammar.check(params.structured_output, "sampling_params")
             except InputError as exc:
                 raise cv.input_error(exc) from None
+        return ids, params
+
+    @app.route("POST", "/generate", watch_disconnect=True, body_schema=body_schema(GenerateRequest))
+    async def generate(request: HTTPRequest) -> Response | StreamResponse:
+        body, routing = await server.parse_routed(request, GenerateRequest, read)
+        frontend = server.frontend_of(routing)
+        ids, params = await read(frontend, body)
         gen = frontend.run([ids], params, routing)
         if body.stream:
 

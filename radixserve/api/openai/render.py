@@ -61,10 +61,8 @@ def rendered(rid: str, ids: list[int], params: SamplingParams, model: str, body:
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
     @app.route("POST", "/v1/completions/render", body_schema=body_schema(CompletionRequest))
     async def render_completions(request: HTTPRequest) -> Response:
-        body, routing = await server.parse_routed(
-            request, CompletionRequest, lambda f, b: completion_inputs(server, f, b)
-        )
-        _, prompts, params, _ = await completion_inputs(server, server.frontend_of(routing), body)
+        body, frontend, name = await server.parse_inputs(request, CompletionRequest)
+        _, prompts, params, _ = await completion_inputs(server, frontend, body)
         rid = cv.response_id("cmpl", body)
         return json_response(
             [
@@ -72,7 +70,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
                     rid if len(prompts) == 1 else f"{rid}-{i}",
                     ids,
                     params,
-                    server.served_name(routing),
+                    name,
                     body,
                 )
                 for i, ids in enumerate(prompts)
@@ -83,9 +81,7 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
         "POST", "/v1/chat/completions/render", body_schema=body_schema(ChatCompletionRequest)
     )
     async def render_chat(request: HTTPRequest) -> Response:
-        body, routing = await server.parse_routed(
-            request, ChatCompletionRequest, lambda f, b: chat_inputs(server, f, b)
-        )
-        ids, params, _ = await chat_inputs(server, server.frontend_of(routing), body)
+        body, frontend, name = await server.parse_inputs(request, ChatCompletionRequest)
+        ids, params, _ = await chat_inputs(server, frontend, body)
         rid = cv.response_id("chatcmpl", body)
-        return json_response(rendered(rid, ids, params, server.served_name(routing), body))
+        return json_response(rendered(rid, ids, params, name, body))

@@ -191,6 +191,28 @@ class OpenAIServer:
         )
         return body, routing
 
+    async def parse_inputs(
+        self, request: HTTPRequest, model: type[BaseModel]
+    ) -> tuple[Any, ModelInputs, str]:
+        """``parse``, the tokenizer side of the model the body names and the name an
+        answer gives (the adapter's, else the model's), for the routes that need no
+        engine (tokenizing, counting, rendering): a loaded model's frontend, else its
+        ``ModelInputs`` from its files, so they never load a model (one whose files cannot
+        be read so is loaded and held as ``parse_routed`` does)."""
+        body = self.parse(request, model)
+        tag = self.tenant_tag(request.headers, getattr(body, "user", None))
+        served, lora = self.model_of(getattr(body, "model", None), tag)
+        name = lora or served
+        frontend = self.models.loaded(served)
+        if frontend is not None:
+            return body, frontend, name
+        preview = await self.models.preview(served)
+        if preview is not None:
+            return body, preview, name
+        lease = await self.lease(served)
+        request.on_done.append(lease.release)
+        return body, lease.frontend, name
+
     def model_of(self, name: str | None, tag: TenantTag) -> tuple[str, str | None]:
         """(served model, LoRA adapter or None) that a request's ``model`` names (None: the
         first model); a 404 ``model_not_found`` for a name that is neither a model, an
