@@ -173,6 +173,13 @@ def test_keep_alive_pins_and_the_admin_routes(two_models):
     # gRPC names its model too: b is loaded for the call and let go after it
     with grpc.insecure_channel(f"127.0.0.1:{two_models.grpc_port}") as channel:
         stub = pb_grpc.GenerateServiceStub(channel)
+        # a bad request is refused before b is loaded for it
+        loads = _status(url)["b"]["loads"]
+        bad = pb.GenerateRequest(text="hi", model="b", sampling_params=pb.SamplingParams(top_p=2))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(bad, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (_status(url)["b"]["status"], _status(url)["b"]["loads"]) == ("unloaded", loads)
         params = pb.SamplingParams(max_tokens=3, temperature=0)
         request = pb.GenerateRequest(text="hello", model="b", sampling_params=params)
         out = list(stub.Generate(request, timeout=60))

@@ -33,7 +33,7 @@ from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving import reasoning as rp
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
-from radixserve.serving.frontend import Frontend
+from radixserve.serving.frontend import Frontend, ModelInputs
 from radixserve.serving.metrics import RequestTimer
 from radixserve.serving.model_set import Lease
 from radixserve.serving.tenancy import DEFAULT_TAG, Routing, TenantTag
@@ -188,7 +188,7 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
             raise APIError(503, "the engine is not running", code="engine_dead")
 
     async def _prompt(
-        self, request: pb.GenerateRequest, frontend: Frontend
+        self, request: pb.GenerateRequest, frontend: ModelInputs
     ) -> tuple[list[int], SamplingParams]:
         """Token ids and SamplingParams, converted as the HTTP routes convert theirs."""
         kind = request.WhichOneof("input")
@@ -277,6 +277,8 @@ class GenerateServicer(pb_grpc.GenerateServiceServicer):
         try:
             try:  # (a dead engine is found by generate_batches: UNAVAILABLE)
                 served, lora = self.server.model_of(request.model or None, tag)  # (NOT_FOUND)
+                # (read against the model's files first: a bad request loads nothing)
+                await self.server.check_unloaded(served, lambda f: self._prompt(request, f))
                 lease = await self.server.lease(served)
                 frontend = self.served_by[engine_id] = lease.frontend
                 ids, params = await self._prompt(request, frontend)

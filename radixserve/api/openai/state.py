@@ -175,11 +175,9 @@ class OpenAIServer:
         tag = self.tenant_tag(request.headers, getattr(body, "user", None))
         served, lora = self.model_of(getattr(body, "model", None), tag)
         keep_alive = getattr(body, "keep_alive", None)
-        if check is not None and self._only is None and self.models.loaded(served) is None:
+        if check is not None:
             self.keep_alive(keep_alive)
-            preview = await self.models.preview(served)
-            if preview is not None:
-                await check(preview, body)
+            await self.check_unloaded(served, lambda preview: check(preview, body))
         lease = await self.lease(served, keep_alive)
         request.on_done.append(lease.release)
         routing = Routing(
@@ -190,6 +188,17 @@ class OpenAIServer:
             served,
         )
         return body, routing
+
+    async def check_unloaded(
+        self, served: str, check: Callable[[ModelInputs], Awaitable[Any]]
+    ) -> None:
+        """Run ``check`` (a request's reading of its body: its errors) against model
+        ``served``'s files if the model is not loaded, before a lease loads it (nothing
+        to do for a loaded model, or one whose files cannot be read so)."""
+        if self._only is None and self.models.loaded(served) is None:
+            preview = await self.models.preview(served)
+            if preview is not None:
+                await check(preview)
 
     async def parse_inputs(
         self, request: HTTPRequest, model: type[BaseModel]
