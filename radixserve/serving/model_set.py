@@ -297,6 +297,8 @@ class ModelSet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
         for entry in self.entries.values():
+            if entry.preview is not None and not entry.preview.done():
+                entry.preview.cancel()
             if entry.task is not None:
                 entry.task.cancel()
                 with contextlib.suppress(BaseException):
@@ -332,6 +334,7 @@ class ModelSet:
                     return await asyncio.to_thread(model_inputs, entry.spec)
                 except Exception:
                     log.warning("model %s: no checks before loading it", name, exc_info=True)
+                    entry.preview = None  # (the next request reads its files again)
                     return None
 
             entry.preview = asyncio.ensure_future(make())

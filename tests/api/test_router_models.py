@@ -109,10 +109,16 @@ def test_each_request_goes_to_a_replica_that_serves_its_model() -> None:
             answer = await router.proxy_generation(_request(model, f"prompt {i}"))
             assert answer.status == 200 and orjson.loads(answer.body)["model"] == model
         assert got == [["a"] * 3, ["b"] * 3]
+        # so do the routes any replica serving the model answers (tokenizing, rendering)
+        for model in "abab":
+            tokenize = orjson.dumps({"model": model, "prompt": "hi"})
+            answer = await router.forward_any(HTTPRequest("POST", "/tokenize", {}, tokenize))
+            assert orjson.loads(answer.body)["model"] == model
+        assert got == [["a"] * 5, ["b"] * 5]
         # a name no replica lists (the default model, an unknown one): any replica answers
         for model in (None, "nobody"):
             assert (await router.proxy_generation(_request(model))).status == 200
-        assert len(got[0]) + len(got[1]) == 8
+        assert len(got[0]) + len(got[1]) == 12
 
     _run([[_card("a")], [_card("b")]], scenario)
 
@@ -122,10 +128,11 @@ def test_a_replica_with_the_model_loaded_is_preferred_to_one_that_must_load_it()
         for i in range(4):  # (different prompts: the cache-aware policy would spread them)
             await router.proxy_generation(_request("m", f"{i} " * (i + 1)))
         assert got == [[], ["m"] * 4]
-        # the warm replica gone: the other takes the model, and counts it as loading there
+        # the warm replica gone: the other takes the model, and counts it as loaded once
+        # it answered
         router.take_out(1, "test")
         await router.proxy_generation(_request("m"))
-        assert got[0] == ["m"] and router.workers[0].models["m"] == "loading"
+        assert got[0] == ["m"] and router.workers[0].models["m"] == "loaded"
         # unbalanced past the policy's thresholds: the cold replica is used
         router.workers[0].models["m"] = "unloaded"
         router.workers[1].healthy = True
@@ -142,16 +149,19 @@ def test_the_model_list_is_every_replicas_as_one() -> None:
     async def scenario(router: Router, got: list[list]) -> None:
         answer = await router.list_models(HTTPRequest("GET", "/v1/models", {}, b""))
         data = orjson.loads(answer.body)["data"]
-        assert {c["id"]: c["status"] for c in data} == {
+        assert {c["id"]: c.get("status", "loaded") for c in data} == {
             "a": "loaded",  # (loaded on the second replica)
             "b": "unloaded",
             "c": "loaded",
+            "d": "loaded",  # (a single-model replica's card says nothing: it is loaded)
         }
 
     _run(
         [
             [_card("a", "unloaded"), _card("b", "unloaded")],
             [_card("a", "loaded"), _card("c", "loaded")],
+            [_card("d")],
+            [_card("d", "unloaded")],
         ],
         scenario,
     )

@@ -211,6 +211,8 @@ class OpenAIServer:
         body = self.parse(request, model)
         tag = self.tenant_tag(request.headers, getattr(body, "user", None))
         served, lora = self.model_of(getattr(body, "model", None), tag)
+        keep_alive = getattr(body, "keep_alive", None)
+        self.keep_alive(keep_alive)  # (a bad one is a 400 here too)
         name = lora or served
         frontend = self.models.loaded(served)
         if frontend is not None:
@@ -218,7 +220,7 @@ class OpenAIServer:
         preview = await self.models.preview(served)
         if preview is not None:
             return body, preview, name
-        lease = await self.lease(served)
+        lease = await self.lease(served, keep_alive)
         request.on_done.append(lease.release)
         return body, lease.frontend, name
 

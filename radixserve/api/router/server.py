@@ -297,7 +297,11 @@ def served_models(listing: Any) -> dict[str, str] | None:
     status = {c["id"]: str(c.get("status", "loaded")) for c in cards if "parent" not in c}
     out: dict[str, str] = {}
     for card in cards:
-        state = status.get(card.get("parent"), "loaded") if "parent" in card else status[card["id"]]
+        parent = card.get("parent")
+        if "parent" in card:
+            state = status.get(parent, "loaded") if isinstance(parent, str) else "loaded"
+        else:
+            state = status[card["id"]]
         aliases = card.get("aliases")
         for name in [card["id"], *(aliases if isinstance(aliases, list) else ())]:
             if isinstance(name, str):
@@ -424,12 +428,12 @@ class Router:
             ok = False
         if ok:
             worker.failures = 0
-            await self._learn_models(worker)
             if not worker.healthy:
                 log.info("worker %s is healthy", worker.url)
                 worker.healthy = True
                 self.balancer.set_available(i, True)
                 self._worker_back(i)
+            await self._learn_models(worker)  # (what it knew stands meanwhile)
             return
         worker.failures += 1
         if worker.healthy and worker.failures >= self.config.health_failure_threshold:
@@ -448,7 +452,7 @@ class Router:
                 timeout=self.config.health_check_timeout_s,
             )
             models = served_models(answer.json()) if answer.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+        except Exception:  # (an answer it cannot read says nothing: what it knew stands)
             return
         if models is not None:
             worker.models = models
@@ -623,9 +627,6 @@ class Router:
                 ) from None
             worker = decision.worker
             url = self.workers[worker].url
-            known = self.workers[worker].models
-            if isinstance(model, str) and known is not None and known.get(model) == "unloaded":
-                known[model] = "loading"  # (it loads it now: the next ones go there too)
             self.requests.labels(url).inc()
             self.routing.labels(url, decision.outcome).inc()
             epoch = self.workers[worker].epoch
@@ -636,6 +637,14 @@ class Router:
                 self._finish(flight)
                 raise
             if not isinstance(answer, Retry):
+                known = self.workers[worker].models
+                if (
+                    getattr(answer, "status", 200) == 200
+                    and isinstance(model, str)
+                    and known is not None
+                    and known.get(model) == "unloaded"
+                ):
+                    known[model] = "loaded"  # (it answered: the next ones go there too)
                 return answer, worker
             self._finish(flight)
             if deadline is None:  # the budget counts from the first failure
@@ -839,15 +848,26 @@ class Router:
         return flight, kind, value
 
     async def forward_any(self, request: HTTPRequest) -> Response:
-        """A request any worker can answer (models, tokenization): the next healthy one.
+        """A request any worker serving its model can answer (tokenization, rendering):
+        the next healthy one.
         These requests change nothing, so one whose worker failed before answering (it
         refused the connection, or was taken out while the request was on its way) goes
         to another healthy worker."""
         tried: set[int] = set()
         last_failure: APIError | None = None
         last_worker = -1
+        try:
+            body = orjson.loads(request.body) if request.body else None
+        except orjson.JSONDecodeError:
+            body = None  # (the worker answers it)
+        model = body.get("model") if isinstance(body, dict) else None
         while True:
-            healthy = [i for i, w in enumerate(self.workers) if w.healthy and i not in tried]
+            elsewhere = self.model_excluded(model, frozenset(tried))
+            healthy = [
+                i
+                for i, w in enumerate(self.workers)
+                if w.healthy and i not in tried and i not in elsewhere
+            ]
             if not healthy:
                 if last_failure is not None:  # no worker left to ask: it fails now
                     self.failed.labels(self.workers[last_worker].url).inc()
@@ -903,8 +923,10 @@ class Router:
                 if not isinstance(card, dict) or not isinstance(card.get("id"), str):
                     continue
                 seen = cards.setdefault(card["id"], card)
-                status = card.get("status")
-                if seen is not card and rank.get(status, 9) < rank.get(seen.get("status"), 9):
+                status = card.get("status") or "loaded"  # (a single-model server's card)
+                if seen is not card and rank.get(status, 9) < rank.get(
+                    seen.get("status") or "loaded", 9
+                ):
                     seen["status"] = status
         if answered:
             return json_response({"object": "list", "data": list(cards.values())})
@@ -961,7 +983,8 @@ class Router:
                             "healthy": w.healthy,
                             "load": self.balancer.load[i],
                             "tree_size": self.balancer.trees[i].size,
-                            "models": w.models,
+                            # (how many names it serves: which ones is for keys to see)
+                            "models": None if w.models is None else len(w.models),
                         }
                         for i, w in enumerate(self.workers)
                     ],
