@@ -103,6 +103,8 @@ def test_a_bad_request_for_a_model_not_loaded_loads_nothing(two_models):
         ("/v1/messages/count_tokens", {"messages": []}, 400, None),
         ("/v1/embeddings", {"input": ""}, 400, "input"),
         ("/generate", {"text": "hi", "sampling_params": {"top_p": 2}}, 400, None),
+        ("/v1/rerank", {"query": "q", "documents": ["d"]}, 400, None),  # (not a reranker)
+        ("/v1/score", {"text_1": "q", "text_2": "d"}, 400, None),
     ]
     for path, body, status, param in bad:
         r = httpx.post(url + path, json={**body, "model": "b"}, timeout=30)

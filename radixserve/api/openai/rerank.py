@@ -29,7 +29,7 @@ from radixserve.api.openai.state import OpenAIServer
 from radixserve.core.errors import InputError
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.serving.engine_streams import EngineDead, RequestRejected
-from radixserve.serving.frontend import Frontend
+from radixserve.serving.frontend import Frontend, ModelInputs
 from radixserve.serving.tenancy import Routing
 
 RERANK_TEMPLATES = {
@@ -74,8 +74,8 @@ def fill_template(template: str, query: str, document: str, instruction: str) ->
     )
 
 
-def _serves_rerank(server: OpenAIServer, routing: Routing) -> None:
-    name = server.frontend_of(routing).model_name
+def _serves_rerank(server: OpenAIServer, frontend: ModelInputs) -> None:
+    name = frontend.model_name
     if server.config.enable_rerank or "rerank" in name.lower():
         return
     raise APIError(
@@ -167,14 +167,17 @@ def _document_text(doc: str | dict[str, Any], i: int) -> str:
 
 
 def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
-    async def rerank(request: HTTPRequest) -> Response:
-        body, routing = await server.parse_routed(request, RerankRequest)
-        _serves_rerank(server, routing)
+    async def read_rerank(frontend: ModelInputs, body: RerankRequest) -> list[str]:
+        _serves_rerank(server, frontend)
         if not body.query.strip():
             raise APIError(400, "query is empty", param="query")
         if body.top_n is not None and body.top_n < 1:
             raise APIError(400, "top_n must be at least 1", param="top_n")
-        docs = [_document_text(d, i) for i, d in enumerate(body.documents)]
+        return [_document_text(d, i) for i, d in enumerate(body.documents)]
+
+    async def rerank(request: HTTPRequest) -> Response:
+        body, routing = await server.parse_routed(request, RerankRequest, read_rerank)
+        docs = await read_rerank(server.frontend_of(routing), body)
         scores, tokens = await score_pairs(
             server, [(body.query, d) for d in docs], body.instruction, routing, "documents"
         )
@@ -199,9 +202,8 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             rerank
         )
 
-    async def score(request: HTTPRequest) -> Response:
-        body, routing = await server.parse_routed(request, ScoreRequest)
-        _serves_rerank(server, routing)
+    async def read_score(frontend: ModelInputs, body: ScoreRequest) -> list[tuple[str, str]]:
+        _serves_rerank(server, frontend)
         firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         if len(firsts) == 1:
@@ -210,9 +212,12 @@ def add_routes(app: ASGIApp, server: OpenAIServer) -> None:
             raise APIError(400, "text_1 must be one text or as many as text_2", param="text_1")
         if any(not t.strip() for t in firsts):
             raise APIError(400, "text_1 is empty", param="text_1")
-        scores, tokens = await score_pairs(
-            server, list(zip(firsts, seconds, strict=True)), body.instruction, routing, "text_2"
-        )
+        return list(zip(firsts, seconds, strict=True))
+
+    async def score(request: HTTPRequest) -> Response:
+        body, routing = await server.parse_routed(request, ScoreRequest, read_score)
+        pairs = await read_score(server.frontend_of(routing), body)
+        scores, tokens = await score_pairs(server, pairs, body.instruction, routing, "text_2")
         return json_response(
             {
                 "id": f"score-{uuid.uuid4().hex}",
