@@ -23,6 +23,7 @@ from radixserve.core.request import EngineRequest
 from radixserve.core.sampling_params import SamplingParams
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.inputs import InputProcessor
+from radixserve.engine.model_source import resolve_model
 from radixserve.engine.tokenizer import load_model_tokenizer
 from radixserve.serving.client import EngineClient
 from radixserve.serving.dp_client import DataParallelClient
@@ -158,9 +159,19 @@ class Frontend(ModelInputs):
     it early aborts what is still running in the engine.
     """
 
-    def __init__(self, engine_config: EngineConfig, config: ServingConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: ServingConfig | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        """``tokenizer``: the model's, when read already (a several-model server's check
+        before the load): else it is read here."""
         self.config = config = config or ServingConfig()
-        source_name, tokenizer = load_model_tokenizer(engine_config.model)
+        if tokenizer is None:
+            source_name, tokenizer = load_model_tokenizer(engine_config.model)
+        else:
+            source_name = resolve_model(engine_config.model).name
         super().__init__(engine_config, tokenizer, config.served_model_name or source_name)
         self.client = make_engine_client(engine_config, self.tokenizer.backend_tokenizer, config)
         # the LoRA adapters served beside the base model: name -> folder

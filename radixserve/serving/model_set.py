@@ -222,7 +222,7 @@ class ModelSet:
         budget_bytes: int | None = None,
         idle_unload_s: float | None = None,
         max_load_wait_s: float = DEFAULT_MAX_LOAD_WAIT_S,
-        make_frontend: Callable[[EngineConfig, ServingConfig], Frontend] = Frontend,
+        make_frontend: Callable[[EngineConfig, ServingConfig, Any], Frontend] = Frontend,
     ) -> None:
         self.entries: dict[str, _Entry] = {}
         self.names: dict[str, str] = {}  # every name and alias -> the model's name
@@ -407,7 +407,14 @@ class ModelSet:
             serving = dataclasses.replace(
                 self.serving, served_model_name=entry.spec.name, engine_env=self._env
             )
-            frontend = await asyncio.to_thread(self.make_frontend, entry.spec.config, serving)
+            # (the tokenizer a check before the load read already: not read twice)
+            preview = entry.preview
+            done = preview is not None and preview.done() and not preview.cancelled()
+            read = preview.result() if done else None
+            tokenizer = read.tokenizer if read is not None else None
+            frontend = await asyncio.to_thread(
+                self.make_frontend, entry.spec.config, serving, tokenizer
+            )
             try:
                 await frontend.start()
             except BaseException:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+import types
 from pathlib import Path
 from typing import ClassVar
 
@@ -67,8 +68,10 @@ def _specs(tmp_path: Path, names: str = "abc", **kw) -> list[ModelSpec]:
 def _set(tmp_path: Path, budget_gib: float | None = 2, fail: set[str] = frozenset(), **kw):
     FakeFrontend.log = []
 
-    def make(config: EngineConfig, serving: ServingConfig) -> FakeFrontend:
-        return FakeFrontend(config, serving, serving.served_model_name in fail)
+    def make(config: EngineConfig, serving: ServingConfig, tokenizer=None) -> FakeFrontend:
+        frontend = FakeFrontend(config, serving, serving.served_model_name in fail)
+        frontend.tokenizer = tokenizer
+        return frontend
 
     budget = None if budget_gib is None else int(budget_gib * GIB)
     return ModelSet(_specs(tmp_path), ServingConfig(), budget, make_frontend=make, **kw)
@@ -87,6 +90,33 @@ async def until(check, timeout: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+def test_a_load_takes_the_tokenizer_its_check_read(tmp_path, monkeypatch):
+    """A request checked against the model's files before the load leaves the model's
+    tokenizer read: the load takes it rather than reading it again."""
+    tokenizer = object()
+
+    def model_inputs(spec):
+        return types.SimpleNamespace(tokenizer=tokenizer, name=spec.name)
+
+    monkeypatch.setattr(ms, "model_inputs", model_inputs)
+
+    async def scenario() -> None:
+        models = _set(tmp_path)
+        await models.start()
+        try:
+            assert (await models.preview("a")).tokenizer is tokenizer
+            lease = await models.acquire("a")
+            assert lease.frontend.tokenizer is tokenizer
+            lease.release()
+            lease = await models.acquire("b")  # (never checked: it reads its own)
+            assert lease.frontend.tokenizer is None
+            lease.release()
+        finally:
+            await models.shutdown()
+
+    run(scenario())
 
 
 def test_keep_alive_forms():
