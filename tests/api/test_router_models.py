@@ -62,8 +62,10 @@ def _request(model: str | None, prompt: str = "hello there") -> HTTPRequest:
 
 
 def _run(lists: list[list[dict]], scenario, **config) -> None:
+    keys = config.pop("keys", ())
+
     async def main() -> None:
-        started = [await _worker(cards, config.pop("keys", ())) for cards in lists]
+        started = [await _worker(cards, keys) for cards in lists]
         router = Router(
             RouterConfig(
                 tuple(url for _, url, _ in started), health_check_interval_s=3600, **config

@@ -171,14 +171,10 @@ class OpenAIServer:
         held until the answer is sent (``HTTPRequest.on_done``). ``check``: the route's
         own reading of the body (its 400s), run first against the model's files when the
         model is not loaded, so a bad request loads nothing and evicts no one."""
-        body = self.parse(request, model)
-        tag = self.tenant_tag(request.headers, getattr(body, "user", None))
-        served, lora = self.model_of(getattr(body, "model", None), tag)
-        keep_alive = getattr(body, "keep_alive", None)
+        body, tag, served, lora = self._named(request, model)
         if check is not None:
-            self.keep_alive(keep_alive)
             await self.check_unloaded(served, lambda preview: check(preview, body))
-        lease = await self.lease(served, keep_alive)
+        lease = await self.lease(served, getattr(body, "keep_alive", None))
         request.on_done.append(lease.release)
         routing = Routing(
             tag,
@@ -188,6 +184,15 @@ class OpenAIServer:
             served,
         )
         return body, routing
+
+    def _named(
+        self, request: HTTPRequest, model: type[BaseModel]
+    ) -> tuple[Any, TenantTag, str, str | None]:
+        """The body of ``request`` as ``model``, its tenant, and the served model and LoRA
+        adapter it names (``model_of``)."""
+        body = self.parse(request, model)
+        tag = self.tenant_tag(request.headers, getattr(body, "user", None))
+        return (body, tag, *self.model_of(getattr(body, "model", None), tag))
 
     async def check_unloaded(
         self, served: str, check: Callable[[ModelInputs], Awaitable[Any]]
@@ -208,9 +213,7 @@ class OpenAIServer:
         engine (tokenizing, counting, rendering): a loaded model's frontend, else its
         ``ModelInputs`` from its files, so they never load a model (one whose files cannot
         be read so is loaded and held as ``parse_routed`` does)."""
-        body = self.parse(request, model)
-        tag = self.tenant_tag(request.headers, getattr(body, "user", None))
-        served, lora = self.model_of(getattr(body, "model", None), tag)
+        body, _, served, lora = self._named(request, model)
         keep_alive = getattr(body, "keep_alive", None)
         self.keep_alive(keep_alive)  # (a bad one is a 400 here too)
         name = lora or served
