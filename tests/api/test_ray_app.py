@@ -18,7 +18,15 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from radixserve.api.ray.app import Ingress, PrefixAwareRouter, build_app, coalesced  # noqa: E402
+from radixserve.api.ray import app as ray_app_module  # noqa: E402
+from radixserve.api.ray.app import (  # noqa: E402
+    Ingress,
+    PrefixAwareRouter,
+    build_app,
+    coalesced,
+    held_requests,
+    queue_depth_policy,
+)
 from radixserve.api.router.server import routing_key, routing_namespace  # noqa: E402
 from tests.api.server_helpers import ServerProcess, free_port  # noqa: E402
 
@@ -84,6 +92,50 @@ def test_the_router_sends_a_prefix_back_where_it_went() -> None:
     assert first not in router.slots
 
 
+def test_the_router_counts_answers_read_over_loopback_and_honours_a_pin(monkeypatch) -> None:
+    router, replicas = _router()
+
+    def ranks(kwargs: dict) -> list[list[str]]:
+        chosen = asyncio.run(router.choose_replicas(replicas, _Pending(kwargs)))
+        return [[r.replica_id for r in rank] for rank in chosen]
+
+    routing = ("a new prefix nobody has sent", "")
+    # Ray's queues are empty, but this process reads 9 answers from "a" over loopback
+    monkeypatch.setitem(ray_app_module._LOCAL_LOADS, "a", 9)
+    assert ranks({"routing": routing})[0] == ["b"]
+    monkeypatch.setitem(ray_app_module._LOCAL_LOADS, "a", 0)
+    monkeypatch.setitem(ray_app_module._LOCAL_LOADS, "b", 9)
+    assert ranks({"routing": ("another new prefix", "")})[0] == ["a"]
+    # a request already routed (its address asked) goes to the replica it names
+    assert ranks({"routing": routing, "pin": "a"}) == [["a"], ["b"]]
+    assert ranks({"routing": routing, "pin": "b"}) == [["b"], ["a"]]
+
+
+def test_autoscaling_reads_the_requests_the_servers_hold() -> None:
+    metrics = (
+        "# HELP radixserve_num_requests_running Requests running\n"
+        "# TYPE radixserve_num_requests_running gauge\n"
+        "radixserve_num_requests_running 5.0\n"
+        "radixserve_num_requests_waiting 12.0\n"
+        "radixserve_num_requests_total 99.0\n"
+        'vllm:num_requests_running{model_name="m"} 5.0\n'
+    )
+    assert held_requests(metrics) == 17.0
+    config = SimpleNamespace(get_target_ongoing_requests=lambda: 8.0)
+    ctx = SimpleNamespace(
+        current_num_replicas=2,
+        target_num_replicas=2,
+        aggregated_metrics={"requests": {"r1": 17.0, "r2": 9.0}},
+        total_queued_requests=6.0,
+        config=config,
+    )
+    assert queue_depth_policy(ctx) == (4.0, {})  # (17 + 9 + 6) / 8
+    ctx.aggregated_metrics = None  # no report yet: what Ray queues
+    assert queue_depth_policy(ctx) == (0.75, {})
+    ctx.current_num_replicas, ctx.target_num_replicas = 0, 1  # (Ray's cold start)
+    assert queue_depth_policy(ctx) == (1, {})
+
+
 def test_chunks_that_arrive_together_travel_as_one() -> None:
     async def source(fail: bool):
         for i in range(6):
@@ -113,7 +165,6 @@ def test_chunks_that_arrive_together_travel_as_one() -> None:
 def test_a_request_no_replica_takes_gets_a_503_within_the_budget() -> None:
     """While no replica is up (or all are full) Ray's handle waits to assign a request;
     the ingress bounds that wait by its retry budget and answers a 503 saying so."""
-    from starlette.requests import Request
 
     class Stream:
         cancelled = False
@@ -129,11 +180,19 @@ def test_a_request_no_replica_takes_gets_a_503_within_the_budget() -> None:
             return self
 
         @property
-        def forward(self):
+        def address(self):
             return SimpleNamespace(remote=lambda *a, **k: Stream())
 
     ingress = Ingress(Handle(), retry_timeout_s=0.3)
-    body = b'{"model": "m", "prompt": "hi"}'
+    start = time.monotonic()
+    answer = asyncio.run(ingress(_request(b'{"model": "m", "prompt": "hi"}')))
+    assert time.monotonic() - start < 5
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+    assert b'"no_replica"' in answer.body and Stream.cancelled
+
+
+def _request(body: bytes, path: str = "/v1/completions"):
+    from starlette.requests import Request
 
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
@@ -141,19 +200,121 @@ def test_a_request_no_replica_takes_gets_a_503_within_the_budget() -> None:
     scope = {
         "type": "http",
         "method": "POST",
-        "path": "/v1/completions",
+        "path": path,
         "headers": [(b"content-type", b"application/json")],
         "query_string": b"",
     }
-    start = time.monotonic()
-    answer = asyncio.run(ingress(Request(scope, receive)))
-    assert time.monotonic() - start < 5
-    assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
-    assert b'"no_replica"' in answer.body and Stream.cancelled
+    return Request(scope, receive)
 
 
-@pytest.fixture(scope="module")
-def ray_app(tiny_llama):
+class _Chosen:
+    """An ``address`` call's answer as Ray's handle gives it: assigned at once."""
+
+    def __init__(self, where: dict[str, str]) -> None:
+        self.where = where
+
+    async def _fetch_future_result_async(self) -> None:
+        return None
+
+    def __await__(self):
+        return asyncio.sleep(0, self.where).__await__()
+
+
+_FULL = b'{"error": {"message": "full", "type": "overloaded_error", "code": "overloaded"}}'
+_EVENTS = (
+    b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n',
+    b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n',
+    b'data: {"choices": [{"delta": {"content": " there"}}]}\n\n',
+    b"data: [DONE]\n\n",
+)
+
+
+async def _scripted_server(name: str, script: list[str]) -> tuple[asyncio.AbstractServer, dict]:
+    """A replica's server over loopback, answering each request by the next of ``script``:
+    ``full`` (a 503 as a full server's), ``stream`` (a chat stream) or ``cut`` (a
+    stream whose connection drops after its first token)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        await reader.readexactly(length)
+        what = script.pop(0)
+        if what == "full":
+            writer.write(
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(_FULL), _FULL)
+            )
+        else:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            for event in _EVENTS[:2] if what == "cut" else _EVENTS:
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+            if what != "cut":
+                writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    return server, {"url": url, "node": None, "replica": name}
+
+
+def test_an_answer_read_over_loopback_is_retried_elsewhere_until_its_first_output() -> None:
+    """On the ingress's own node an answer is read from the replica's server over
+    loopback: a replica that answers full is avoided on the next try; the stream that
+    produced output is passed on whole; one cut after its first output ends with an
+    error event; and nothing stays counted as running on a replica."""
+
+    async def scenario() -> None:
+        server_a, a = await _scripted_server("a", ["full", "stream"])
+        server_b, b = await _scripted_server("b", ["stream", "cut"])
+        asked: list[tuple[str, ...]] = []
+        picks = [a, b, a]  # each request's first choice
+
+        def address(routing=("", ""), avoid=()):
+            asked.append(tuple(avoid))
+            return _Chosen(b if "a" in avoid else picks.pop(0))
+
+        class Handle:
+            def options(self, **_):
+                return self
+
+            @property
+            def address(self):
+                return SimpleNamespace(remote=address)
+
+        ingress = Ingress(Handle(), retry_timeout_s=10)
+        assert ingress.node_id is None  # (as the stand-in replicas' node)
+        body = b'{"model": "m", "messages": [], "stream": true}'
+
+        async def chat() -> bytes:
+            answer = await ingress(_request(body, "/v1/chat/completions"))
+            assert answer.status_code == 200
+            return b"".join([chunk async for chunk in answer.body_iterator])
+
+        try:
+            assert await chat() == b"".join(_EVENTS)  # a was full: b answered
+            assert asked == [(), ("a",)]
+            cut = await chat()  # b again: its connection drops after "Hi"
+            assert cut.startswith(b"".join(_EVENTS[:2])) and b'"worker_failed"' in cut
+            assert cut.endswith(b"data: [DONE]\n\n")
+            assert await chat() == b"".join(_EVENTS)  # a, which answers now
+            assert asked == [(), ("a",), (), ()]
+        finally:
+            server_a.close()
+            server_b.close()
+        assert ray_app_module._LOCAL_LOADS == {}
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture(scope="module", params=["loopback", "ray"])
+def ray_app(tiny_llama, request):
+    """The application on a local Ray cluster, its answers read over loopback (the
+    default: one node) or through Ray's handle (as from another node)."""
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -162,6 +323,7 @@ def ray_app(tiny_llama):
             "replicas": "2",
             "num_cpus": "0.5",
             "serve_args": f"--model {tiny_llama} --dtype float32",
+            "transport": request.param,
         }
     )
     serve.run(app, name="radixserve", route_prefix="/")
@@ -198,7 +360,8 @@ def test_answers_equal_one_server_and_a_killed_replica_loses_nothing(ray_app, ti
     # the network's clients are not the operator: no admin route, no operator's fields
     assert "memory_bytes" not in card and "in_flight" not in card
     for admin in ("/metrics", "/debug/engine", "/v1/models/load", "/console"):
-        assert httpx.get(ray_app + admin, timeout=30).status_code in (403, 404), admin
+        # (401: the replicas hold an admin key of their own, for the load they report)
+        assert httpx.get(ray_app + admin, timeout=30).status_code in (401, 403, 404), admin
 
     # kill one replica's actor while requests run: each is answered (retried on the
     # other replica when it had produced nothing), and Ray starts a new replica

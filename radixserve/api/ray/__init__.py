@@ -15,5 +15,6 @@ APP_ARGS = frozenset(
         "retry_timeout_s",
         "max_retries",
         "max_ongoing_requests",
+        "transport",
     }
 )

@@ -11,24 +11,35 @@ flight per replica, ``target_ongoing_requests``, default 16); ``serve_args`` (th
 replicas' ``radixserve serve`` flags, shell-quoted); ``num_cpus`` per replica (default 1:
 Ray places replicas by it); ``num_gpus`` (default 0); ``policy`` (``cache-aware``,
 ``round-robin``, ``least-load``) and ``prefix_cache_scope`` as the router's;
-``retry_timeout_s`` and ``max_retries`` as the router's.
+``retry_timeout_s`` and ``max_retries`` as the router's; ``transport`` (``loopback``, the
+default: the ingress reads an answer straight from a replica's server when both are on one
+node, through Ray's handle otherwise; ``ray``: always through the handle).
 
 Pieces:
   * ``ServeReplica``: starts ``radixserve serve`` on 127.0.0.1 of its node (killed with the
     replica: ``PR_SET_PDEATHSIG``), answers Ray's health checks from the server's
     ``/live`` (a dead-for-good engine makes Ray replace the replica; a supervised engine
-    restart does not), and streams each answer back through a Ray handle: first
-    ``{"status", "content_type"}``, then the body's bytes.
+    restart does not), says where its server listens (``address``), reports the requests
+    its server holds for autoscaling, and streams an answer back through a Ray handle
+    (``forward``: first ``{"status", "headers", "replica"}``, then the body's bytes) for an
+    ingress on another node.
   * ``PrefixAwareRouter``: Ray Serve's request router (``RequestRouter``) over
     ``serving/balancer.py``: the same cache-aware policy as ``radixserve router``, its
     per-replica prefix trees keyed by Ray's replica ids, the loads from Ray's queue
     lengths; it ranks the chosen replica first and the others after (Ray falls back to
     them when the first is full).
-  * ``Ingress``: the HTTP entry (Ray's proxy hands it every request). As the router does
+  * ``Ingress``: the HTTP entry (Ray's proxy hands it every request). It asks Ray's
+    handle for a replica (``address``, routed by ``PrefixAwareRouter``), then reads the
+    answer from that replica's server over loopback HTTP when it runs on the ingress's
+    node, or through the handle (``forward``, pinned to that replica) when not: an answer
+    through the handle costs a Ray object per chunk in three processes, which on two cores
+    took a fifth of the replicas' throughput (docs/scaling.md). As the router does
     (``api/router/answers.py``), it holds an answer back until its first output; one that
     failed before it (the replica's engine down or the replica full, its actor dead or
     restarting) is sent again, up to ``retry_timeout_s`` from the first failure and
     ``max_retries`` failures (refusals as full do not count).
+  * ``queue_depth_policy``: Ray's autoscaling on the requests the replicas' servers hold
+    (answers read over loopback never pass through Ray's counts).
 
 ``ray`` is imported here only: radixserve does not need it otherwise
 (``pip install "ray[serve]"``)."""
@@ -39,6 +50,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import secrets
 import shlex
 import signal
 import socket
@@ -50,6 +62,7 @@ from typing import Any
 
 import httpx
 import orjson
+import ray
 from ray import serve
 from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
@@ -102,6 +115,11 @@ _BUSY_BACKOFF_S = (0.05, 2.0)
 _FAILED_BACKOFF_S = (1.0, 8.0)
 # replica slots of the router's balancer (a replica gone frees its slot)
 MAX_REPLICAS = 256
+# requests the ingress in this process reads from each replica's server over loopback (by
+# replica id): its router adds them to Ray's queue lengths, which never see them
+_LOCAL_LOADS: dict[str, int] = {}
+_HELD_GAUGES = ("radixserve_num_requests_running", "radixserve_num_requests_waiting")
+TRANSPORTS = ("loopback", "ray")
 
 
 def _free_port() -> int:
@@ -125,11 +143,14 @@ def _die_with_parent() -> None:
 
 class ServeReplica:
     """One replica: a ``radixserve serve`` process on this node and the way to it.
-    Invariant: ``forward`` yields the answer's head (status, content type) first, then its
-    body as it comes; the server process lives exactly as long as this replica."""
+    Invariant: ``forward`` yields the answer's head (status, headers, replica) first, then
+    its body as it comes; the server process lives exactly as long as this replica; its
+    admin key (for the load it reports) never leaves this process."""
 
     def __init__(self, serve_args: list[str], startup_timeout_s: float = 600.0) -> None:
         self.port = _free_port()
+        # the server's /metrics, behind the proxy, needs an admin key: one of its own
+        self._admin_key = secrets.token_urlsafe(24)
         cmd = [
             sys.executable,
             "-m",
@@ -140,6 +161,8 @@ class ServeReplica:
             "--port",
             str(self.port),
             "--behind-proxy",  # its clients are the network's, through the ingress
+            "--admin-api-key",
+            self._admin_key,
             *serve_args,
         ]
         self.proc = subprocess.Popen(
@@ -166,8 +189,17 @@ class ServeReplica:
             base_url=self.url, timeout=httpx.Timeout(None, connect=5), limits=limits
         )
         self.probe = httpx.AsyncClient(base_url=self.url, timeout=10)  # (never queued)
+        self._admin = {"authorization": f"Bearer {self._admin_key}"}
         self.in_flight = 0
         self.replica_id = str(serve.get_replica_context().replica_id)
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    async def address(
+        self, routing: tuple[str, str] = ("", ""), avoid: tuple[str, ...] = ()
+    ) -> dict[str, str]:
+        """Where this replica's server listens (``routing`` and ``avoid`` are for
+        ``PrefixAwareRouter``, which chose this replica)."""
+        return {"url": self.url, "node": self.node_id, "replica": self.replica_id}
 
     async def forward(
         self,
@@ -177,9 +209,10 @@ class ServeReplica:
         body: bytes,
         routing: tuple[str, str] = ("", ""),
         avoid: tuple[str, ...] = (),
+        pin: str | None = None,
     ) -> AsyncIterator[Any]:
         """The server's answer to one request: ``{"status", "headers", "replica"}``, then
-        bytes (``routing`` and ``avoid`` are for ``PrefixAwareRouter``)."""
+        bytes (``routing``, ``avoid`` and ``pin`` are for ``PrefixAwareRouter``)."""
         self.in_flight += 1
         try:
             request = self.client.build_request(method, path, headers=headers, content=body)
@@ -206,6 +239,14 @@ class ServeReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         return {"in_flight": self.in_flight}
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray's custom autoscaling metric (``queue_depth_policy``): the requests this
+        replica's server runs and queues, read from its /metrics (answers the ingress reads
+        over loopback pass by Ray's own counts)."""
+        answer = await self.probe.get("/metrics", headers=self._admin)
+        answer.raise_for_status()
+        return {"requests": held_requests(answer.text)}
+
     def __del__(self) -> None:
         """Stop the server: it drains what it runs for up to 20 s (Ray gives the replica
         ``graceful_shutdown_timeout_s``, 30, set by ``build_app``), then is killed."""
@@ -218,12 +259,34 @@ class ServeReplica:
                 proc.kill()
 
 
+def held_requests(metrics: str) -> float:
+    """Requests running and waiting in a server's Prometheus text (every model's)."""
+    held = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(_HELD_GAUGES):
+            held += float(line.rsplit(" ", 1)[1])
+    return held
+
+
+def queue_depth_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
+    """Ray's autoscaling policy for the replicas (Ray applies the bounds, delays and
+    factors of ``autoscaling_config`` around it): as many replicas as the requests their
+    servers hold, plus those Ray still queues for one, over ``target_ongoing_requests``."""
+    if ctx.current_num_replicas == 0:
+        return ctx.target_num_replicas, {}
+    held = sum((ctx.aggregated_metrics or {}).get("requests", {}).values())
+    queued = ctx.total_queued_requests or 0.0
+    return (held + queued) / ctx.config.get_target_ongoing_requests(), {}
+
+
 class PrefixAwareRouter(RequestRouter):
     """Ray Serve's replica choice by ``serving/balancer.py``'s policy (no FIFO mixin: a
-    replica chosen for one request's prefix is not handed to another). Invariants: a
-    replica Ray no longer has frees its slot and its prefix tree; a replica the request's
-    ``avoid`` names (those that failed it) is ranked last; each request is inserted into
-    the tree of the replica ranked first."""
+    replica chosen for one request's prefix is not handed to another). A replica's load is
+    Ray's queue length for it plus the answers this process's ingress reads from it over
+    loopback. Invariants: a replica Ray no longer has frees its slot and its prefix tree;
+    a replica the request's ``avoid`` names (those that failed it) is ranked last; each
+    request is inserted into the tree of the replica ranked first; a request ``pin``
+    names a replica for (chosen before) goes to it first, the tree untouched."""
 
     def initialize_state(self, policy: str = "cache-aware", **balance: Any) -> None:
         self.balancer = Balancer(MAX_REPLICAS, policy, BalanceConfig(**balance))
@@ -265,8 +328,14 @@ class PrefixAwareRouter(RequestRouter):
                 queued = self.replica_queue_len_cache.get(replica.replica_id)
                 if queued is None:
                     queued = replica.routing_stats.get("in_flight", 0)
-                self.balancer.load[slot] = int(queued)
+                local = _LOCAL_LOADS.get(str(replica.replica_id), 0)
+                self.balancer.load[slot] = int(queued) + local
         kwargs = pending_request.kwargs if pending_request is not None else {}
+        pinned = kwargs.get("pin")
+        if pinned is not None:  # (chosen already, by an ``address`` call)
+            first = [r for r in candidate_replicas if str(r.replica_id) == pinned]
+            rest = [r for r in candidate_replicas if str(r.replica_id) != pinned]
+            return [ranks for ranks in (first, rest) if ranks]
         key, namespace = kwargs.get("routing", ("", ""))
         avoid = set(kwargs.get("avoid", ()))
         fresh = [s for s, r in by_slot.items() if str(r.replica_id) not in avoid]
@@ -296,8 +365,17 @@ class Ingress:
         retry_timeout_s: float = 120.0,
         max_retries: int = 6,
         prefix_cache_scope: str = "tenant",
+        transport: str = "loopback",
     ) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}")
         self.replicas = replicas.options(stream=True)
+        self.addresses = replicas.options(stream=False)
+        self.transport = transport
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        # as many connections as requests may run (a pool wait would be a silent queue)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5), limits=limits)
         self.scope = prefix_cache_scope  # (the routing key's namespace, as the router's)
         self.retry_timeout_s = retry_timeout_s
         self.max_retries = max_retries
@@ -319,36 +397,22 @@ class Ingress:
         avoid: list[str] = []
         last: Response | None = None
         while True:
-            stream = self.replicas.forward.remote(
-                request.method, target, headers, body, routing=routing, avoid=avoid
-            )
             head: dict[str, Any] = {}
             budget = self.retry_timeout_s if deadline is None else deadline - loop.time()
-            if not await _assigned(stream, budget):  # no replica took it in the budget
-                with contextlib.suppress(Exception):
-                    stream.cancel()
-                if last is not None:
-                    return last
-                log.warning("no replica took a request in %.0f s", self.retry_timeout_s)
-                return _error(
-                    APIError(
-                        503,
-                        f"no replica could take the request in {self.retry_timeout_s:.0f} s",
-                        type_="service_unavailable_error",
-                        code="no_replica",
-                        retry_after_s=5,
-                    ),
-                    path,
-                )
+            stream: Any = None
             try:
+                stream = await self._open(
+                    request.method, target, headers, body, routing, avoid, head, budget
+                )
+                if stream is None:  # no replica took it in the budget
+                    return last or _no_replica(self.retry_timeout_s, path)
                 answer, retry = await self._first_output(stream, head, path)
-            except (RayError, RayServeException) as exc:  # the replica died, or none is up
+            except (RayError, RayServeException, httpx.HTTPError) as exc:  # the replica died
                 answer, retry = None, Retry(f"replica failed: {type(exc).__name__}: {exc}")
             if retry is None:
                 assert answer is not None
                 return answer
-            with contextlib.suppress(Exception):
-                stream.cancel()
+            await _close(stream)
             if head.get("replica") and head["replica"] not in avoid:
                 avoid.append(head["replica"])
             if deadline is None:
@@ -372,6 +436,59 @@ class Ingress:
                 log.warning("request failed after %d failures: %s", failures, retry.message)
                 return last
             await asyncio.sleep(min(wait, deadline - now))
+
+    async def _open(
+        self,
+        method: str,
+        target: str,
+        headers: dict[str, str],
+        body: bytes,
+        routing: tuple[str, str],
+        avoid: list[str],
+        head: dict[str, Any],
+        budget: float,
+    ) -> Any:
+        """The answer of the replica ``PrefixAwareRouter`` chooses (its id put in
+        ``head``): its head, then its body's chunks; None when no replica took the request
+        within ``budget`` seconds."""
+        start = time.monotonic()
+        call = self.addresses.address.remote(routing=routing, avoid=tuple(avoid))
+        if not await _assigned(call, budget):
+            await _close(call)
+            return None
+        where = await call
+        head["replica"] = where["replica"]
+        if self.transport == "loopback" and where["node"] == self.node_id:
+            return self._read(where, method, target, headers, body)
+        stream = self.replicas.forward.remote(method, target, headers, body, pin=where["replica"])
+        if not await _assigned(stream, budget - (time.monotonic() - start)):
+            await _close(stream)
+            return None
+        return stream
+
+    async def _read(
+        self, where: dict[str, str], method: str, target: str, headers: dict[str, str], body: bytes
+    ) -> AsyncIterator[Any]:
+        """A replica's answer read from its server over loopback, as ``forward`` yields it
+        (counted in this process's ``_LOCAL_LOADS`` while it runs)."""
+        replica = where["replica"]
+        _LOCAL_LOADS[replica] = _LOCAL_LOADS.get(replica, 0) + 1
+        try:
+            sent = self.client.build_request(
+                method, where["url"] + target, headers=headers, content=body
+            )
+            answer = await self.client.send(sent, stream=True)
+            try:
+                kept = {k: answer.headers[k] for k in _RETURNED if k in answer.headers}
+                yield {"status": answer.status_code, "headers": kept, "replica": replica}
+                async for chunk in answer.aiter_raw():
+                    yield chunk
+            finally:
+                await answer.aclose()
+        finally:
+            _LOCAL_LOADS[replica] -= 1
+            if not _LOCAL_LOADS[replica]:
+                del _LOCAL_LOADS[replica]
 
     async def _first_output(
         self, stream: Any, head: dict[str, Any], path: str
@@ -461,16 +578,42 @@ async def _rest(first: bytes, chunks: AsyncIterator[bytes], path: str) -> AsyncI
     """A stream's bytes on from its first output; a replica dying under it ends it with an
     error event (Anthropic's on Messages) and, but on Messages, ``[DONE]``, as the router
     ends it."""
-    yield first
     try:
+        yield first
         async for chunk in chunks:
             yield chunk
-    except (RayError, RayServeException) as exc:
+    except (RayError, RayServeException, httpx.HTTPError) as exc:
         error = APIError(502, f"the replica failed: {type(exc).__name__}", code="worker_failed")
         if path.startswith(MESSAGES_PATH):
             yield b"event: error\ndata: " + anthropic_error(error).body + b"\n\n"
         else:
             yield b"\n\ndata: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"
+    finally:
+        if hasattr(chunks, "aclose"):  # (one read over loopback: its connection let go)
+            await chunks.aclose()
+
+
+async def _close(stream: Any) -> None:
+    """Stop reading ``stream`` (an answer read over loopback, or Ray's: cancelled)."""
+    if stream is None:
+        return
+    with contextlib.suppress(Exception):
+        if hasattr(stream, "aclose"):
+            await stream.aclose()
+        else:
+            stream.cancel()
+
+
+def _no_replica(timeout_s: float, path: str) -> Response:
+    log.warning("no replica took a request in %.0f s", timeout_s)
+    error = APIError(
+        503,
+        f"no replica could take the request in {timeout_s:.0f} s",
+        type_="service_unavailable_error",
+        code="no_replica",
+        retry_after_s=5,
+    )
+    return _error(error, path)
 
 
 def _error(error: APIError, path: str) -> Response:
@@ -497,6 +640,8 @@ def build_app(args: dict[str, str]) -> Any:
     serve_args = shlex.split(args.get("serve_args", ""))
     if args.get("policy", "cache-aware") not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+    if args.get("transport", "loopback") not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}")
     if args.get("prefix_cache_scope", "tenant") not in PREFIX_CACHE_SCOPES:
         raise ValueError(f"prefix_cache_scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}")
     scaling: dict[str, Any]
@@ -506,6 +651,7 @@ def build_app(args: dict[str, str]) -> Any:
                 "min_replicas": int(args.get("min_replicas", 1)),
                 "max_replicas": int(args.get("max_replicas", 4)),
                 "target_ongoing_requests": float(args.get("target_ongoing_requests", 16)),
+                "policy": {"policy_function": "radixserve.api.ray.app:queue_depth_policy"},
             }
         }
     else:
@@ -535,4 +681,5 @@ def build_app(args: dict[str, str]) -> Any:
         float(args.get("retry_timeout_s", 120.0)),
         int(args.get("max_retries", 6)),
         args.get("prefix_cache_scope", "tenant"),
+        args.get("transport", "loopback"),
     )
