@@ -19,10 +19,17 @@ from each answer's usage. After the load, ``--probe-requests`` requests one at a
 (one output token, a prompt cached after the first) measure each path's added latency
 with nothing else running.
 
-Prints a table, then one JSON line with ``throughput_ratio_vs_router`` (Ray ÷ router
-output tokens/s), ``hit_rate_ratio_vs_router``, ``ttft_p50_added_s`` (Ray's median TTFT
-minus the router's, under the load) and ``ttft_p50_added_idle_s`` (the same, one request
-at a time). Needs ``pip install "radixserve[ray]"``.
+The two sides take turns, ``--rounds`` times each (default 2), in the order router, Ray,
+Ray, router, ...: a 2-core cloud machine's speed drifts by a third within minutes, and a
+drift during one side's turn would otherwise be read as that side's speed. Each turn
+starts its side afresh and stops it after.
+
+Prints a line per turn, then one JSON line with ``throughput_ratio_vs_router`` (Ray ÷
+router output tokens/s, each side's turns pooled: all its output tokens over all its load
+time), ``throughput_ratio_rounds`` (the same per round), ``hit_rate_ratio_vs_router``,
+``ttft_p50_added_s`` (Ray's median TTFT minus the router's, under the load, medians over
+turns) and ``ttft_p50_added_idle_s`` (the same, one request at a time). Needs
+``pip install "radixserve[ray]"``.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ def measure(url: str, jobs: list[Job], args) -> dict:
             idle.append(r[0].ttft)
     return {
         "output_tok_s": s["output_tok_s"],
+        "output_tokens": sum(r.output_tokens for r in ok),
         "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         "median_ttft_s": s.get("median_ttft_ms", 0.0) / 1e3,
         "p99_ttft_s": s.get("p99_ttft_ms", 0.0) / 1e3,
@@ -116,6 +124,7 @@ def run_ray(jobs: list[Job], args) -> dict:
                 "replicas": "2",
                 "num_cpus": str(cpus / 2),
                 "serve_args": shlex.join(serve_flags(args)),
+                "transport": args.transport,
             }
         )
         serve.run(app, name="radixserve", route_prefix="/")
@@ -152,33 +161,65 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--probe-requests", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--transport",
+        default="loopback",
+        choices=("loopback", "ray"),
+        help="the Ray application's transport (ray: every answer through Ray's handle)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="turns of each side (router, Ray, Ray, router, ...)"
+    )
     args = parser.parse_args()
     jobs = make_jobs(args.groups, args.requests_per_group, args.seed)
-    out = {"router": run_router(jobs, args), "ray": run_ray(jobs, args)}
-    for side, r in out.items():
-        print(
-            f"{side:>6}: {r['output_tok_s']:7.1f} output tok/s, prefix hit rate "
-            f"{r['hit_rate']:.3f}, TTFT p50 {r['median_ttft_s']:.3f} s p99 "
-            f"{r['p99_ttft_s']:.3f} s, idle TTFT {r['idle_ttft_s'] * 1e3:.1f} ms, "
-            f"{r['failed']} failed, {r['wall_s']:.1f} s"
-        )
-    router, ray_ = out["router"], out["ray"]
+    sides = {"router": run_router, "ray": run_ray}
+    turns: dict[str, list[dict]] = {"router": [], "ray": []}
+    for i in range(args.rounds):
+        for side in ("router", "ray") if i % 2 == 0 else ("ray", "router"):
+            r = sides[side](jobs, args)
+            turns[side].append(r)
+            print(
+                f"round {i + 1} {side:>6}: {r['output_tok_s']:7.1f} output tok/s, prefix hit "
+                f"rate {r['hit_rate']:.3f}, TTFT p50 {r['median_ttft_s']:.3f} s p99 "
+                f"{r['p99_ttft_s']:.3f} s, idle TTFT {r['idle_ttft_s'] * 1e3:.1f} ms, "
+                f"{r['failed']} failed, {r['wall_s']:.1f} s",
+                flush=True,
+            )
+
+    def pooled(side: str, key: str) -> float:
+        return statistics.fmean(r[key] for r in turns[side])
+
+    def throughput(side: str) -> float:
+        return sum(r["output_tokens"] for r in turns[side]) / sum(r["wall_s"] for r in turns[side])
+
+    def median(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in turns[side])
+
+    hit_router, hit_ray = pooled("router", "hit_rate"), pooled("ray", "hit_rate")
     summary = {
-        "throughput_ratio_vs_router": round(ray_["output_tok_s"] / router["output_tok_s"], 3),
-        "hit_rate_ratio_vs_router": (
-            round(ray_["hit_rate"] / router["hit_rate"], 3) if router["hit_rate"] else None
+        "throughput_ratio_vs_router": round(throughput("ray") / throughput("router"), 3),
+        "throughput_ratio_rounds": [
+            round(a["output_tok_s"] / b["output_tok_s"], 3)
+            for a, b in zip(turns["ray"], turns["router"], strict=True)
+        ],
+        "hit_rate_ratio_vs_router": round(hit_ray / hit_router, 3) if hit_router else None,
+        "ttft_p50_added_s": round(
+            median("ray", "median_ttft_s") - median("router", "median_ttft_s"), 4
         ),
-        "ttft_p50_added_s": round(ray_["median_ttft_s"] - router["median_ttft_s"], 4),
-        "ttft_p50_added_idle_s": round(ray_["idle_ttft_s"] - router["idle_ttft_s"], 4),
-        "output_tok_s_ray": round(ray_["output_tok_s"], 1),
-        "output_tok_s_router": round(router["output_tok_s"], 1),
-        "hit_rate_ray": round(ray_["hit_rate"], 4),
-        "hit_rate_router": round(router["hit_rate"], 4),
-        "failed": ray_["failed"] + router["failed"],
+        "ttft_p50_added_idle_s": round(
+            median("ray", "idle_ttft_s") - median("router", "idle_ttft_s"), 4
+        ),
+        "output_tok_s_ray": round(throughput("ray"), 1),
+        "output_tok_s_router": round(throughput("router"), 1),
+        "hit_rate_ray": round(hit_ray, 4),
+        "hit_rate_router": round(hit_router, 4),
+        "failed": sum(r["failed"] for side in turns.values() for r in side),
         "requests": len(jobs),
+        "rounds": args.rounds,
         "concurrency": args.concurrency,
         "model": "simulated" if args.simulated else (args.model or "default"),
         "threads_per_replica": args.threads_per_replica,
+        "transport": args.transport,
     }
     print(json.dumps(summary))
 

@@ -120,6 +120,15 @@ MAX_REPLICAS = 256
 _LOCAL_LOADS: dict[str, int] = {}
 _HELD_GAUGES = ("radixserve_num_requests_running", "radixserve_num_requests_waiting")
 TRANSPORTS = ("loopback", "ray")
+# the ingress's own settings of Ray Serve (those RAY_SERVE_THROUGHPUT_OPTIMIZED sets for a
+# replica): its code, all async, runs on the replica's event loop, and so does its request
+# router, rather than each on a thread of its own that every request and chunk hops to and
+# from; its access log is written in batches of 1,000 lines, not a write per request
+INGRESS_ENV = (
+    ("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0"),
+    ("RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "0"),
+    ("RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE", "1000"),
+)
 
 
 def _free_port() -> int:
@@ -674,7 +683,9 @@ def build_app(args: dict[str, str]) -> Any:
         **scaling,
     )
     ingress = serve.deployment(Ingress).options(
-        name="radixserve-ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
+        name="radixserve-ingress",
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": dict(INGRESS_ENV)}},
     )
     return ingress.bind(
         replica.bind(serve_args),
