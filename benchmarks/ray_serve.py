@@ -171,6 +171,8 @@ def main() -> None:
         "--rounds", type=int, default=2, help="turns of each side (router, Ray, Ray, router, ...)"
     )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     jobs = make_jobs(args.groups, args.requests_per_group, args.seed)
     sides = {"router": run_router, "ray": run_ray}
     turns: dict[str, list[dict]] = {"router": [], "ray": []}

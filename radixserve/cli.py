@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -55,13 +56,20 @@ def add_server_config_args(parser: argparse.ArgumentParser) -> None:
 
 def server_config(args: argparse.Namespace):
     """``ServerConfig`` from ``serve``'s flags."""
+    from radixserve.api.auth import ADMIN_KEY_ENV
     from radixserve.api.openai.config import ServerConfig
     from radixserve.api.router.cli import dp_kwargs
     from radixserve.core.settings import from_args
     from radixserve.serving.supervisor import SupervisorConfig
 
+    settings = from_args(args, ServerConfig)
+    # an admin key may come from the environment too (not seen in the process list, and
+    # not passed on to the engine's process)
+    from_env = os.environ.pop(ADMIN_KEY_ENV, "")
+    if from_env:
+        settings["admin_api_keys"] = (*settings.get("admin_api_keys", ()), from_env)
     return ServerConfig(
-        **from_args(args, ServerConfig),
+        **settings,
         **dp_kwargs(args),
         loopback_only=is_loopback(args.host) and not args.behind_proxy,
         supervision=SupervisorConfig(**from_args(args, SupervisorConfig)),

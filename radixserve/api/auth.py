@@ -12,6 +12,10 @@ from radixserve.api.tenants import KeyEntry, KeysFileError, load_keys_file
 
 log = logging.getLogger("radixserve.api")
 
+# one more admin key for ``serve``, from its environment (read once, then removed: the
+# process list shows flags to every local user, an environment only to its owner)
+ADMIN_KEY_ENV = "RADIXSERVE_ADMIN_API_KEY"
+
 
 class ApiKeys:
     """The keys a server accepts: ``--api-key`` ones (tenant ``default``) and those of the

@@ -106,9 +106,33 @@ def test_the_router_counts_answers_read_over_loopback_and_honours_a_pin(monkeypa
     monkeypatch.setitem(ray_app_module._LOCAL_LOADS, "a", 0)
     monkeypatch.setitem(ray_app_module._LOCAL_LOADS, "b", 9)
     assert ranks({"routing": ("another new prefix", "")})[0] == ["a"]
-    # a request already routed (its address asked) goes to the replica it names
+    # a request already routed (its address asked) goes to the replica it names, then to
+    # the others, those that failed it last
     assert ranks({"routing": routing, "pin": "a"}) == [["a"], ["b"]]
     assert ranks({"routing": routing, "pin": "b"}) == [["b"], ["a"]]
+    replicas.append(_Replica("c"))
+    assert ranks({"routing": routing, "pin": "a", "avoid": ("b",)}) == [["a"], ["c"], ["b"]]
+
+
+def test_the_ingress_passes_on_its_routes_only() -> None:
+    class Handle:
+        def options(self, **_):
+            return self
+
+        @property
+        def address(self):
+            raise AssertionError("no replica is asked for a path the ingress refuses")
+
+    ingress = Ingress(Handle())
+    for path in (
+        "/metrics",
+        "/v1/models/../../metrics",
+        "/v1/completions/./x",
+        "/v1/models/a\nb",
+        "/console",
+    ):
+        answer = asyncio.run(ingress(_request(b"{}", path)))
+        assert answer.status_code == 404 and b'"not_found"' in answer.body, path
 
 
 def test_autoscaling_reads_the_requests_the_servers_hold() -> None:
@@ -118,6 +142,7 @@ def test_autoscaling_reads_the_requests_the_servers_hold() -> None:
         "radixserve_num_requests_running 5.0\n"
         "radixserve_num_requests_waiting 12.0\n"
         "radixserve_num_requests_total 99.0\n"
+        "radixserve_num_requests_running_seconds_total 7.0\n"
         'vllm:num_requests_running{model_name="m"} 5.0\n'
     )
     assert held_requests(metrics) == 17.0
@@ -221,8 +246,8 @@ class _Chosen:
 
 
 _FULL = b'{"error": {"message": "full", "type": "overloaded_error", "code": "overloaded"}}'
-_EVENTS = (
-    b'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n',
+_EVENTS = (  # (the role event as a replica writes it: held back as a preamble)
+    b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n',
     b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n',
     b'data: {"choices": [{"delta": {"content": " there"}}]}\n\n',
     b"data: [DONE]\n\n",
@@ -252,6 +277,8 @@ async def _scripted_server(name: str, script: list[str]) -> tuple[asyncio.Abstra
             for event in _EVENTS[:2] if what == "cut" else _EVENTS:
                 writer.write(b"%x\r\n%s\r\n" % (len(event), event))
                 await writer.drain()
+            if what == "hold":
+                await asyncio.sleep(3600)  # (a long answer: the client leaves first)
             if what != "cut":
                 writer.write(b"0\r\n\r\n")
         await writer.drain()
@@ -269,7 +296,8 @@ def test_an_answer_read_over_loopback_is_retried_elsewhere_until_its_first_outpu
     error event; and nothing stays counted as running on a replica."""
 
     async def scenario() -> None:
-        server_a, a = await _scripted_server("a", ["full", "stream"])
+        script_a = ["full", "stream"]
+        server_a, a = await _scripted_server("a", script_a)
         server_b, b = await _scripted_server("b", ["stream", "cut"])
         asked: list[tuple[str, ...]] = []
         picks = [a, b, a]  # each request's first choice
@@ -303,6 +331,30 @@ def test_an_answer_read_over_loopback_is_retried_elsewhere_until_its_first_outpu
             assert cut.endswith(b"data: [DONE]\n\n")
             assert await chat() == b"".join(_EVENTS)  # a, which answers now
             assert asked == [(), ("a",), (), ()]
+            # a client that leaves mid-stream: the answer is counted while it runs, and
+            # its connection to the replica is let go when the client goes
+            picks.append(a)
+            script_a.append("hold")
+            answer = await ingress(_request(body, "/v1/chat/completions"))
+            assert ray_app_module._LOCAL_LOADS == {"a": 1}
+
+            class Gone(Exception):
+                pass
+
+            sent: list[dict] = []
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+                if message.get("body"):
+                    raise Gone
+
+            async def receive() -> dict:
+                await asyncio.sleep(3600)
+                return {"type": "http.disconnect"}
+
+            with pytest.raises(Gone):
+                await answer({"type": "http"}, receive, send)
+            assert sent[1]["body"].startswith(_EVENTS[0] + _EVENTS[1])  # (preamble held)
         finally:
             server_a.close()
             server_b.close()

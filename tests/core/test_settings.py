@@ -115,3 +115,18 @@ def test_serve_takes_every_engine_and_server_setting_with_its_default():
     assert engine.fair_step_prefill_tokens is None and engine.enable_overlap is False
     server = server_config(args)
     assert server.supervision.hang_timeout_s is None and server.max_body_bytes == 2 << 20
+
+
+def test_an_admin_key_from_the_environment_joins_the_flags_and_is_not_passed_on(
+    monkeypatch,
+) -> None:
+    import os
+
+    from radixserve.api.auth import ADMIN_KEY_ENV
+    from radixserve.cli import build_parser, server_config
+
+    args = build_parser().parse_args(["serve", "--admin-api-key", "flag-key"])
+    monkeypatch.setenv(ADMIN_KEY_ENV, "env-key")
+    assert server_config(args).admin_api_keys == ("flag-key", "env-key")
+    assert ADMIN_KEY_ENV not in os.environ  # (the engine's process does not inherit it)
+    assert server_config(args).admin_api_keys == ("flag-key",)

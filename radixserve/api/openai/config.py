@@ -120,7 +120,8 @@ class ServerConfig:
         name="--admin-api-key",
         repeat=True,
         help="guards /metrics, /v1/engine/*, /debug/* and the radix view's prompt text "
-        "(repeatable); without one those routes are served only on a loopback --host",
+        "(repeatable; one more may come from $RADIXSERVE_ADMIN_API_KEY); without one those "
+        "routes are served only on a loopback --host",
     )
     loopback_only: bool = True
     behind_proxy: bool = setting(

@@ -6,8 +6,8 @@ not run it.
     serve run radixserve.api.ray.app:build_app replicas=2 serve_args="--model PATH"
 
 Arguments (``build_app``'s, as ``serve run`` passes them, all strings): ``replicas``
-(fixed count, default 2) or ``min_replicas``/``max_replicas`` (autoscaling on requests in
-flight per replica, ``target_ongoing_requests``, default 16); ``serve_args`` (the
+(fixed count, default 2) or ``min_replicas``/``max_replicas`` (autoscaling on the requests
+the replicas' servers hold, ``target_ongoing_requests`` per replica, default 16); ``serve_args`` (the
 replicas' ``radixserve serve`` flags, shell-quoted); ``num_cpus`` per replica (default 1:
 Ray places replicas by it); ``num_gpus`` (default 0); ``policy`` (``cache-aware``,
 ``round-robin``, ``least-load``) and ``prefix_cache_scope`` as the router's;
@@ -26,14 +26,15 @@ Pieces:
   * ``PrefixAwareRouter``: Ray Serve's request router (``RequestRouter``) over
     ``serving/balancer.py``: the same cache-aware policy as ``radixserve router``, its
     per-replica prefix trees keyed by Ray's replica ids, the loads from Ray's queue
-    lengths; it ranks the chosen replica first and the others after (Ray falls back to
+    lengths and the ingress's own count of answers it reads over loopback; it ranks the chosen replica first and the others after (Ray falls back to
     them when the first is full).
   * ``Ingress``: the HTTP entry (Ray's proxy hands it every request). It asks Ray's
     handle for a replica (``address``, routed by ``PrefixAwareRouter``), then reads the
     answer from that replica's server over loopback HTTP when it runs on the ingress's
     node, or through the handle (``forward``, pinned to that replica) when not: an answer
-    through the handle costs a Ray object per chunk in three processes, which on two cores
-    took a fifth of the replicas' throughput (docs/scaling.md). As the router does
+    through the handle costs a Ray object per chunk in three processes (with tokens nearly
+    free, reading over loopback took Ray from 0.42 to 0.6 of ``radixserve router``'s
+    throughput: docs/benchmarks.md). As the router does
     (``api/router/answers.py``), it holds an answer back until its first output; one that
     failed before it (the replica's engine down or the replica full, its actor dead or
     restarting) is sent again, up to ``retry_timeout_s`` from the first failure and
@@ -50,6 +51,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import os
 import secrets
 import shlex
 import signal
@@ -75,6 +77,7 @@ from starlette.responses import Response, StreamingResponse
 from radixserve.api.anthropic.errors import PREFIX as MESSAGES_PATH
 from radixserve.api.anthropic.errors import anthropic_error
 from radixserve.api.asgi import APIError
+from radixserve.api.auth import ADMIN_KEY_ENV
 from radixserve.api.ray import APP_ARGS
 from radixserve.api.router.answers import (
     FORWARDED_HEADERS,
@@ -119,6 +122,8 @@ MAX_REPLICAS = 256
 # replica id): its router adds them to Ray's queue lengths, which never see them
 _LOCAL_LOADS: dict[str, int] = {}
 _HELD_GAUGES = ("radixserve_num_requests_running", "radixserve_num_requests_waiting")
+# longest a stopping replica's server may take to finish its answers
+_DRAIN_S = 45.0
 TRANSPORTS = ("loopback", "ray")
 # the ingress's own settings of Ray Serve (those RAY_SERVE_THROUGHPUT_OPTIMIZED sets for a
 # replica): its code, all async, runs on the replica's event loop, and so does its request
@@ -153,8 +158,9 @@ def _die_with_parent() -> None:
 class ServeReplica:
     """One replica: a ``radixserve serve`` process on this node and the way to it.
     Invariant: ``forward`` yields the answer's head (status, headers, replica) first, then
-    its body as it comes; the server process lives exactly as long as this replica; its
-    admin key (for the load it reports) never leaves this process."""
+    its body as it comes; the server process lives as long as this replica, and after it
+    only to finish its answers; its admin key (for the load it reports) is known to this
+    process and, through its environment, to the server alone."""
 
     def __init__(self, serve_args: list[str], startup_timeout_s: float = 600.0) -> None:
         self.port = _free_port()
@@ -170,12 +176,14 @@ class ServeReplica:
             "--port",
             str(self.port),
             "--behind-proxy",  # its clients are the network's, through the ingress
-            "--admin-api-key",
-            self._admin_key,
             *serve_args,
         ]
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, start_new_session=False
+            cmd,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, ADMIN_KEY_ENV: self._admin_key},  # (not in the process list)
+            preexec_fn=_die_with_parent,
+            start_new_session=False,
         )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + startup_timeout_s
@@ -257,13 +265,16 @@ class ServeReplica:
         return {"requests": held_requests(answer.text)}
 
     def __del__(self) -> None:
-        """Stop the server: it drains what it runs for up to 20 s (Ray gives the replica
-        ``graceful_shutdown_timeout_s``, 30, set by ``build_app``), then is killed."""
+        """Stop the server: it refuses new requests (the ingress sends them elsewhere) and
+        finishes what it runs, as its ``--shutdown-timeout`` allows (30 s by default), then
+        is killed after ``_DRAIN_S``. Ray waits only for the answers that came through its
+        handle before it calls this; those read over loopback are finished here (Ray gives
+        the replica ``graceful_shutdown_timeout_s``, set by ``build_app`` above that)."""
         proc = getattr(self, "proc", None)
         if proc is not None and proc.poll() is None:
             proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(20)
+                proc.wait(_DRAIN_S)
             if proc.poll() is None:
                 proc.kill()
 
@@ -272,7 +283,8 @@ def held_requests(metrics: str) -> float:
     """Requests running and waiting in a server's Prometheus text (every model's)."""
     held = 0.0
     for line in metrics.splitlines():
-        if line.startswith(_HELD_GAUGES):
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in _HELD_GAUGES:
             held += float(line.rsplit(" ", 1)[1])
     return held
 
@@ -340,13 +352,15 @@ class PrefixAwareRouter(RequestRouter):
                 local = _LOCAL_LOADS.get(str(replica.replica_id), 0)
                 self.balancer.load[slot] = int(queued) + local
         kwargs = pending_request.kwargs if pending_request is not None else {}
+        avoid = set(kwargs.get("avoid", ()))
         pinned = kwargs.get("pin")
         if pinned is not None:  # (chosen already, by an ``address`` call)
             first = [r for r in candidate_replicas if str(r.replica_id) == pinned]
             rest = [r for r in candidate_replicas if str(r.replica_id) != pinned]
-            return [ranks for ranks in (first, rest) if ranks]
+            others = [r for r in rest if str(r.replica_id) not in avoid]
+            failed = [r for r in rest if str(r.replica_id) in avoid]
+            return [ranks for ranks in (first, others, failed) if ranks]
         key, namespace = kwargs.get("routing", ("", ""))
-        avoid = set(kwargs.get("avoid", ()))
         fresh = [s for s, r in by_slot.items() if str(r.replica_id) not in avoid]
         exclude = frozenset(i for i in range(MAX_REPLICAS) if i not in (fresh or by_slot))
         try:
@@ -391,11 +405,13 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
-        if not path.startswith(_ROUTES):
-            return _error(APIError(404, f"no route {path} here", code="not_found"), path)
+        # (the path as it came, not decoded: a %2F in a model's name stays one)
+        raw = request.scope.get("raw_path") or request.scope.get("path", path).encode()
+        target = raw.decode("latin-1") + (f"?{request.url.query}" if request.url.query else "")
+        if not _routable(path, target):
+            return _error(APIError(404, f"no route {path!r} here", code="not_found"), path)
         body = await request.body()
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
-        target = path + (f"?{request.url.query}" if request.url.query else "")
         routing = ("", "")
         with contextlib.suppress(orjson.JSONDecodeError, TypeError):
             parsed = orjson.loads(body) if body else None
@@ -418,6 +434,9 @@ class Ingress:
                 answer, retry = await self._first_output(stream, head, path)
             except (RayError, RayServeException, httpx.HTTPError) as exc:  # the replica died
                 answer, retry = None, Retry(f"replica failed: {type(exc).__name__}: {exc}")
+            except BaseException:  # (the client gone while its answer was held: let it go)
+                await _close(stream)
+                raise
             if retry is None:
                 assert answer is not None
                 return answer
@@ -469,7 +488,9 @@ class Ingress:
         head["replica"] = where["replica"]
         if self.transport == "loopback" and where["node"] == self.node_id:
             return self._read(where, method, target, headers, body)
-        stream = self.replicas.forward.remote(method, target, headers, body, pin=where["replica"])
+        stream = self.replicas.forward.remote(
+            method, target, headers, body, avoid=tuple(avoid), pin=where["replica"]
+        )
         if not await _assigned(stream, budget - (time.monotonic() - start)):
             await _close(stream)
             return None
@@ -527,7 +548,7 @@ class Ingress:
                 if failed is not None:
                     return None, failed
                 rest = _rest(buffer, chunks, path)
-                return StreamingResponse(rest, status, headers=headers), None
+                return _PassedOn(rest, status, headers=headers), None
         return None, Retry("the stream ended before any output")
 
 
@@ -586,20 +607,48 @@ async def coalesced(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 async def _rest(first: bytes, chunks: AsyncIterator[bytes], path: str) -> AsyncIterator[bytes]:
     """A stream's bytes on from its first output; a replica dying under it ends it with an
     error event (Anthropic's on Messages) and, but on Messages, ``[DONE]``, as the router
-    ends it."""
+    ends it. Stopped early (the client gone), it stops the answer too."""
+    ended = False
     try:
         yield first
         async for chunk in chunks:
             yield chunk
+        ended = True
     except (RayError, RayServeException, httpx.HTTPError) as exc:
+        ended = True
         error = APIError(502, f"the replica failed: {type(exc).__name__}", code="worker_failed")
         if path.startswith(MESSAGES_PATH):
             yield b"event: error\ndata: " + anthropic_error(error).body + b"\n\n"
         else:
             yield b"\n\ndata: " + orjson.dumps(error.body()) + b"\n\ndata: [DONE]\n\n"
     finally:
-        if hasattr(chunks, "aclose"):  # (one read over loopback: its connection let go)
-            await chunks.aclose()
+        if not ended or hasattr(chunks, "aclose"):  # (a loopback read: its connection freed)
+            await _close(chunks)
+
+
+class _PassedOn(StreamingResponse):
+    """A replica's stream passed on to the client. Invariant: its source is closed however
+    the response ends (Starlette leaves an iterator it stopped reading to the garbage
+    collector, and with it the replica's work and the ingress's count of it)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _routable(path: str, target: str) -> bool:
+    """Whether the ingress passes ``path`` on: one of its routes, with no dot segment (an
+    HTTP client would resolve it to another route) and nothing an URL cannot carry."""
+    segments = path.split("/") + target.split("?", 1)[0].split("/")
+    if not path.startswith(_ROUTES) or any(s in (".", "..", "%2e", "%2E") for s in segments):
+        return False
+    try:
+        httpx.URL("http://replica" + target)
+    except httpx.InvalidURL:
+        return False
+    return target.isprintable() and " " not in target
 
 
 async def _close(stream: Any) -> None:
@@ -678,7 +727,7 @@ def build_app(args: dict[str, str]) -> Any:
         max_ongoing_requests=int(args.get("max_ongoing_requests", 256)),
         health_check_period_s=2,
         health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=30,  # (the server's drain: 20 s, see __del__)
+        graceful_shutdown_timeout_s=_DRAIN_S + 15,  # (the server's drain: see __del__)
         request_router_config=router,
         **scaling,
     )
