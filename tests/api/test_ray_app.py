@@ -17,6 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+psutil = pytest.importorskip("psutil")
 
 from radixserve.api.ray import app as ray_app_module  # noqa: E402
 from radixserve.api.ray.app import (  # noqa: E402
@@ -423,6 +424,8 @@ def test_answers_equal_one_server_and_a_killed_replica_loses_nothing(ray_app, ti
         if "radixserve-replica" in a["name"]
     ]
     assert len(replicas) == 2
+    before = _server_pids()
+    assert len(before) == 2
     victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         running = [pool.submit(_complete, ray_app, p) for p in prompts * 2]
@@ -430,11 +433,38 @@ def test_answers_equal_one_server_and_a_killed_replica_loses_nothing(ray_app, ti
         ray.kill(victim, no_restart=True)
         answers = [f.result(timeout=180) for f in running]
     assert answers == expected * 2
+    # (Serve's status says two replicas run for a while after one died: count servers)
+    _wait_for_a_new_server(before)
+    assert [_complete(ray_app, p) for p in prompts] == expected
+
+    # kill a replica's server itself (its actor lives on): the answers it was giving fail
+    # before any output (none is streamed) and are sent to the other replica, and Ray's
+    # health check replaces the replica whose server is gone
+    before = _server_pids()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        running = [pool.submit(_complete, ray_app, p) for p in prompts * 2]
+        time.sleep(0.3)
+        psutil.Process(min(before)).kill()
+        answers = [f.result(timeout=180) for f in running]
+    assert answers == expected * 2
+    _wait_for_a_new_server(before)
+    assert [_complete(ray_app, p) for p in prompts] == expected
+
+
+def _wait_for_a_new_server(before: set[int]) -> None:
+    """Until two replicas' servers run again, one of them started after ``before``."""
     deadline = time.monotonic() + 180
     while True:
-        status = serve.status().applications["radixserve"].deployments["radixserve-replica"]
-        if status.status == "HEALTHY" and status.replica_states.get("RUNNING", 0) == 2:
-            break
-        assert time.monotonic() < deadline, status
+        now = _server_pids()
+        if len(now) == 2 and now != before:
+            return
+        assert time.monotonic() < deadline, f"Ray did not replace the replica: {now}"
         time.sleep(1)
-    assert [_complete(ray_app, p) for p in prompts] == expected
+
+
+def _server_pids() -> set[int]:
+    return {
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if "--behind-proxy" in (p.info["cmdline"] or []) and p.is_running()
+    }
