@@ -340,6 +340,12 @@ class PrefixAwareRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         if not candidate_replicas:
             return []
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        avoid = set(kwargs.get("avoid", ()))
+        pinned = kwargs.get("pin")
+        if pinned is not None:  # (chosen already, by an ``address`` call)
+            first = [r for r in candidate_replicas if str(r.replica_id) == pinned]
+            return _ranked(first, candidate_replicas, avoid)
         self._forget_gone()
         by_slot = {}
         for replica in candidate_replicas:
@@ -351,15 +357,6 @@ class PrefixAwareRouter(RequestRouter):
                     queued = replica.routing_stats.get("in_flight", 0)
                 local = _LOCAL_LOADS.get(str(replica.replica_id), 0)
                 self.balancer.load[slot] = int(queued) + local
-        kwargs = pending_request.kwargs if pending_request is not None else {}
-        avoid = set(kwargs.get("avoid", ()))
-        pinned = kwargs.get("pin")
-        if pinned is not None:  # (chosen already, by an ``address`` call)
-            first = [r for r in candidate_replicas if str(r.replica_id) == pinned]
-            rest = [r for r in candidate_replicas if str(r.replica_id) != pinned]
-            others = [r for r in rest if str(r.replica_id) not in avoid]
-            failed = [r for r in rest if str(r.replica_id) in avoid]
-            return [ranks for ranks in (first, others, failed) if ranks]
         key, namespace = kwargs.get("routing", ("", ""))
         fresh = [s for s, r in by_slot.items() if str(r.replica_id) not in avoid]
         exclude = frozenset(i for i in range(MAX_REPLICAS) if i not in (fresh or by_slot))
@@ -368,11 +365,17 @@ class PrefixAwareRouter(RequestRouter):
         except NoWorkerAvailable:
             return [candidate_replicas]
         self.balancer.release(decision.worker)  # (the loads are Ray's, set each time)
-        first = by_slot[decision.worker]
-        rest = [r for r in candidate_replicas if r is not first]
-        others = [r for r in rest if str(r.replica_id) not in avoid]
-        failed = [r for r in rest if str(r.replica_id) in avoid]
-        return [ranks for ranks in ([first], others, failed) if ranks]
+        return _ranked([by_slot[decision.worker]], candidate_replicas, avoid)
+
+
+def _ranked(
+    first: list[RunningReplica], candidates: list[RunningReplica], avoid: set[str]
+) -> list[list[RunningReplica]]:
+    """Ray's ranks: ``first``, then the other candidates, those in ``avoid`` last."""
+    rest = [r for r in candidates if r not in first]
+    others = [r for r in rest if str(r.replica_id) not in avoid]
+    failed = [r for r in rest if str(r.replica_id) in avoid]
+    return [ranks for ranks in (first, others, failed) if ranks]
 
 
 class Ingress:
@@ -641,14 +644,10 @@ class _PassedOn(StreamingResponse):
 def _routable(path: str, target: str) -> bool:
     """Whether the ingress passes ``path`` on: one of its routes, with no dot segment (an
     HTTP client would resolve it to another route) and nothing an URL cannot carry."""
-    segments = path.split("/") + target.split("?", 1)[0].split("/")
-    if not path.startswith(_ROUTES) or any(s in (".", "..", "%2e", "%2E") for s in segments):
+    # (``path`` is decoded: an encoded dot segment shows here as a dot)
+    if not path.startswith(_ROUTES) or any(s in (".", "..") for s in path.split("/")):
         return False
-    try:
-        httpx.URL("http://replica" + target)
-    except httpx.InvalidURL:
-        return False
-    return target.isprintable() and " " not in target
+    return target.isascii() and target.isprintable() and " " not in target
 
 
 async def _close(stream: Any) -> None:
